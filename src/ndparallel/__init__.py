@@ -1,0 +1,45 @@
+"""ndparallel: one config, four parallel axes (dp_replicate x dp_shard x cp x tp) for transformers decoders.
+
+Library use (the loop you would write, done right)::
+
+    topo = ndparallel.Topology.build(ndparallel.ParallelismConfig(dp_shard_size=2, cp_size=2, tp_size=2))
+    model = ndparallel.parallelize(model, topo, options=ndparallel.ParallelOptions())
+    opt = ndparallel.build_optimizer(model, lr=3e-4, weight_decay=0.1)
+    batch = ndparallel.prepare_batch(global_ids, topo)              # this rank's rows and tokens
+    n = ndparallel.count_tokens(batch.num_tokens, topo)              # global target tokens
+    loss = ndparallel.token_loss(model(**batch.model_inputs()).logits, batch.labels, num_tokens=n, topology=topo)
+    loss.backward(); ndparallel.clip_grad_norm_(model.parameters(), 1.0); opt.step(); opt.zero_grad()
+"""
+
+from ndparallel.batching import IGNORE_INDEX, Batch, prepare_batch, shift_labels
+from ndparallel.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    LayoutError,
+    ModelError,
+    NdParallelError,
+    NumericsError,
+)
+from ndparallel.layout import Layout, ParallelismConfig
+from ndparallel.parallel.context import cp_gather, cp_shard
+from ndparallel.parallelize import ParallelOptions, parallelize
+from ndparallel.step import (
+    build_optimizer,
+    clip_grad_norm_,
+    count_tokens,
+    reduce_loss,
+    set_gradient_sync,
+    token_loss,
+)
+from ndparallel.topology import Topology, init_distributed
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "IGNORE_INDEX", "Batch", "prepare_batch", "shift_labels",
+    "CheckpointError", "ConfigError", "DataError", "LayoutError", "ModelError", "NdParallelError", "NumericsError",
+    "Layout", "ParallelismConfig", "cp_gather", "cp_shard", "ParallelOptions", "parallelize",
+    "build_optimizer", "clip_grad_norm_", "count_tokens", "reduce_loss", "set_gradient_sync", "token_loss",
+    "Topology", "init_distributed",
+]

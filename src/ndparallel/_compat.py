@@ -1,0 +1,210 @@
+"""The only module that touches private PyTorch APIs.
+
+Everything here exists because PyTorch has no public equivalent yet in the versions we support
+(torch 2.11 on the GPU machine, 2.13 in CI). When a public API lands, change it here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+aten = torch.ops.aten
+
+# ---------------------------------------------------------------------------------------------
+# DeviceMesh: flattening several dims into one named view, and joining views into one mesh.
+# ---------------------------------------------------------------------------------------------
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """A 1-D view over all ranks of ``mesh`` (a slice of the root mesh), named ``name``.
+
+    The returned object must be kept: slicing a flattened name from the root is deprecated.
+    """
+    return mesh._flatten(name)
+
+
+def concatenate_meshes(root: DeviceMesh, meshes: Sequence[DeviceMesh]) -> DeviceMesh:
+    """One mesh whose dims are the dims of ``meshes`` (all views of ``root``), in order.
+
+    FSDP2 needs a 2-D (replicate, shard) mesh for HSDP where the shard dim is itself a flattened view
+    (dp_shard x cp). torch >= 2.10 joins views with ``DeviceMesh._concatenate``; older versions only
+    allow slicing the flattened names from the root.
+    """
+    if hasattr(DeviceMesh, "_concatenate"):
+        return DeviceMesh._concatenate(list(meshes))
+    names = tuple(name for m in meshes for name in m.mesh_dim_names)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return root[names]
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation checkpointing wrapper and FSDP2 knobs whose names moved between releases.
+# ---------------------------------------------------------------------------------------------
+
+
+def checkpoint_wrapper(module: torch.nn.Module, **checkpoint_kwargs) -> torch.nn.Module:
+    """Wrap ``module`` so each call runs under non-reentrant ``torch.utils.checkpoint``.
+
+    The wrapper keeps ``state_dict`` keys unchanged (it strips its own prefix), which an own wrapper
+    module would not; distributed checkpointing also knows its prefix.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
+
+    return wrap(module, **checkpoint_kwargs)
+
+
+CHECKPOINT_WRAPPER_PREFIX = "_checkpoint_wrapped_module."
+COMPILE_PREFIX = "_orig_mod."
+
+
+def canonical_name(name: str) -> str:
+    """A parameter name as transformers knows it, without wrapper prefixes."""
+    return name.replace(CHECKPOINT_WRAPPER_PREFIX, "").replace(COMPILE_PREFIX, "")
+
+
+def set_gradient_sum(fsdp_module) -> None:
+    """Make FSDP2 sum gradients over data ranks instead of averaging them.
+
+    ndparallel divides the loss by the global token count itself, so the sum is the exact gradient.
+    """
+    fsdp_module.set_gradient_divide_factor(1.0)
+    # Plain SUM collectives (a divide factor alone asks NCCL for PREMUL_SUM, which gloo lacks).
+    fsdp_module.set_force_sum_reduction_for_comms(True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused attention kernels that return the log-sum-exp of each query row.
+#
+# Context-parallel attention computes attention block by block and merges the blocks with their
+# log-sum-exp, so it needs kernels that return it and backward kernels that accept the *merged*
+# output and log-sum-exp. PyTorch exposes these only as private aten ops.
+#
+# Shapes: q (B, H, Lq, D), k/v (B, H, Lk, D) with the same H (callers expand GQA heads),
+# bias None or an additive float mask broadcastable to (B, H, Lq, Lk); out (B, H, Lq, D),
+# lse (B, H, Lq) in float32 (natural log). Rows with no visible key are the caller's business.
+# ---------------------------------------------------------------------------------------------
+
+
+def _cuda_flash_ok(q: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return (
+        q.is_cuda
+        and bias is None
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] <= 256
+        and q.shape[-1] % 8 == 0
+    )
+
+
+def attention_forward_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    bias: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one (query block, key block) pair: (out, lse)."""
+    if q.device.type == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, is_causal, attn_mask=bias, scale=scale
+        )
+        return out, lse.float()
+    if _cuda_flash_ok(q, bias):
+        out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
+        return out, lse
+    if q.is_cuda:
+        out, lse, *_ = aten._scaled_dot_product_efficient_attention(
+            q, k, v, _expand_bias(bias, q, k), True, 0.0, is_causal, scale=scale
+        )
+        return out, lse[..., : q.shape[-2]].float()
+    return _math_forward(q, k, v, bias=bias, is_causal=is_causal, scale=scale)
+
+
+def attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    bias: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one block given the merged ``out`` and ``lse`` of the whole row (flash-style)."""
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, is_causal, attn_mask=bias, scale=scale
+        )
+    if _cuda_flash_ok(q, bias):
+        seqlen_q, seqlen_k = q.shape[-2], k.shape[-2]
+        # Not variable-length (no cumulative lengths) and no dropout (the philox state is never read).
+        rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
+        unused = torch.zeros((), dtype=torch.uint64, device=q.device)
+        return aten._scaled_dot_product_flash_attention_backward(
+            grad_out, q, k, v, out, lse, None, None, seqlen_q, seqlen_k, 0.0, is_causal,
+            rng_state, unused, scale=scale,
+        )
+    if q.is_cuda:
+        full_bias = _expand_bias(bias, q, k)
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            grad_out, q, k, v, full_bias, out, _pad_lse(lse), torch.empty((), dtype=torch.long, device=q.device),
+            torch.empty((), dtype=torch.long, device=q.device), 0.0, [True, True, True, False], is_causal,
+            scale=scale,
+        )
+        return dq, dk, dv
+    return _math_backward(grad_out, q, k, v, out, lse, bias=bias, is_causal=is_causal, scale=scale)
+
+
+def _expand_bias(bias: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    # The memory-efficient kernel wants the bias in the query dtype with the full 4-D shape.
+    if bias is None:
+        return None
+    b, h, lq, lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    return bias.to(q.dtype).expand(b, h, lq, lk)
+
+
+def _pad_lse(lse: torch.Tensor) -> torch.Tensor:
+    # The memory-efficient backward reads lse padded to a multiple of 32 rows.
+    pad = (-lse.shape[-1]) % 32
+    return torch.nn.functional.pad(lse, (0, pad)) if pad else lse.contiguous()
+
+
+def _math_forward(q, k, v, *, bias, is_causal, scale):
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if bias is not None:
+        scores = scores + bias.float()
+    if is_causal:
+        scores = scores.masked_fill(_upper(scores), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1).masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0))
+    return (probs @ v.float()).to(q.dtype), lse
+
+
+def _math_backward(grad_out, q, k, v, out, lse, *, bias, is_causal, scale):
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if bias is not None:
+        scores = scores + bias.float()
+    if is_causal:
+        scores = scores.masked_fill(_upper(scores), float("-inf"))
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    d_out = grad_out.float()
+    dv = probs.transpose(-1, -2) @ d_out
+    dp = d_out @ v.float().transpose(-1, -2)
+    delta = (d_out * out.float()).sum(-1, keepdim=True)
+    ds = probs * (dp - delta) * scale
+    dq = ds @ k.float()
+    dk = ds.transpose(-1, -2) @ q.float()
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _upper(scores: torch.Tensor) -> torch.Tensor:
+    lq, lk = scores.shape[-2:]
+    return torch.ones(lq, lk, dtype=torch.bool, device=scores.device).triu(1)

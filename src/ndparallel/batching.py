@@ -1,0 +1,130 @@
+"""From a global batch to this rank's micro-batch.
+
+Every rank receives the same global batch (B rows of S tokens) and keeps its part:
+1. rows: the ``batch`` rank b of N keeps rows [b*B/N, (b+1)*B/N); cp and tp peers keep the same rows;
+2. labels are shifted here, once, on the full row (label t is the token t+1), so sharding the
+   sequence never separates a token from its target; a document's last token predicts nothing;
+3. rows are padded to a multiple of 2*cp*tp (padding is ignored by the loss and attended by nothing);
+4. the sequence is split over cp, load-balanced (``parallel/context.py``).
+
+Loss normalisation needs the number of target tokens over all data ranks; ``count_tokens`` in
+``step.py`` sums it over the ``loss`` view.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ndparallel.errors import ConfigError
+from ndparallel.parallel.context import (
+    CONTEXT_KWARG,
+    AttentionContext,
+    build_attention_context,
+    cp_shard,
+    segment_ids_from,
+)
+from ndparallel.topology import Topology
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Batch:
+    """One rank's micro-batch. ``labels`` are already shifted: ``labels[:, t]`` is the target of token t."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    attention: AttentionContext | None
+
+    def model_inputs(self) -> dict[str, Any]:
+        """Keyword arguments for the model's forward."""
+        # use_cache=False: training needs no KV cache, and one would grow again when checkpointed layers
+        # are recomputed in backward.
+        inputs: dict[str, Any] = {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
+        if self.attention is not None:
+            inputs[CONTEXT_KWARG] = self.attention
+        return inputs
+
+    @property
+    def num_tokens(self) -> torch.Tensor:
+        """Target tokens in this rank's part (a tensor: no host sync)."""
+        return (self.labels != IGNORE_INDEX).sum()
+
+
+def shift_labels(labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Target of each token: the next token's label; -100 at the row's end and at document ends."""
+    shifted = torch.full_like(labels, IGNORE_INDEX)
+    shifted[:, :-1] = labels[:, 1:]
+    if position_ids is not None:
+        starts_next = torch.zeros_like(labels, dtype=torch.bool)
+        starts_next[:, :-1] = position_ids[:, 1:] == 0
+        shifted = shifted.masked_fill(starts_next, IGNORE_INDEX)
+    return shifted
+
+
+def prepare_batch(
+    input_ids: torch.Tensor,
+    topology: Topology,
+    *,
+    labels: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    pad_token_id: int = 0,
+) -> Batch:
+    """This rank's micro-batch of a global batch (``input_ids`` (B, S), the same on every rank).
+
+    ``labels`` follow transformers' convention (unshifted, -100 = ignore; default: the input ids);
+    ``attention_mask`` marks real tokens with 1; ``position_ids`` restarting at 0 mark packed documents.
+    """
+    layout = topology.layout
+    if input_ids.dim() != 2:
+        raise ConfigError(f"input_ids must be (batch, sequence), got shape {tuple(input_ids.shape)}")
+    rows = input_ids.shape[0]
+    if rows % layout.batch_size:
+        raise ConfigError(
+            f"the global batch has {rows} rows, which do not split over dp_replicate x dp_shard = "
+            f"{layout.batch_size} data-parallel ranks; use a multiple of {layout.batch_size} rows"
+        )
+    padding = None if attention_mask is None else attention_mask == 0
+    if labels is None:
+        labels = input_ids
+    if padding is not None:
+        labels = labels.masked_fill(padding, IGNORE_INDEX)
+    if position_ids is None:
+        seq = torch.arange(input_ids.shape[1], device=input_ids.device)
+        position_ids = seq.expand_as(input_ids) if padding is None else (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    targets = shift_labels(labels, position_ids)
+    segments = segment_ids_from(position_ids, padding)
+
+    per_rank = rows // layout.batch_size
+    mine = slice(topology.batch_rank * per_rank, (topology.batch_rank + 1) * per_rank)
+    input_ids, targets, position_ids, segments = (t[mine] for t in (input_ids, targets, position_ids, segments))
+
+    extra = (-input_ids.shape[1]) % layout.seq_multiple
+    if extra:
+        input_ids = _pad(input_ids, extra, pad_token_id)
+        targets = _pad(targets, extra, IGNORE_INDEX)
+        position_ids = _pad(position_ids, extra, 0)
+        segments = _pad(segments, extra, -1)
+
+    device = topology.device
+    input_ids, targets, position_ids, segments = (t.to(device) for t in (input_ids, targets, position_ids, segments))
+    packed_or_padded = bool((segments != segments[:, :1]).any()) or bool((segments == -1).any())
+    context = None
+    if layout.cp > 1 or packed_or_padded:
+        context = build_attention_context(segments, topology)
+    shard = dict(cp_size=layout.cp, cp_rank=topology.cp_rank)
+    return Batch(
+        input_ids=cp_shard(input_ids, **shard),
+        labels=cp_shard(targets, **shard),
+        position_ids=cp_shard(position_ids, **shard),
+        attention=context,
+    )
+
+
+def _pad(x: torch.Tensor, extra: int, value: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, extra), value=value)

@@ -1,0 +1,88 @@
+"""Apply every strategy to a Hugging Face decoder model, in the one order that composes.
+
+1. Tensor parallel first: it replaces weights by DTensors split over ``tp`` and installs sequence
+   parallelism. Everything after it sees the split model.
+2. Context-parallel attention: switch the model's attention to ndparallel's CP implementation (through
+   transformers' attention registry). It changes no weights.
+3. Activation checkpointing wraps each decoder layer, so the wrapped unit is what recomputes.
+4. ``torch.compile`` per layer, after checkpointing (the checkpoint is traced into the graph) and before
+   FSDP (whose hooks must stay outside the graphs).
+5. FSDP2 last, on the (dp_replicate, dp_shard x cp) mesh: it shards whatever parameters the steps above
+   produced, DTensors from TP included, and owns mixed precision and offload.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ndparallel.errors import ConfigError
+from ndparallel.models.decoder import decoder_parts
+from ndparallel.parallel.checkpointing import apply_activation_checkpointing
+from ndparallel.parallel.compile import apply_compile
+from ndparallel.parallel.context import apply_context_parallel
+from ndparallel.parallel.fsdp import apply_fsdp
+from ndparallel.parallel.tensor import apply_tensor_parallel
+from ndparallel.topology import Topology
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def as_dtype(value: str | torch.dtype | None, *, setting: str) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    try:
+        return _DTYPES[value]
+    except KeyError:
+        raise ConfigError(f"{setting}={value!r} is not a dtype; use one of {sorted(_DTYPES)} or null") from None
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """How the model is parallelized beyond the four sizes. Every field has a safe default."""
+
+    param_dtype: str | torch.dtype | None = "bfloat16"
+    """Dtype parameters are gathered and computed in (mixed precision); master weights stay float32.
+    None computes in the parameters' own dtype."""
+    reduce_dtype: str | torch.dtype | None = "float32"
+    """Dtype gradients are reduced in across data-parallel ranks."""
+    activation_checkpointing: str = "none"
+    """'none', 'full' (recompute each layer) or 'selective' (save matmul/attention outputs, recompute the rest)."""
+    compile: bool = False
+    """Compile each decoder layer with torch.compile."""
+    fsdp_wrap: str | int = "block"
+    """FSDP unit: 'block' (each layer), N (groups of N layers) or 'model' (one unit: least communication,
+    most memory)."""
+    reshard_after_forward: bool | int = True
+    """Free gathered parameters after forward (True), keep them to backward (False), or keep a copy
+    sharded over this many ranks (int; e.g. the GPUs of one node)."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in CPU memory."""
+
+
+def parallelize(model: nn.Module, topology: Topology, *, options: ParallelOptions | None = None) -> nn.Module:
+    """Parallelize ``model`` in place over ``topology`` and return it.
+
+    The optimizer must be built afterwards (it must see the sharded parameters).
+    """
+    options = options or ParallelOptions()
+    parts = decoder_parts(model)
+    topology.layout.check_model(model.config)
+    apply_tensor_parallel(parts, topology.tp)
+    apply_context_parallel(model, topology)
+    apply_activation_checkpointing(parts, options.activation_checkpointing)
+    if options.compile:
+        apply_compile(parts)
+    apply_fsdp(
+        parts,
+        topology.dp,
+        param_dtype=as_dtype(options.param_dtype, setting="param_dtype"),
+        reduce_dtype=as_dtype(options.reduce_dtype, setting="reduce_dtype"),
+        wrap=options.fsdp_wrap,
+        reshard_after_forward=options.reshard_after_forward,
+        cpu_offload=options.cpu_offload,
+    )
+    return model

@@ -1,0 +1,115 @@
+"""The pieces of a training step that a user's own loop calls.
+
+Loss normalisation: the loss of a step is (sum of token losses over every data rank and micro-batch) /
+(number of target tokens over every data rank and micro-batch). Each rank backpropagates its own
+sum / global count and FSDP sums gradients over the data ranks, so loss and gradients equal the
+single-process ones whatever the padding, packing, micro-batching or layout.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from ndparallel.loss import cross_entropy_sum
+from ndparallel.topology import Topology
+
+
+def count_tokens(local_count: torch.Tensor | int, topology: Topology) -> torch.Tensor:
+    """Global number of target tokens: ``local_count`` summed over the ``loss`` view (one all-reduce)."""
+    total = torch.as_tensor(local_count, device=topology.device, dtype=torch.float32).clone()
+    dist.all_reduce(total, group=topology.loss.get_group())
+    return total
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor, *, num_tokens: torch.Tensor, topology: Topology) -> torch.Tensor:
+    """This rank's share of the step loss: its token-loss sum / the global token count.
+
+    ``logits`` are the model's (B, L, V) — or (B, L, V/tp) under tensor parallelism, vocabulary-split.
+    Summed over the ``loss`` view, the shares give the step loss.
+    """
+    if topology.layout.tp > 1:
+        vocab_start = topology.tp_rank * logits.shape[-1]
+        total = cross_entropy_sum(logits, labels, tp_group=topology.tp.get_group(), vocab_start=vocab_start)
+    else:
+        total = cross_entropy_sum(logits, labels)
+    return total / num_tokens.clamp(min=1)
+
+
+def reduce_loss(local_share: torch.Tensor, topology: Topology) -> torch.Tensor:
+    """The step loss from the ranks' shares (for logging; this is a collective)."""
+    total = local_share.detach().clone()
+    dist.all_reduce(total, group=topology.loss.get_group())
+    return total
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Turn FSDP's gradient reduction off for all but the last micro-batch of a step."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(enabled, recurse=False)
+
+
+def _mesh_key(grad: torch.Tensor):
+    return grad.device_mesh if isinstance(grad, DTensor) else None
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float | None, *, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip gradients to a global norm; returns the norm before clipping (a tensor, no host sync).
+
+    Parameters may live on different meshes (TP and FSDP DTensors, plain tensors), which
+    ``torch.nn.utils.clip_grad_norm_`` cannot combine: each mesh's norm is reduced on its own, the
+    norms are combined, and every gradient is scaled by the one coefficient. ``max_norm=None`` only
+    measures.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    by_mesh: dict = defaultdict(list)
+    for g in grads:
+        by_mesh[_mesh_key(g)].append(g)
+    partials = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type, foreach=False)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        partials.append(norm.float())
+    if not partials:
+        return torch.zeros(())
+    if norm_type == float("inf"):
+        total = torch.stack(partials).max()
+    else:
+        total = torch.stack([p ** norm_type for p in partials]).sum() ** (1.0 / norm_type)
+    if max_norm is not None:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.device))
+    return total
+
+
+def build_optimizer(
+    model: nn.Module,
+    *,
+    lr: float,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    fused: bool | None = None,
+) -> torch.optim.AdamW:
+    """AdamW over the trainable (sharded) parameters; no weight decay on norms and biases (1-D tensors).
+
+    Build it after ``parallelize`` so it holds the sharded parameters.
+    """
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if fused is None:
+        fused = all(p.is_cuda for p in decay + no_decay) and bool(decay + no_decay)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)

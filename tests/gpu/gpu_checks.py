@@ -1,0 +1,106 @@
+"""GPU correctness checks (CUDA + NCCL), run by hand on a GPU machine: not part of the CPU suite.
+
+    python tests/gpu/gpu_checks.py                 # one GPU: kernels and world-1 training parity
+    torchrun --nproc-per-node 8 tests/gpu/gpu_checks.py --layouts   # several GPUs: the layout matrix
+
+Prints one line per check with the measured difference and PASS/FAIL; exits non-zero on any FAIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import ndparallel as ndp  # noqa: E402
+from ndparallel import _compat  # noqa: E402
+from scenarios import make_batches, make_model, max_rel_diff, train_parallel, train_reference  # noqa: E402
+
+FAILURES: list[str] = []
+
+
+def report(name: str, value: float, bound: float) -> None:
+    ok = value <= bound
+    if not ok:
+        FAILURES.append(name)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"{'PASS' if ok else 'FAIL'}  {name:70s} {value:.2e} (bound {bound:.0e})", flush=True)
+
+
+def _math(q, k, v, bias, causal, scale):
+    s = (q.double() @ k.double().transpose(-1, -2)) * scale
+    if bias is not None:
+        s = s + bias.double()
+    if causal:
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    return torch.softmax(s, -1) @ v.double(), lse
+
+
+def check_kernels(device: torch.device) -> None:
+    """The private fused kernels in _compat against float64 math, forward (out, lse) and backward."""
+    for dtype, bound in ((torch.bfloat16, 2e-2), (torch.float16, 5e-3), (torch.float32, 1e-4)):
+        for kind in ("full", "causal", "masked"):
+            torch.manual_seed(0)
+            b, h, lq, lk, d = 2, 4, 128, 128, 64
+            q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype) for n in (lq, lk, lk))
+            bias = None
+            if kind == "masked":
+                allowed = torch.rand(b, 1, lq, lk, device=device) > 0.3
+                allowed[..., 0] = True
+                bias = torch.zeros(b, 1, lq, lk, device=device, dtype=dtype).masked_fill(~allowed, float("-inf"))
+            scale = d ** -0.5
+            out, lse = _compat.attention_forward_with_lse(q, k, v, bias=bias, is_causal=kind == "causal", scale=scale)
+            ref_out, ref_lse = _math(q, k, v, bias, kind == "causal", scale)
+            err = float((out.double() - ref_out).norm() / ref_out.norm())
+            report(f"kernel fwd {dtype} {kind} out", err, bound)
+            report(f"kernel fwd {dtype} {kind} lse", float((lse.double() - ref_lse).abs().max()), bound * 10)
+            grad = torch.randn_like(out)
+            dq, dk, dv = _compat.attention_backward(grad, q, k, v, out, lse, bias=bias, is_causal=kind == "causal",
+                                                    scale=scale)
+            qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+            o, _ = _math(qd, kd, vd, bias, kind == "causal", scale)
+            o.backward(grad.double())
+            for name, got, want in (("dq", dq, qd.grad), ("dk", dk, kd.grad), ("dv", dv, vd.grad)):
+                report(f"kernel bwd {dtype} {kind} {name}", float((got.double() - want).norm() / want.norm()), bound)
+
+
+def check_world1_parity() -> None:
+    """ndparallel on one GPU (NCCL group of one) against plain PyTorch on the same GPU, fp32 and bf16."""
+    for data in ("pad", "packed"):
+        for family in ("llama", "qwen3", "mistral"):
+            batches = make_batches(steps=5, micro=2, rows=4, seq=64, pad=data == "pad", packed=data == "packed")
+            batches = [[{k: t.cuda() for k, t in mb.items()} for mb in step] for step in batches]
+            ref = train_reference(make_model(family).cuda(), batches)
+            got = train_parallel(family, {"dp_shard_size": 1}, batches)
+            report(f"world-1 parity {family} {data} fp32 loss", max_rel_diff(got["losses"], ref["losses"]), 1e-5)
+            report(f"world-1 parity {family} {data} fp32 grad norm", max_rel_diff(got["grad_norms"], ref["grad_norms"]), 1e-5)
+            worst = max(float((got["weights"][n].cuda() - r).norm() / r.norm()) for n, r in ref["weights"].items())
+            report(f"world-1 parity {family} {data} fp32 weights", worst, 1e-5)
+            bf16 = train_parallel(family, {"dp_shard_size": 1}, batches, options={"param_dtype": "bfloat16"})
+            report(f"world-1 bf16 vs fp32 {family} {data} loss", max_rel_diff(bf16["losses"], ref["losses"]), 1e-3)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--skip-kernels", action="store_true")
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, cuda {torch.version.cuda}, device {torch.cuda.get_device_name()}", flush=True)
+    import transformers
+    print(f"transformers {transformers.__version__}", flush=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    ndp.init_distributed(device_type="cuda")
+    if not args.skip_kernels:
+        check_kernels(torch.device("cuda"))
+    check_world1_parity()
+    print(f"{len(FAILURES)} failure(s)", flush=True)
+    return 1 if FAILURES else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""Tiny random-init models, synthetic global batches, and the same training run done two ways:
+``train_reference`` in one plain process, ``train_parallel`` on every rank of a layout.
+
+Both runs start from the same weights (same seed, built before any sharding) and see the same global
+batches; parity tests compare their per-step losses, gradient norms and final weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+import ndparallel as ndp
+from ndparallel import _compat
+
+VOCAB = 256
+LR = 3e-3
+WEIGHT_DECAY = 0.1
+# AdamW divides by sqrt(v) + eps. For an element whose gradient is ~0, a small eps turns float32 rounding
+# noise (different summation orders across layouts, ~1e-7 relative) into a visible update difference.
+# eps=1e-5 bounds that amplification (update sensitivity <= lr/eps) so weight comparisons measure the
+# parallelism, not the rounding. Measured on the same run (qwen3, fsdp2 x tp4): relative weight
+# difference 3.0e-5 with eps 1e-6 (2.4e-5 with 1e-8 on another layout), 3.5e-6 with 1e-5.
+EPS = 1e-5
+
+_CONFIGS = {
+    # 8 query and 8 key/value heads so tp can go up to 8.
+    "llama": lambda **kw: LlamaConfig(**{**dict(num_key_value_heads=8), **kw}),
+    # grouped-query attention: 8 query heads, 4 key/value heads (tp <= 4), q/k norms.
+    "qwen3": lambda **kw: Qwen3Config(**{**dict(num_key_value_heads=4, head_dim=8), **kw}),
+    # 8 query heads, 2 key/value heads (tp <= 2), sliding-window attention family.
+    "mistral": lambda **kw: MistralConfig(**{**dict(num_key_value_heads=2, head_dim=8), **kw}),
+    # attention biases on q/k/v.
+    "qwen2": lambda **kw: Qwen2Config(**{**dict(num_key_value_heads=4), **kw}),
+}
+
+
+def model_config(family: str, *, tied: bool = False, **overrides):
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                max_position_embeddings=512, tie_word_embeddings=tied, attention_dropout=0.0)
+    return _CONFIGS[family](**{**base, **overrides})
+
+
+def make_model(family: str, *, seed: int = 0, tied: bool = False, dtype=torch.float32, **overrides):
+    torch.manual_seed(seed)
+    cfg = model_config(family, tied=tied, **overrides)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
+    return model.train()
+
+
+def make_batches(*, steps: int, micro: int, rows: int, seq: int, seed: int = 1, pad: bool = False,
+                 packed: bool = False) -> list[list[dict]]:
+    """``steps`` x ``micro`` global micro-batches of ``rows`` x ``seq`` tokens.
+
+    pad: rows end in right-padding of uneven lengths (so ranks hold uneven numbers of tokens);
+    packed: rows hold several documents (position ids restart at 0).
+    """
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        step = []
+        for _ in range(micro):
+            ids = torch.randint(1, VOCAB, (rows, seq), generator=g)
+            mb: dict = {"input_ids": ids}
+            if pad:
+                lengths = torch.randint(seq // 4, seq + 1, (rows,), generator=g)
+                lengths[0] = seq // 4  # one short row, so padding is uneven across ranks
+                mask = (torch.arange(seq)[None] < lengths[:, None]).long()
+                mb["attention_mask"] = mask
+            if packed:
+                pos = torch.empty(rows, seq, dtype=torch.long)
+                for r in range(rows):
+                    cuts = sorted(torch.randint(1, seq, (3,), generator=g).tolist())
+                    start = 0
+                    for end in [*cuts, seq]:
+                        pos[r, start:end] = torch.arange(end - start)
+                        start = end
+                mb["position_ids"] = pos
+            step.append(mb)
+        out.append(step)
+    return out
+
+
+def reference_mask(mb: dict) -> dict:
+    """The single-process model inputs that express a micro-batch's padding / packing."""
+    inputs = {"input_ids": mb["input_ids"]}
+    if "position_ids" in mb:
+        pos = mb["position_ids"]
+        doc = torch.cumsum(pos == 0, dim=-1)
+        seq = pos.shape[1]
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=pos.device).tril()
+        inputs["attention_mask"] = (causal & (doc[:, :, None] == doc[:, None, :])).unsqueeze(1)
+        inputs["position_ids"] = pos
+    elif "attention_mask" in mb:
+        inputs["attention_mask"] = mb["attention_mask"]
+        inputs["position_ids"] = (mb["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    return inputs
+
+
+def _labels(mb: dict) -> torch.Tensor:
+    labels = mb["input_ids"]
+    if "attention_mask" in mb:
+        labels = labels.masked_fill(mb["attention_mask"] == 0, ndp.IGNORE_INDEX)
+    return ndp.shift_labels(labels, mb.get("position_ids"))
+
+
+def train_reference(model, batches, *, max_norm: float = 1.0) -> dict:
+    """Plain PyTorch, one process: the numbers every layout must reproduce."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=LR, betas=(0.9, 0.95), eps=EPS)
+    losses, norms = [], []
+    for step in batches:
+        labels = [_labels(mb) for mb in step]
+        n = sum(int((lab != ndp.IGNORE_INDEX).sum()) for lab in labels)
+        total = 0.0
+        for mb, lab in zip(step, labels):
+            logits = model(**reference_mask(mb)).logits
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), lab.flatten(), reduction="sum") / n
+            loss.backward()
+            total += loss.item()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return {"losses": losses, "grad_norms": norms, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def train_parallel(family: str, layout: dict, batches, *, model_kwargs: dict | None = None, options: dict | None = None,
+                   max_norm: float = 1.0) -> dict:
+    """The same run through ndparallel on this rank's part of ``layout``. Rank 0 returns the full weights."""
+    topo = ndp.Topology.build(ndp.ParallelismConfig(**layout))
+    model = make_model(family, **(model_kwargs or {}))
+    ndp.parallelize(model, topo, options=ndp.ParallelOptions(**{"param_dtype": None, **(options or {})}))
+    opt = ndp.build_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS)
+    losses, norms = [], []
+    for step in batches:
+        prepared = [ndp.prepare_batch(topology=topo, **mb) for mb in step]
+        n = ndp.count_tokens(sum(b.num_tokens for b in prepared), topo)
+        total = 0.0
+        for i, batch in enumerate(prepared):
+            ndp.set_gradient_sync(model, i == len(prepared) - 1)
+            logits = model(**batch.model_inputs()).logits
+            loss = ndp.token_loss(logits, batch.labels, num_tokens=n, topology=topo)
+            loss.backward()
+            total += loss.detach()
+        norms.append(float(ndp.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(ndp.reduce_loss(total, topo)))
+    weights = {}
+    for name, value in model.state_dict().items():
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        weights[_compat.canonical_name(name)] = full.detach().cpu()
+    return {"losses": losses, "grad_norms": norms, "weights": weights if topo.rank == 0 else None}
+
+
+def max_rel_diff(a, b) -> float:
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return float(((a - b).abs() / b.abs().clamp(min=1e-12)).max())
+
+
+def max_weight_diff(ref: dict, got: dict) -> tuple[float, str]:
+    """Largest |a-b| / max(|b|) over tensors, and the tensor it is in."""
+    worst, where = 0.0, ""
+    for name, r in ref.items():
+        g = got[name]
+        d = float((g.double() - r.double()).abs().max() / r.double().abs().max().clamp(min=1e-12))
+        if d > worst:
+            worst, where = d, name
+    return worst, where
