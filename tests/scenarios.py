@@ -82,15 +82,25 @@ def make_batches(*, steps: int, micro: int, rows: int, seq: int, seed: int = 1, 
     return out
 
 
-def reference_mask(mb: dict) -> dict:
-    """The single-process model inputs that express a micro-batch's padding / packing."""
+def reference_mask(mb: dict, window: int | None = None) -> dict:
+    """The single-process model inputs that express a micro-batch's padding / packing.
+
+    Packed rows get an explicit (B, 1, S, S) mask: causal, inside a document, off padding keys, and within
+    the sliding ``window`` if the model has one. Padded rows get transformers' own 2-D mask handling.
+    """
     inputs = {"input_ids": mb["input_ids"]}
     if "position_ids" in mb:
         pos = mb["position_ids"]
         doc = torch.cumsum(pos == 0, dim=-1)
         seq = pos.shape[1]
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=pos.device).tril()
-        inputs["attention_mask"] = (causal & (doc[:, :, None] == doc[:, None, :])).unsqueeze(1)
+        i = torch.arange(seq, device=pos.device)
+        allowed = (i[:, None] >= i[None, :]) & (doc[:, :, None] == doc[:, None, :])
+        if window is not None:
+            allowed &= (i[:, None] - i[None, :]) < window
+        if "attention_mask" in mb:
+            real = mb["attention_mask"].bool()
+            allowed &= real[:, None, :] | ~real[:, :, None]  # real queries never see padding keys
+        inputs["attention_mask"] = allowed.unsqueeze(1)
         inputs["position_ids"] = pos
     elif "attention_mask" in mb:
         inputs["attention_mask"] = mb["attention_mask"]
@@ -107,6 +117,7 @@ def _labels(mb: dict) -> torch.Tensor:
 
 def train_reference(model, batches, *, max_norm: float = 1.0) -> dict:
     """Plain PyTorch, one process: the numbers every layout must reproduce."""
+    window = getattr(model.config, "sliding_window", None)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
@@ -117,7 +128,7 @@ def train_reference(model, batches, *, max_norm: float = 1.0) -> dict:
         n = sum(int((lab != ndp.IGNORE_INDEX).sum()) for lab in labels)
         total = 0.0
         for mb, lab in zip(step, labels):
-            logits = model(**reference_mask(mb)).logits
+            logits = model(**reference_mask(mb, window)).logits
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), lab.flatten(), reduction="sum") / n
             loss.backward()
@@ -156,6 +167,30 @@ def train_parallel(family: str, layout: dict, batches, *, model_kwargs: dict | N
         full = value.full_tensor() if isinstance(value, DTensor) else value
         weights[_compat.canonical_name(name)] = full.detach().cpu()
     return {"losses": losses, "grad_norms": norms, "weights": weights if topo.rank == 0 else None}
+
+
+def assert_parity(ref: dict, got: dict, tol: float = 1e-5) -> dict:
+    """Per-step loss and grad norm (relative), final weights (relative Frobenius per tensor) within tol."""
+    loss_diff = max_rel_diff(got["losses"], ref["losses"])
+    norm_diff = max_rel_diff(got["grad_norms"], ref["grad_norms"])
+    weight_diff, where = 0.0, ""
+    for name, r in ref["weights"].items():
+        g = got["weights"][name].to(r.dtype)
+        d = float((g - r).norm() / r.norm().clamp(min=1e-12))
+        if d > weight_diff:
+            weight_diff, where = d, name
+    assert loss_diff <= tol, f"loss differs by {loss_diff:.2e}: {got['losses']} vs {ref['losses']}"
+    assert norm_diff <= tol, f"grad norm differs by {norm_diff:.2e}: {got['grad_norms']} vs {ref['grad_norms']}"
+    assert weight_diff <= tol, f"weights differ by {weight_diff:.2e} in {where}"
+    return {"loss": loss_diff, "grad_norm": norm_diff, "weights": weight_diff}
+
+
+def world_size(layout: dict) -> int:
+    n = 1
+    for size in layout.values():
+        if isinstance(size, int):
+            n *= size
+    return n
 
 
 def max_rel_diff(a, b) -> float:

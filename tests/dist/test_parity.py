@@ -16,10 +16,9 @@ import pytest
 import torch
 
 from harness import run_ranks
-from scenarios import make_batches, make_model, max_rel_diff, train_parallel, train_reference
+from scenarios import assert_parity, make_batches, make_model, max_rel_diff, train_parallel, train_reference, world_size
 
 STEPS = 5
-TOL = 1e-5
 
 
 @functools.lru_cache(maxsize=None)
@@ -30,28 +29,6 @@ def _batches(data: str, accum: int):
 @functools.lru_cache(maxsize=None)
 def _reference(family: str, tied: bool, data: str, accum: int):
     return train_reference(make_model(family, tied=tied), _batches(data, accum))
-
-
-def _world(layout: dict) -> int:
-    n = 1
-    for size in layout.values():
-        n *= size
-    return n
-
-
-def assert_parity(ref: dict, got: dict, tol: float = TOL) -> dict:
-    loss_diff = max_rel_diff(got["losses"], ref["losses"])
-    norm_diff = max_rel_diff(got["grad_norms"], ref["grad_norms"])
-    weight_diff, where = 0.0, ""
-    for name, r in ref["weights"].items():
-        g = got["weights"][name].to(r.dtype)
-        d = float((g - r).norm() / r.norm().clamp(min=1e-12))
-        if d > weight_diff:
-            weight_diff, where = d, name
-    assert loss_diff <= tol, f"loss differs by {loss_diff:.2e}: {got['losses']} vs {ref['losses']}"
-    assert norm_diff <= tol, f"grad norm differs by {norm_diff:.2e}: {got['grad_norms']} vs {ref['grad_norms']}"
-    assert weight_diff <= tol, f"weights differ by {weight_diff:.2e} in {where}"
-    return {"loss": loss_diff, "grad_norm": norm_diff, "weights": weight_diff}
 
 
 L = dict  # a layout row, for readability below
@@ -90,7 +67,7 @@ CASES = [
 @pytest.mark.parametrize("layout, family, tied, data, accum, options", CASES)
 def test_layout_matches_one_process(layout, family, tied, data, accum, options, parity_record):
     ref = _reference(family, tied, data, accum)
-    results = run_ranks(_world(layout), train_parallel, family, layout, _batches(data, accum),
+    results = run_ranks(world_size(layout), train_parallel, family, layout, _batches(data, accum),
                         model_kwargs={"tied": tied}, options=options)
     parity_record(assert_parity(ref, results[0]))
     # Every rank reports the same loss and grad norm (they are reduced, not local).

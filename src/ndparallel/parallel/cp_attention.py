@@ -67,14 +67,14 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(fctx, x, group, cp_size):
         fctx.group = group
-        out = x.new_empty((cp_size, *x.shape))
+        out = x.new_empty((cp_size * x.shape[0], *x.shape[1:]))
         dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-        return out
+        return out.view(cp_size, *x.shape)
 
     @staticmethod
     def backward(fctx, grad):
         out = grad.new_empty(grad.shape[1:])
-        dist.reduce_scatter_tensor(out, grad.contiguous(), group=fctx.group)
+        dist.reduce_scatter_tensor(out, grad.reshape(-1, *grad.shape[2:]).contiguous(), group=fctx.group)
         return out, None, None
 
 
@@ -104,13 +104,13 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(fctx, x, group):
         fctx.group = group
-        out = torch.empty_like(x)
+        out = x.new_empty(x.shape)  # contiguous (empty_like would copy x's permuted strides)
         dist.all_to_all_single(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
     def backward(fctx, grad):
-        out = torch.empty_like(grad)
+        out = grad.new_empty(grad.shape)
         dist.all_to_all_single(out, grad.contiguous(), group=fctx.group)
         return out, None
 
