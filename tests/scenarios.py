@@ -115,11 +115,16 @@ def _labels(mb: dict) -> torch.Tensor:
     return ndp.shift_labels(labels, mb.get("position_ids"))
 
 
-def train_reference(model, batches, *, max_norm: float = 1.0) -> dict:
+def train_reference(model, batches, *, max_norm: float = 1.0, lora=None) -> dict:
     """Plain PyTorch, one process: the numbers every layout must reproduce."""
     window = getattr(model.config, "sliding_window", None)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    if lora is not None:
+        from ndparallel.lora import attach_lora
+
+        attach_lora(model, lora, tp_mesh=None)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.dim() >= 2]
+    no_decay = [p for p in trainable if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=LR, betas=(0.9, 0.95), eps=EPS)
     losses, norms = [], []
@@ -133,7 +138,7 @@ def train_reference(model, batches, *, max_norm: float = 1.0) -> dict:
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), lab.flatten(), reduction="sum") / n
             loss.backward()
             total += loss.item()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, max_norm)))
         opt.step()
         opt.zero_grad()
         losses.append(total)
@@ -141,11 +146,12 @@ def train_reference(model, batches, *, max_norm: float = 1.0) -> dict:
 
 
 def train_parallel(family: str, layout: dict, batches, *, model_kwargs: dict | None = None, options: dict | None = None,
-                   max_norm: float = 1.0) -> dict:
+                   max_norm: float = 1.0, lora=None) -> dict:
     """The same run through ndparallel on this rank's part of ``layout``. Rank 0 returns the full weights."""
     topo = ndp.Topology.build(ndp.ParallelismConfig(**layout))
     model = make_model(family, **(model_kwargs or {}))
-    ndp.parallelize(model, topo, options=ndp.ParallelOptions(**{"param_dtype": None, **(options or {})}))
+    ndp.parallelize(model, topo, options=ndp.ParallelOptions(**{"param_dtype": None, **(options or {})}), lora=lora)
+    trainable = [p for p in model.parameters() if p.requires_grad]
     opt = ndp.build_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS)
     losses, norms = [], []
     for step in batches:
@@ -158,7 +164,7 @@ def train_parallel(family: str, layout: dict, batches, *, model_kwargs: dict | N
             loss = ndp.token_loss(logits, batch.labels, num_tokens=n, topology=topo)
             loss.backward()
             total += loss.detach()
-        norms.append(float(ndp.clip_grad_norm_(model.parameters(), max_norm)))
+        norms.append(float(ndp.clip_grad_norm_(trainable, max_norm)))
         opt.step()
         opt.zero_grad()
         losses.append(float(ndp.reduce_loss(total, topo)))

@@ -39,6 +39,8 @@ class Batch:
     labels: torch.Tensor
     position_ids: torch.Tensor
     attention: AttentionContext | None
+    num_input_tokens: torch.Tensor
+    """Real (non-padding) input tokens in this rank's part, for throughput."""
 
     def model_inputs(self) -> dict[str, Any]:
         """Keyword arguments for the model's forward."""
@@ -74,8 +76,12 @@ def prepare_batch(
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     pad_token_id: int = 0,
+    local: bool = False,
 ) -> Batch:
     """This rank's micro-batch of a global batch (``input_ids`` (B, S), the same on every rank).
+
+    ``local=True``: the rows given are already this data rank's (a sampler picked them); only the
+    sequence is split.
 
     ``labels`` follow transformers' convention (unshifted, -100 = ignore; default: the input ids);
     ``attention_mask`` marks real tokens with 1; ``position_ids`` restarting at 0 mark packed documents.
@@ -84,7 +90,7 @@ def prepare_batch(
     if input_ids.dim() != 2:
         raise ConfigError(f"input_ids must be (batch, sequence), got shape {tuple(input_ids.shape)}")
     rows = input_ids.shape[0]
-    if rows % layout.batch_size:
+    if not local and rows % layout.batch_size:
         raise ConfigError(
             f"the global batch has {rows} rows, which do not split over dp_replicate x dp_shard = "
             f"{layout.batch_size} data-parallel ranks; use a multiple of {layout.batch_size} rows"
@@ -100,9 +106,10 @@ def prepare_batch(
     targets = shift_labels(labels, position_ids)
     segments = segment_ids_from(position_ids, padding)
 
-    per_rank = rows // layout.batch_size
-    mine = slice(topology.batch_rank * per_rank, (topology.batch_rank + 1) * per_rank)
-    input_ids, targets, position_ids, segments = (t[mine] for t in (input_ids, targets, position_ids, segments))
+    if not local:
+        per_rank = rows // layout.batch_size
+        mine = slice(topology.batch_rank * per_rank, (topology.batch_rank + 1) * per_rank)
+        input_ids, targets, position_ids, segments = (t[mine] for t in (input_ids, targets, position_ids, segments))
 
     extra = (-input_ids.shape[1]) % layout.seq_multiple
     if extra:
@@ -123,6 +130,7 @@ def prepare_batch(
         labels=cp_shard(targets, **shard),
         position_ids=cp_shard(position_ids, **shard),
         attention=context,
+        num_input_tokens=(cp_shard(segments, **shard) != -1).sum(),
     )
 
 

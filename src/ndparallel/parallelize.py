@@ -1,7 +1,8 @@
 """Apply every strategy to a Hugging Face decoder model, in the one order that composes.
 
 1. Tensor parallel first: it replaces weights by DTensors split over ``tp`` and installs sequence
-   parallelism. Everything after it sees the split model.
+   parallelism. Everything after it sees the split model. LoRA adapters (optional) come right after,
+   placed to match the split of the layer each adapts.
 2. Context-parallel attention: switch the model's attention to ndparallel's CP implementation (through
    transformers' attention registry). It changes no weights.
 3. Activation checkpointing wraps each decoder layer, so the wrapped unit is what recomputes.
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from ndparallel.errors import ConfigError
+from ndparallel.lora import LoraSpec, attach_lora
 from ndparallel.models.decoder import decoder_parts
 from ndparallel.parallel.checkpointing import apply_activation_checkpointing
 from ndparallel.parallel.compile import apply_compile
@@ -63,15 +65,19 @@ class ParallelOptions:
     """Keep sharded parameters, gradients and optimizer state in CPU memory."""
 
 
-def parallelize(model: nn.Module, topology: Topology, *, options: ParallelOptions | None = None) -> nn.Module:
+def parallelize(model: nn.Module, topology: Topology, *, options: ParallelOptions | None = None,
+                lora: LoraSpec | None = None) -> nn.Module:
     """Parallelize ``model`` in place over ``topology`` and return it.
 
-    The optimizer must be built afterwards (it must see the sharded parameters).
+    ``lora``: add LoRA adapters after tensor parallelism (so they take the split of the layer they adapt)
+    and freeze every other weight. The optimizer must be built afterwards (on the sharded parameters).
     """
     options = options or ParallelOptions()
     parts = decoder_parts(model)
     topology.layout.check_model(model.config)
     apply_tensor_parallel(parts, topology.tp)
+    if lora is not None:
+        attach_lora(model, lora, tp_mesh=topology.tp)
     apply_context_parallel(model, topology)
     apply_activation_checkpointing(parts, options.activation_checkpointing)
     if options.compile:

@@ -1,0 +1,253 @@
+"""``ndparallel``: train | validate | export | plan.
+
+``ndparallel train CONFIG`` started by hand launches its own processes through PyTorch's launcher
+(``torch.distributed.run``, the engine of torchrun): the number of processes comes from the layout or
+``--nproc-per-node``; ``--nnodes/--node-rank/--rdzv-endpoint`` are passed through for several nodes.
+Started by torchrun or a scheduler (RANK and WORLD_SIZE set), it trains on the ranks it was given.
+
+User errors print one line (from rank 0) and exit with status 2; other failures print one line per
+failing rank with the path of its full traceback. Nothing is left hanging: process groups time out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+import traceback
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+from ndparallel.errors import NdParallelError
+
+EXIT_USER_ERROR = 2
+
+
+def _default_config_text() -> str:
+    return resources.files("ndparallel").joinpath("defaults/stdlib_default.yaml").read_text(encoding="utf-8")
+
+
+def _load_raw(config_path: str | None, overrides: list[str]) -> dict:
+    from ndparallel.config import apply_overrides, load_yaml
+
+    raw = load_yaml(config_path) if config_path else yaml.safe_load(_default_config_text())
+    return apply_overrides(raw, overrides or [])
+
+
+def _under_launcher() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _print_error(message: str) -> None:
+    print(f"ndparallel: error: {message}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# train
+# ------------------------------------------------------------------------------------------------
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from ndparallel.config import parse_config
+
+    try:
+        raw = _load_raw(args.config, args.set)
+        if args.resume:
+            raw["resume_from_checkpoint"] = args.resume
+        cfg = parse_config(raw)
+    except NdParallelError as exc:
+        if int(os.environ.get("RANK", "0")) == 0:
+            _print_error(str(exc))
+        return EXIT_USER_ERROR
+    if _under_launcher():
+        return _train_worker(cfg)
+    return _launch(cfg, args)
+
+
+def _train_worker(cfg) -> int:
+    from ndparallel.train import run_training
+
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        run_training(cfg)
+        return 0
+    except NdParallelError as exc:
+        if rank == 0:
+            _print_error(str(exc))
+        return EXIT_USER_ERROR
+    except Exception as exc:  # a bug or a failing peer: one line here, the full traceback in a file
+        log_dir = Path(cfg.output_dir) / "logs"
+        try:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            path = log_dir / f"error-rank{rank}.txt"
+            path.write_text(traceback.format_exc(), encoding="utf-8")
+            where = f" (traceback: {path})"
+        except OSError:
+            where = ""
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        print(f"ndparallel: rank {rank} failed: {type(exc).__name__}: {first[:300]}{where}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def _nproc(cfg, args) -> int:
+    if args.nproc_per_node:
+        return args.nproc_per_node
+    world = cfg.fixed_world_size()
+    if world is None:
+        import torch
+
+        world = torch.cuda.device_count() * args.nnodes if torch.cuda.is_available() else 1
+    if world % args.nnodes:
+        raise NdParallelError(f"the layout needs {world} processes, which do not split evenly over --nnodes {args.nnodes}")
+    return world // args.nnodes
+
+
+def _launch(cfg, args) -> int:
+    """Start the worker processes with torch.distributed.run and wait for them."""
+    from torch.distributed.run import get_args_parser, run
+
+    try:
+        nproc = _nproc(cfg, args)
+    except NdParallelError as exc:
+        _print_error(str(exc))
+        return EXIT_USER_ERROR
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="ndparallel-", delete=False) as f:
+        yaml.safe_dump(cfg.model_dump(mode="json", by_alias=False), f, sort_keys=False)
+        resolved = f.name
+    launcher = [f"--nproc-per-node={nproc}", f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}",
+                "--max-restarts=0", "--monitor-interval=0.5"]
+    if args.nnodes > 1 or args.rdzv_endpoint:
+        if not args.rdzv_endpoint:
+            _print_error("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the address of node 0)")
+            return EXIT_USER_ERROR
+        launcher += ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}"]
+    else:
+        launcher += ["--standalone"]
+    launcher += ["--module", "ndparallel.cli", "train", resolved]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The elastic agent logs a multi-line report per failed worker; our workers already printed theirs.
+    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        run(get_args_parser().parse_args(launcher))
+        return 0
+    except Exception as exc:  # ChildFailedError: workers printed the reason
+        failures = getattr(exc, "failures", {}) or {}
+        codes = sorted({getattr(f, "exitcode", 1) for f in failures.values()}) or [1]
+        code = EXIT_USER_ERROR if codes == [EXIT_USER_ERROR] else 1
+        if code != EXIT_USER_ERROR:
+            _print_error(f"training failed (worker exit codes {codes})")
+        return code
+    finally:
+        os.unlink(resolved)
+
+
+# ------------------------------------------------------------------------------------------------
+# validate
+# ------------------------------------------------------------------------------------------------
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from ndparallel.config import TrainConfig, config_errors, field_docs
+    from ndparallel.validate import describe_run, run_errors
+
+    if args.help_fields:
+        print(field_docs())
+        return 0
+    try:
+        raw = _load_raw(args.config, args.set)
+    except NdParallelError as exc:
+        _print_error(str(exc))
+        return EXIT_USER_ERROR
+    errors = config_errors(raw)
+    if errors:
+        print(f"{len(errors)} problem(s) in the config:", file=sys.stderr)
+        for line in errors:
+            print(f"  - {line}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    cfg = TrainConfig.model_validate(raw)
+    problems, plan = run_errors(cfg, world_size=args.world_size)
+    if problems:
+        print(f"{len(problems)} problem(s):", file=sys.stderr)
+        for line in problems:
+            print(f"  - {line}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    print(describe_run(cfg, plan))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# export / plan (mounted from their modules)
+# ------------------------------------------------------------------------------------------------
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from ndparallel.export import export_checkpoint
+
+    try:
+        out = export_checkpoint(args.checkpoint, args.out_dir, merge_lora=args.merge_lora, dtype=args.dtype)
+    except NdParallelError as exc:
+        _print_error(str(exc))
+        return EXIT_USER_ERROR
+    print(f"wrote {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ndparallel", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train (no CONFIG: the built-in default run on 8 CPU processes)")
+    train.add_argument("config", nargs="?", help="YAML config (Axolotl field names)")
+    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
+    train.add_argument("--resume", metavar="latest|PATH", help="resume from a checkpoint (resume_from_checkpoint)")
+    train.add_argument("--nproc-per-node", type=int, help="processes on this node (default: from the layout)")
+    train.add_argument("--nnodes", type=int, default=1)
+    train.add_argument("--node-rank", type=int, default=0)
+    train.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0, for several nodes")
+    train.set_defaults(func=cmd_train)
+
+    val = sub.add_parser("validate", help="check a config and print the layout, without starting processes")
+    val.add_argument("config", nargs="?")
+    val.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    val.add_argument("--world-size", type=int, help="number of processes to plan for (default: from the layout)")
+    val.add_argument("--help-fields", action="store_true", help="list every setting with its meaning")
+    val.set_defaults(func=cmd_validate)
+
+    exp = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint (one process)")
+    exp.add_argument("checkpoint")
+    exp.add_argument("out_dir")
+    exp.add_argument("--merge-lora", action="store_true", help="fold LoRA adapters into the base weights")
+    exp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    exp.set_defaults(func=cmd_export)
+
+    try:
+        from ndparallel.planner import add_plan_arguments, run_plan
+
+        plan = sub.add_parser("plan", help="recommend layouts for a model, a cluster and a sequence length")
+        add_plan_arguments(plan)
+        plan.set_defaults(func=run_plan)
+    except ImportError:
+        pass
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

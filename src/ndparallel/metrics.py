@@ -1,0 +1,100 @@
+"""What the user sees: a rank-0 progress bar, ``metrics.jsonl``, TensorBoard events, a closing summary.
+
+Throughput: ``tokens`` counts the real (non-padding) input tokens processed over all data ranks.
+MFU uses FLOPs/token = 6 * (non-embedding params + lm_head params) + 12 * layers * hidden * seq
+(the attention term of a full, non-causal-skipping count) against the device's dense bf16 peak.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Dense bf16 peak FLOP/s per device, by a substring of the device name.
+_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "L4": 121e12}
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peak in _PEAK_BF16.items():
+        if key in name:
+            return peak
+    return None
+
+
+def flops_per_token(config: Any, seq_len: int) -> float:
+    """6 * (non-embedding parameters + lm_head) + 12 * layers * hidden * seq (see module docstring)."""
+    h, layers = config.hidden_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    attn = h * heads * head_dim * 2 + h * kv * head_dim * 2
+    mlp = 3 * h * config.intermediate_size
+    per_layer = attn + mlp
+    lm_head = h * config.vocab_size
+    return 6.0 * (layers * per_layer + lm_head) + 12.0 * layers * h * seq_len
+
+
+class MetricsLogger:
+    """Rank 0 writes; other ranks construct it with ``enabled=False`` and stay silent."""
+
+    def __init__(self, output_dir: str | Path, *, enabled: bool, total_steps: int, tensorboard: bool = True,
+                 start_step: int = 0) -> None:
+        self.enabled = enabled
+        self.start = time.perf_counter()
+        self.total_steps = total_steps
+        self.records: list[dict] = []
+        self._bar = None
+        self._tb = None
+        if not enabled:
+            return
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(Path(output_dir) / "tensorboard"))
+            except Exception:  # tensorboard not installed: metrics.jsonl is enough
+                self._tb = None
+
+    def advance(self, steps: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(steps)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.records.append(record)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._bar is not None:
+            shown = {k: record[k] for k in ("loss", "eval_loss", "tokens_per_s") if k in record and record[k] is not None}
+            self._bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in shown.items()})
+        if self._tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self._tb.add_scalar(key, value, record["step"])
+
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,285 @@
+"""The training loop behind ``ndparallel train``: short, and readable top to bottom.
+
+Run it on every rank (the CLI starts the processes). Order of work:
+1. check everything a user can get wrong (config, model shapes vs layout, data) before the first
+   collective, identically on every rank;
+2. build the mesh, the data (tokenized once, cached), the model straight into its layout;
+3. the loop: micro-batches -> token-weighted loss -> backward (gradient sync on the last micro-batch
+   only) -> clip -> step; the host waits for the device only at logging, eval and save steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import resource
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ndparallel import checkpoint as ckpt
+from ndparallel.batching import prepare_batch
+from ndparallel.config import TrainConfig
+from ndparallel.data import DataOrder, DatasetSpec, build_rows_distributed, load_tokenizer
+from ndparallel.errors import ConfigError, NumericsError
+from ndparallel.layout import Layout
+from ndparallel.lora import LoraSpec, save_peft_adapter
+from ndparallel.metrics import MetricsLogger, device_peak_flops, flops_per_token
+from ndparallel.models.build import materialize, meta_model, model_config_for
+from ndparallel.parallelize import ParallelOptions, parallelize
+from ndparallel.step import build_optimizer, clip_grad_norm_, count_tokens, reduce_loss, set_gradient_sync, token_loss
+from ndparallel.topology import Topology, default_device_type, init_distributed
+from ndparallel.validate import resolve_data_path
+
+log = logging.getLogger("ndparallel")
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    final_loss: float | None
+    records: list[dict] = field(default_factory=list)
+    layout: Layout | None = None
+
+
+def resolve_layout(cfg: TrainConfig, world_size: int, model_config) -> tuple[Layout, str | None]:
+    """The layout for this world size; with dp_shard_size: auto the planner picks it (and says why)."""
+    if cfg.dp_shard_size == "auto":
+        from ndparallel.planner import best_layout
+
+        layout, reason = best_layout(model_config, world_size, cfg.sequence_len,
+                                     micro_batch_size=cfg.micro_batch_size, cp_comm_strategy=cfg.cp_comm_strategy)
+        return layout, reason
+    return cfg.parallelism().resolve(world_size), None
+
+
+def lr_factor(step: int, *, warmup: int, total: int, kind: str) -> float:
+    """Multiplier of the peak learning rate at optimizer step ``step`` (0-based)."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if kind == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.5 * (1.0 + math.cos(math.pi * progress)) if kind == "cosine" else 1.0 - progress
+
+
+def _quiet_libraries(rank: int) -> None:
+    # Messages users cannot act on; ranks other than 0 stay silent unless they fail.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    if rank != 0:
+        warnings.filterwarnings("ignore")
+
+
+def run_training(cfg: TrainConfig) -> TrainResult:
+    device_type = default_device_type()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    _quiet_libraries(rank)
+    torch.manual_seed(cfg.seed)
+
+    # 1. Checks that need no communication: the same answer on every rank.
+    model_config = model_config_for(base_model=cfg.base_model, model_shape=cfg.model_shape,
+                                    overrides=cfg.model_config_overrides, max_position_embeddings=cfg.sequence_len)
+    layout, layout_reason = resolve_layout(cfg, world, model_config)
+    layout.check_model(model_config, seq_len=cfg.sequence_len)
+    tokenizer = load_tokenizer(cfg.tokenizer_config or cfg.base_model)
+    if len(tokenizer) > model_config.vocab_size:
+        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+                          f"{model_config.vocab_size}; use the model's own tokenizer or raise vocab_size")
+    output_dir = Path(cfg.output_dir)
+    resume_dir = ckpt.find_resume(output_dir, cfg.resume_from_checkpoint)
+    if resume_dir is None and ckpt.has_checkpoints(output_dir) and not cfg.overwrite_output_dir:
+        raise ConfigError(f"output_dir {str(output_dir)!r} already holds checkpoints; resume with "
+                          f"resume_from_checkpoint: latest, choose another output_dir, or set overwrite_output_dir: true")
+
+    # 2. Mesh, data, model.
+    init_distributed(device_type=device_type, timeout_s=cfg.process_group_timeout_s)
+    topo = Topology.build(layout, device_type=device_type, timeout_s=cfg.process_group_timeout_s)
+    specs = [DatasetSpec(**{**d.model_dump(), "path": resolve_data_path(d.path)}) for d in cfg.datasets]
+    cache_dir = cfg.dataset_prepared_path or str(output_dir / "prepared")
+    train_rows, eval_rows = build_rows_distributed(
+        specs, tokenizer, seq_len=cfg.sequence_len, packing=cfg.sample_packing, cache_dir=cache_dir,
+        long_rows=cfg.long_rows, eval_fraction=cfg.val_set_size, seed=cfg.seed,
+        is_main=topo.is_main, barrier=dist.barrier)
+    bf16 = cfg.bf16 if cfg.bf16 != "auto" else device_type == "cuda"
+    options = ParallelOptions(param_dtype="bfloat16" if bf16 else None, reduce_dtype="float32",
+                              activation_checkpointing=cfg.ac_mode, compile=cfg.torch_compile,
+                              fsdp_wrap=cfg.fsdp_wrap, reshard_after_forward=cfg.reshard_after_forward,
+                              cpu_offload=cfg.cpu_offload)
+    model = meta_model(model_config)
+    lora = LoraSpec.from_config(cfg)
+    parallelize(model, topo, options=options, lora=lora)
+    materialize(model, topo.device, weights_dir=cfg.base_model, seed=cfg.seed)
+    model.train()
+    optimizer = build_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                                betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
+                                fused=None if cfg.optimizer != "adamw_torch" else False)
+
+    order = DataOrder(len(train_rows), rows_per_rank=cfg.micro_batch_size, batch_rank=topo.batch_rank,
+                      batch_ranks=layout.batch_size, seed=cfg.seed)
+    accum = cfg.gradient_accumulation_steps
+    steps_per_epoch = max(1, order.batches_per_epoch // accum)
+    total_steps = cfg.max_steps or max(1, math.ceil(cfg.num_epochs * steps_per_epoch))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, warmup=cfg.warmup_steps, total=total_steps, kind=cfg.lr_scheduler))
+
+    state = ckpt.TrainState()
+    if resume_dir is not None:
+        state = ckpt.load(resume_dir, model=model, optimizer=optimizer, scheduler=scheduler, order=order,
+                          topology=topo, config=cfg)
+    metrics = MetricsLogger(output_dir, enabled=topo.is_main, total_steps=total_steps, start_step=state.step)
+    if topo.is_main:
+        metrics.message(topo.describe())
+        if layout_reason:
+            metrics.message(f"layout chosen by the planner: {layout_reason}")
+        metrics.message(f"data: {len(train_rows)} rows of {cfg.sequence_len} tokens; {steps_per_epoch} steps per epoch; "
+                        f"{total_steps} steps" + (f"; resuming at step {state.step} from {resume_dir}" if resume_dir else ""))
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    flops_tok = flops_per_token(model_config, cfg.sequence_len)
+    peak = device_peak_flops(topo.device)
+    pad_id = tokenizer.pad_token_id
+    batches = iter(order)
+    tokens_since_log = torch.zeros((), device=topo.device)
+    last_time, last_step = time.perf_counter(), state.step
+    loss_since_log = torch.zeros((), device=topo.device)
+    steps_in_window = 0
+    saved_step = state.step if resume_dir is not None else None
+
+    # 3. The loop.
+    for step in range(state.step, total_steps):
+        micro = [prepare_batch(**train_rows.batch(next(batches)), topology=topo, local=True, pad_token_id=pad_id)
+                 for _ in range(accum)]
+        num_targets = count_tokens(sum(b.num_tokens for b in micro), topo)
+        step_loss = torch.zeros((), device=topo.device)
+        for i, batch in enumerate(micro):
+            set_gradient_sync(model, i == accum - 1)
+            logits = model(**batch.model_inputs()).logits
+            loss = token_loss(logits, batch.labels, num_tokens=num_targets, topology=topo)
+            loss.backward()
+            step_loss += loss.detach()
+            tokens_since_log += batch.num_input_tokens
+        grad_norm = clip_grad_norm_(trainable, cfg.max_grad_norm)
+        if cfg.nan_policy == "skip" and not _finite_everywhere(step_loss, grad_norm, topo):
+            optimizer.zero_grad(set_to_none=True)
+            metrics.message(f"step {step + 1}: non-finite loss or gradient norm; step skipped (nan_policy: skip)")
+        else:
+            optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_since_log += step_loss
+        steps_in_window += 1
+        state.step = step + 1
+        metrics.advance()
+
+        last = state.step == total_steps
+        if state.step % cfg.logging_steps == 0 or last:
+            loss_value = reduce_loss(loss_since_log, topo).item() / steps_in_window
+            norm_value = grad_norm.item()
+            if not (math.isfinite(loss_value) and math.isfinite(norm_value)) and cfg.nan_policy == "stop":
+                kept = f"; the last good checkpoint is {saved_step}" if saved_step else ""
+                raise NumericsError(f"step {state.step}: loss {loss_value} / gradient norm {norm_value} is not finite; "
+                                    f"training stopped{kept}. Lower learning_rate or set max_grad_norm, or "
+                                    f"nan_policy: skip to skip such steps")
+            dist.all_reduce(tokens_since_log, group=topo.loss.get_group())
+            now = time.perf_counter()
+            tokens = tokens_since_log.item()
+            state.tokens += int(tokens)
+            tps = tokens / max(now - last_time, 1e-9)
+            record = {"step": state.step, "loss": loss_value, "grad_norm": norm_value,
+                      "lr": scheduler.get_last_lr()[0], "tokens": state.tokens, "tokens_per_s": tps,
+                      "tokens_per_s_per_device": tps / topo.world_size,
+                      "mfu": (tps * flops_tok / (peak * topo.world_size)) if peak else None,
+                      "peak_memory_gib": _peak_memory_gib(topo.device),
+                      "step_time_s": (now - last_time) / max(1, state.step - last_step)}
+            if eval_rows is not None and (cfg.eval_steps is None or state.step % cfg.eval_steps == 0 or last):
+                record["eval_loss"] = evaluate(model, eval_rows, topo, cfg.micro_batch_size, pad_id)
+            metrics.log(record)
+            tokens_since_log.zero_()
+            loss_since_log.zero_()
+            steps_in_window = 0
+            last_time, last_step = time.perf_counter(), state.step
+        if (cfg.save_steps and state.step % cfg.save_steps == 0) or last:
+            ckpt.save(output_dir, state=state, model=model, optimizer=optimizer, scheduler=scheduler, order=order,
+                      topology=topo, config=cfg, keep=cfg.save_total_limit, tokenizer=tokenizer,
+                      extra={"lora": asdict(lora)} if lora is not None else None)
+            saved_step = state.step
+
+    if lora is not None:
+        save_peft_adapter(model, lora, output_dir / "adapter", base_model=cfg.base_model, write=topo.is_main)
+    if cfg.export_hf:
+        if topo.is_main:
+            from ndparallel.export import export_checkpoint
+
+            export_checkpoint(output_dir, output_dir / "hf", merge_lora=lora is not None, dtype="bfloat16")
+        dist.barrier()
+    metrics.close()
+    final = metrics.records[-1]["loss"] if metrics.records else None
+    if topo.is_main:
+        _summary(metrics.records, output_dir)
+    return TrainResult(steps=state.step, final_loss=final, records=metrics.records, layout=layout)
+
+
+def _finite_everywhere(loss: torch.Tensor, grad_norm: torch.Tensor, topo: Topology) -> bool:
+    flag = (torch.isfinite(loss) & torch.isfinite(grad_norm)).float()
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=topo.loss.get_group())
+    return bool(flag.item())
+
+
+def _peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux: peak resident set
+
+
+@torch.no_grad()
+def evaluate(model, rows, topo: Topology, micro_batch_size: int, pad_id: int) -> float:
+    """Token-weighted loss over every eval row. Every data rank runs the same number of forwards (FSDP
+    gathers are collectives); ranks short of rows repeat a row with its labels ignored."""
+    model.eval()
+    ranks, me = topo.layout.batch_size, topo.batch_rank
+    per_step = ranks * micro_batch_size
+    steps = max(1, math.ceil(len(rows) / per_step))
+    total = torch.zeros((), device=topo.device, dtype=torch.float64)
+    count = torch.zeros((), device=topo.device, dtype=torch.float64)
+    for s in range(steps):
+        idx = [s * per_step + me * micro_batch_size + i for i in range(micro_batch_size)]
+        valid = [i < len(rows) for i in idx]
+        data = rows.batch([i if ok else 0 for i, ok in zip(idx, valid)])
+        for r, ok in enumerate(valid):
+            if not ok:
+                data["labels"][r] = -100
+        batch = prepare_batch(**data, topology=topo, local=True, pad_token_id=pad_id)
+        logits = model(**batch.model_inputs()).logits
+        one = torch.ones((), device=topo.device)
+        total += token_loss(logits, batch.labels, num_tokens=one, topology=topo).double()
+        count += batch.num_tokens.double()
+    dist.all_reduce(total, group=topo.loss.get_group())
+    dist.all_reduce(count, group=topo.loss.get_group())
+    model.train()
+    return float(total / count.clamp(min=1))
+
+
+def _summary(records: list[dict], output_dir: Path) -> None:
+    if not records:
+        return
+    first, last = records[0], records[-1]
+    tps = [r["tokens_per_s"] for r in records[1:]] or [first["tokens_per_s"]]
+    lines = [
+        f"done: {last['step']} steps, {last['tokens']:,} tokens",
+        f"loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} (step {last['step']})"
+        + (f", eval loss {last['eval_loss']:.4f}" if last.get("eval_loss") is not None else ""),
+        f"throughput {sum(tps) / len(tps):,.0f} tokens/s, peak memory {last['peak_memory_gib']:.2f} GiB per rank"
+        + (f", MFU {last['mfu'] * 100:.1f}%" if last.get("mfu") else ""),
+        f"outputs: {output_dir} (metrics.jsonl, checkpoints/)",
+    ]
+    print("\n".join(lines), flush=True)
