@@ -1,11 +1,23 @@
 """Data: local datasets -> tokenized, packed or padded, cached rows -> a resumable per-rank order."""
 
+from ndparallel.data.examples import IGNORE_INDEX, Example, ExampleStore
 from ndparallel.data.sources import ChatRecord, InstructionRecord, Record, TextRecord, read_records
 from ndparallel.data.spec import ALIASES, DATASET_TYPES, DatasetSpec
+from ndparallel.data.tokenization import (
+    ALPACA_PROMPT,
+    ALPACA_PROMPT_WITH_INPUT,
+    LONG_ROWS_POLICIES,
+    RecordTokenizer,
+    fit_long_rows,
+    tokenize_records,
+)
 from ndparallel.data.tokenizer import BYTE_CHAT_TEMPLATE, byte_tokenizer, ensure_pad_token, load_tokenizer
 
 __all__ = [
+    "IGNORE_INDEX", "Example", "ExampleStore",
     "ChatRecord", "InstructionRecord", "Record", "TextRecord", "read_records",
     "ALIASES", "DATASET_TYPES", "DatasetSpec",
+    "ALPACA_PROMPT", "ALPACA_PROMPT_WITH_INPUT", "LONG_ROWS_POLICIES", "RecordTokenizer", "fit_long_rows",
+    "tokenize_records",
     "BYTE_CHAT_TEMPLATE", "byte_tokenizer", "ensure_pad_token", "load_tokenizer",
 ]
