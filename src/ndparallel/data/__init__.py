@@ -1,6 +1,8 @@
 """Data: local datasets -> tokenized, packed or padded, cached rows -> a resumable per-rank order."""
 
 from ndparallel.data.examples import IGNORE_INDEX, Example, ExampleStore
+from ndparallel.data.packing import pack_examples, pad_examples
+from ndparallel.data.rows import Rows
 from ndparallel.data.sources import ChatRecord, InstructionRecord, Record, TextRecord, read_records
 from ndparallel.data.spec import ALIASES, DATASET_TYPES, DatasetSpec
 from ndparallel.data.tokenization import (
@@ -15,6 +17,7 @@ from ndparallel.data.tokenizer import BYTE_CHAT_TEMPLATE, byte_tokenizer, ensure
 
 __all__ = [
     "IGNORE_INDEX", "Example", "ExampleStore",
+    "pack_examples", "pad_examples", "Rows",
     "ChatRecord", "InstructionRecord", "Record", "TextRecord", "read_records",
     "ALIASES", "DATASET_TYPES", "DatasetSpec",
     "ALPACA_PROMPT", "ALPACA_PROMPT_WITH_INPUT", "LONG_ROWS_POLICIES", "RecordTokenizer", "fit_long_rows",
