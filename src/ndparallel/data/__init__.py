@@ -1,5 +1,6 @@
 """Data: local datasets -> tokenized, packed or padded, cached rows -> a resumable per-rank order."""
 
+from ndparallel.data.build import build_rows, build_rows_distributed, split_examples
 from ndparallel.data.examples import IGNORE_INDEX, Example, ExampleStore
 from ndparallel.data.packing import pack_examples, pad_examples
 from ndparallel.data.rows import Rows
@@ -16,6 +17,7 @@ from ndparallel.data.tokenization import (
 from ndparallel.data.tokenizer import BYTE_CHAT_TEMPLATE, byte_tokenizer, ensure_pad_token, load_tokenizer
 
 __all__ = [
+    "build_rows", "build_rows_distributed", "split_examples",
     "IGNORE_INDEX", "Example", "ExampleStore",
     "pack_examples", "pad_examples", "Rows",
     "ChatRecord", "InstructionRecord", "Record", "TextRecord", "read_records",
