@@ -4,6 +4,7 @@ from ndparallel.data.build import build_rows, build_rows_distributed, split_exam
 from ndparallel.data.examples import IGNORE_INDEX, Example, ExampleStore
 from ndparallel.data.packing import pack_examples, pad_examples
 from ndparallel.data.rows import Rows
+from ndparallel.data.sampler import DataOrder
 from ndparallel.data.sources import ChatRecord, InstructionRecord, Record, TextRecord, read_records
 from ndparallel.data.spec import ALIASES, DATASET_TYPES, DatasetSpec
 from ndparallel.data.tokenization import (
@@ -19,7 +20,7 @@ from ndparallel.data.tokenizer import BYTE_CHAT_TEMPLATE, byte_tokenizer, ensure
 __all__ = [
     "build_rows", "build_rows_distributed", "split_examples",
     "IGNORE_INDEX", "Example", "ExampleStore",
-    "pack_examples", "pad_examples", "Rows",
+    "pack_examples", "pad_examples", "Rows", "DataOrder",
     "ChatRecord", "InstructionRecord", "Record", "TextRecord", "read_records",
     "ALIASES", "DATASET_TYPES", "DatasetSpec",
     "ALPACA_PROMPT", "ALPACA_PROMPT_WITH_INPUT", "LONG_ROWS_POLICIES", "RecordTokenizer", "fit_long_rows",
