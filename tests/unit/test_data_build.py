@@ -88,7 +88,7 @@ def test_cache_files_are_written_atomically(tmp_path, tokenizer, calls, monkeypa
         real_save(path, array, **kwargs)
 
     monkeypatch.setattr(np, "save", crash_on_the_third_file)
-    with pytest.raises(DataError, match="cannot write the data cache .*No space left on device.*make cache_dir writable"):
+    with pytest.raises(DataError, match="cannot write the data cache .*No space left on device.*cache_dir writable"):
         build_rows([spec], tokenizer, seq_len=32, packing=True, cache_dir=cache)
     assert list(cache.iterdir()) == []  # neither a half-written cache nor the temporary directory is left
     monkeypatch.setattr(np, "save", real_save)
@@ -167,3 +167,18 @@ def test_distributed_main_reaches_the_barrier_even_when_it_fails(tmp_path, token
         build_rows_distributed([spec], tokenizer, is_main=True, barrier=lambda: barriers.append(1), seq_len=8,
                                packing=True, cache_dir=tmp_path / "cache")
     assert barriers == [1]
+
+
+def test_mixed_types_end_to_end_train_exactly_the_answers(tmp_path, tokenizer):
+    alpaca = tmp_path / "alpaca.jsonl"
+    alpaca.write_text(json.dumps({"instruction": "add", "input": "1 1", "output": "2"}) + "\n")
+    chat = tmp_path / "chat.jsonl"
+    turns = [("human", "hi"), ("gpt", "yo"), ("human", "bye"), ("gpt", "ciao")]
+    chat.write_text(json.dumps({"conversations": [{"from": who, "value": text} for who, text in turns]}))
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "n.txt").write_text("note")
+    specs = [DatasetSpec(str(alpaca), "alpaca"), DatasetSpec(str(chat), "chat_template"),
+             DatasetSpec(str(tmp_path / "notes"), "pretrain_files")]
+    train, _ = build_rows(specs, tokenizer, seq_len=64, packing=True, cache_dir=tmp_path / "c")
+    trained = [tokenizer.decode(row[labels != -100]) for row, labels in zip(train.input_ids, train.labels)]
+    assert "".join(trained) == "2<|endoftext|>yo<|end|>\nciao<|end|>\nnote<|endoftext|>"

@@ -82,6 +82,11 @@ def test_directory_reads_data_files_recursively_in_sorted_order(tmp_path):
     assert texts(DatasetSpec(str(tmp_path), "completion")) == ["a", "b", "c"]
 
 
+def test_an_existing_path_with_glob_characters_is_taken_literally(tmp_path):
+    write_jsonl(tmp_path / "data[1].jsonl", [{"text": "literal"}])
+    assert texts(DatasetSpec(str(tmp_path / "data[1].jsonl"), "completion")) == ["literal"]
+
+
 def test_text_files_each_file_one_document_from_directory_and_glob(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "b.md").write_text("# B\n")

@@ -1,4 +1,19 @@
-"""Data: local datasets -> tokenized, packed or padded, cached rows -> a resumable per-rank order."""
+"""Data: local datasets -> tokenized, packed or padded, cached rows -> a resumable per-rank order.
+
+::
+
+    tokenizer = load_tokenizer("byte")                       # or a local model directory
+    specs = [DatasetSpec(path="data/chat.jsonl", type="chat_template")]
+    train, evaluation = build_rows(specs, tokenizer, seq_len=2048, packing=True, cache_dir="cache/data",
+                                   eval_fraction=0.01)
+    order = DataOrder(len(train), rows_per_rank=4, batch_rank=topo.batch_rank, batch_ranks=B, seed=0)
+    for indices in order:                                    # this rank's rows of one global batch
+        rows = train.batch(indices)                          # input_ids, labels, position_ids, attention_mask
+
+Modules: ``tokenizer`` (byte tokenizer, loading), ``spec`` / ``files`` / ``sources`` (reading records),
+``tokenization`` (records -> examples with loss masks), ``examples`` (compact storage), ``packing`` /
+``rows`` (rows of seq_len tokens), ``cache`` / ``build`` (cached building), ``sampler`` (the order).
+"""
 
 from ndparallel.data.build import build_rows, build_rows_distributed, split_examples
 from ndparallel.data.examples import IGNORE_INDEX, Example, ExampleStore

@@ -53,7 +53,8 @@ def build_rows(
 
     ``long_rows`` (``error`` / ``truncate`` / ``drop``) applies without packing; packing cuts long
     documents into ``seq_len`` pieces instead. ``eval_fraction`` of the examples (at least one), chosen by
-    a shuffle seeded with ``seed``, become the evaluation split before packing.
+    a shuffle seeded with ``seed``, become the evaluation split before packing. A tokenizer without a pad
+    token gets eos as pad token (``ensure_pad_token``): pad positions are masked, so the id does not matter.
     """
     specs, directory, inputs = _cache_location(specs, tokenizer, seq_len, packing, cache_dir, long_rows,
                                                eval_fraction, seed)

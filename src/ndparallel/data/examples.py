@@ -43,7 +43,9 @@ class ExampleStore(Sequence[Example]):
 
     def append(self, example: Example) -> None:
         if len(example.input_ids) != len(example.labels):
-            raise ValueError(f"input_ids ({len(example.input_ids)}) and labels ({len(example.labels)}) differ in length")
+            raise ValueError(
+                f"input_ids ({len(example.input_ids)}) and labels ({len(example.labels)}) differ in length"
+            )
         self._ids.extend(_as_int32(example.input_ids))
         self._labels.extend(_as_int32(example.labels))
         self._ends.append(len(self._ids))
@@ -52,6 +54,8 @@ class ExampleStore(Sequence[Example]):
         return len(self._ends)
 
     def __getitem__(self, index: int) -> Example:  # type: ignore[override]
+        if not isinstance(index, int | np.integer):
+            raise TypeError(f"ExampleStore takes one integer index (use subset() for several), not {index!r}")
         if not -len(self) <= index < len(self):
             raise IndexError(f"example {index} of {len(self)}")
         index %= len(self)

@@ -29,7 +29,8 @@ PARQUET_BATCH_ROWS = 1024
 def resolve_files(spec: DatasetSpec) -> list[Path]:
     """The data files of ``spec`` in reading order; a DataError if there are none."""
     pattern = spec.path
-    if GLOB_CHARACTERS & set(pattern):
+    # An existing path is taken literally even if its name contains glob characters ("data[1].jsonl").
+    if GLOB_CHARACTERS & set(pattern) and not Path(pattern).expanduser().exists():
         files = sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True) if Path(p).is_file())
         if not files:
             raise DataError(f"dataset {spec.label}: no file matches path={pattern!r}; fix the pattern in path:")

@@ -2,7 +2,8 @@
 
 Packing is first-fit: documents are taken in order and each goes to the first row with room for it, so a
 row's documents keep their order and the rows fill in order. A document longer than ``seq_len`` is cut
-into ``seq_len`` pieces that are packed like documents (each piece's positions restart at 0). Row tails are
+into ``seq_len`` pieces that are packed like documents (each piece's positions restart at 0, so the last
+token of a piece predicts nothing: one target lost per cut, the price of not mixing documents). Row tails are
 padding: pad id, label -100, attention_mask 0, and positions 0, 1, ... as if the padding were one more
 document, so even without the attention mask it could not be mistaken for part of the last document.
 """

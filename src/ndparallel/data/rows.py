@@ -11,7 +11,7 @@ import torch
 COLUMNS = ("input_ids", "labels", "position_ids", "attention_mask")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # == on arrays is elementwise: compare columns explicitly
 class Rows:
     """Rows of exactly ``seq_len`` tokens, stored compactly (int32; the arrays may be memory-mapped).
 

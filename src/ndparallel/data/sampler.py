@@ -89,7 +89,8 @@ class DataOrder:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``: the next batch is the one after the last batch handed out before it was taken."""
-        for key, mine in (("seed", self.seed), ("num_rows", self.num_rows), ("global_batch_rows", self.global_batch_rows)):
+        ours = {"seed": self.seed, "num_rows": self.num_rows, "global_batch_rows": self.global_batch_rows}
+        for key, mine in ours.items():
             if key in state and state[key] != mine:
                 raise DataError(
                     f"the checkpoint's data order has {key}={state[key]}, this run {mine}; resume with the same "
