@@ -7,8 +7,9 @@
     train, evaluation = build_rows(specs, tokenizer, seq_len=2048, packing=True, cache_dir="cache/data",
                                    eval_fraction=0.01)
     order = DataOrder(len(train), rows_per_rank=4, batch_rank=topo.batch_rank, batch_ranks=B, seed=0)
-    for indices in order:                                    # this rank's rows of one global batch
-        rows = train.batch(indices)                          # input_ids, labels, position_ids, attention_mask
+    batches = iter(order)                                    # endless, epoch after epoch
+    for step in range(max_steps):
+        rows = train.batch(next(batches))                    # input_ids, labels, position_ids, attention_mask
 
 Modules: ``tokenizer`` (byte tokenizer, loading), ``spec`` / ``files`` / ``sources`` (reading records),
 ``tokenization`` (records -> examples with loss masks), ``examples`` (compact storage), ``packing`` /

@@ -20,9 +20,10 @@ from ndparallel.errors import DataError
 class DataOrder:
     """Index lists of this rank's rows, batch by batch; ``state_dict`` resumes at exactly the next batch.
 
-    Iterating yields the remaining batches of the current epoch and then moves to the next epoch, so
-    ``for epoch in ...: for indices in order: ...`` walks epochs one after another. The state counts the
-    batches handed out: a loader that fetches ahead must take its state from the batches actually trained.
+    Iterating goes on epoch after epoch without end, so a step budget ends training
+    (``next(batches)`` in a loop over steps); ``rest_of_epoch()`` stops at the epoch's end instead. The
+    state counts the batches handed out: a loader that fetches ahead must take its state from the batches
+    actually trained.
     """
 
     def __init__(
@@ -56,10 +57,6 @@ class DataOrder:
         self.epoch = 0
         self.batches_done_in_epoch = 0
 
-    def __len__(self) -> int:
-        """Batches in a whole epoch (the incomplete last global batch dropped)."""
-        return self.batches_per_epoch
-
     def epoch_order(self, epoch: int) -> np.ndarray:
         """All row indices of ``epoch`` in training order (the same on every rank)."""
         if not self.shuffle:
@@ -67,6 +64,11 @@ class DataOrder:
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_rows)
 
     def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            yield from self.rest_of_epoch()
+
+    def rest_of_epoch(self) -> Iterator[list[int]]:
+        """The remaining batches of the current epoch; afterwards the position is the next epoch's start."""
         if self.batches_done_in_epoch >= self.batches_per_epoch:
             self.epoch, self.batches_done_in_epoch = self.epoch + 1, 0
         order = self.epoch_order(self.epoch)
@@ -75,26 +77,27 @@ class DataOrder:
             # Count the batch before handing it out: a checkpoint taken while it trains must resume after it.
             self.batches_done_in_epoch += 1
             yield order[start : start + self.rows_per_rank].tolist()
-        self.epoch, self.batches_done_in_epoch = self.epoch + 1, 0
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the order stands; ``num_rows`` and ``global_batch_rows`` guard against resuming other data."""
+        """Where the order stands; ``num_rows`` guards against resuming on other data.
+
+        The permutation of an epoch does not depend on the batch shape, so a caller may resume with another
+        ``rows_per_rank * batch_ranks`` by rescaling ``batches_done_in_epoch`` to the same number of rows.
+        """
         return {
             "epoch": self.epoch,
             "batches_done_in_epoch": self.batches_done_in_epoch,
             "seed": self.seed,
             "num_rows": self.num_rows,
-            "global_batch_rows": self.global_batch_rows,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``: the next batch is the one after the last batch handed out before it was taken."""
-        ours = {"seed": self.seed, "num_rows": self.num_rows, "global_batch_rows": self.global_batch_rows}
-        for key, mine in ours.items():
+        for key, mine in (("seed", self.seed), ("num_rows", self.num_rows)):
             if key in state and state[key] != mine:
                 raise DataError(
                     f"the checkpoint's data order has {key}={state[key]}, this run {mine}; resume with the same "
-                    f"seed, data, micro_batch_size and number of data-parallel ranks, or start the data order afresh"
+                    f"seed and data, or start the data order afresh"
                 )
         self.epoch = int(state["epoch"])
         self.batches_done_in_epoch = int(state["batches_done_in_epoch"])
