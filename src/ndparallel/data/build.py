@@ -1,0 +1,172 @@
+"""Datasets -> cached training (and evaluation) rows.
+
+``build_rows`` reads and tokenizes every dataset once, in order, splits off the evaluation examples,
+packs or pads both splits and caches them (``cache.py``); the next call with the same inputs maps the
+cached arrays without tokenizing. In a multi-process run use ``build_rows_distributed``: one process
+builds, the others wait at a barrier and then map the same files.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from ndparallel.data.cache import (
+    FORMAT_VERSION,
+    cache_key,
+    load_splits,
+    save_splits,
+    source_identity,
+    tokenizer_identity,
+)
+from ndparallel.data.examples import ExampleStore
+from ndparallel.data.packing import pack_examples, pad_examples
+from ndparallel.data.rows import Rows
+from ndparallel.data.sources import read_records
+from ndparallel.data.spec import DatasetSpec
+from ndparallel.data.tokenization import LONG_ROWS_POLICIES, fit_long_rows, tokenize_records
+from ndparallel.data.tokenizer import ensure_pad_token
+from ndparallel.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+SpecLike = DatasetSpec | dict[str, Any]
+
+
+def build_rows(
+    specs: Sequence[SpecLike],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    seq_len: int,
+    packing: bool,
+    cache_dir: str | Path,
+    long_rows: str = "error",
+    eval_fraction: float = 0.0,
+    seed: int = 0,
+) -> tuple[Rows, Rows | None]:
+    """Training rows and evaluation rows (None when ``eval_fraction`` is 0), from the cache when possible.
+
+    ``long_rows`` (``error`` / ``truncate`` / ``drop``) applies without packing; packing cuts long
+    documents into ``seq_len`` pieces instead. ``eval_fraction`` of the examples (at least one), chosen by
+    a shuffle seeded with ``seed``, become the evaluation split before packing. A tokenizer without a pad
+    token gets eos as pad token (``ensure_pad_token``): pad positions are masked, so the id does not matter.
+    """
+    specs, directory, inputs = _cache_location(specs, tokenizer, seq_len, packing, cache_dir, long_rows,
+                                               eval_fraction, seed)
+    cached = load_splits(directory)
+    if cached is None:
+        splits = _build(specs, tokenizer, seq_len=seq_len, packing=packing, long_rows=long_rows,
+                        eval_fraction=eval_fraction, seed=seed)
+        save_splits(directory, splits, {"inputs": inputs})
+        cached = load_splits(directory)
+        if cached is None:
+            raise DataError(f"the data cache {directory} was written but cannot be read back; check cache_dir's disk")
+        logger.info("data cache written to %s", directory)
+    else:
+        logger.info("data loaded from cache %s", directory)
+    return cached["train"], cached.get("eval")
+
+
+def build_rows_distributed(
+    specs: Sequence[SpecLike],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    is_main: bool,
+    barrier: Callable[[], None],
+    seq_len: int,
+    packing: bool,
+    cache_dir: str | Path,
+    long_rows: str = "error",
+    eval_fraction: float = 0.0,
+    seed: int = 0,
+) -> tuple[Rows, Rows | None]:
+    """``build_rows`` on the main process only; every process waits at ``barrier`` and then maps the cache.
+
+    ``is_main`` is global rank 0 when ``cache_dir`` is shared by all nodes, the local rank 0 of each node
+    when it is on local disk. If the main process fails it still reaches the barrier (so nobody hangs) and
+    re-raises; the others then report that the cache is missing.
+    """
+    options = dict(seq_len=seq_len, packing=packing, cache_dir=cache_dir, long_rows=long_rows,
+                   eval_fraction=eval_fraction, seed=seed)
+    if is_main:
+        try:
+            result = build_rows(specs, tokenizer, **options)
+        finally:
+            barrier()
+        return result
+    barrier()
+    _, directory, _ = _cache_location(specs, tokenizer, seq_len, packing, cache_dir, long_rows, eval_fraction, seed)
+    cached = load_splits(directory)
+    if cached is None:
+        raise DataError(
+            f"no data cache at {directory} after the main process built it: it failed (see its error) or "
+            f"cache_dir={str(cache_dir)!r} is not shared with this process; put cache_dir on a shared filesystem"
+        )
+    return cached["train"], cached.get("eval")
+
+
+def _cache_location(specs, tokenizer, seq_len, packing, cache_dir, long_rows, eval_fraction, seed):
+    """Checked specs, the cache directory of these inputs, and the inputs themselves (for the manifest)."""
+    specs = [spec if isinstance(spec, DatasetSpec) else DatasetSpec.from_dict(spec) for spec in specs]
+    if not specs:
+        raise DataError("datasets: is empty; list at least one dataset with path: and type:")
+    if long_rows not in LONG_ROWS_POLICIES:
+        raise DataError(f"long_rows={long_rows!r} is not a policy; use one of {', '.join(LONG_ROWS_POLICIES)}")
+    if not isinstance(eval_fraction, (int, float)) or not 0 <= eval_fraction < 1:
+        raise DataError(f"eval_fraction={eval_fraction!r} must be in [0, 1); e.g. 0.05 keeps 5% for evaluation")
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+        raise DataError(f"sequence_len={seq_len!r} must be a whole number >= 1; fix sequence_len")
+    ensure_pad_token(tokenizer)  # before the identity is taken: it includes the pad id
+    inputs = {
+        "format_version": FORMAT_VERSION,
+        "sources": [source_identity(spec) for spec in specs],
+        "tokenizer": tokenizer_identity(tokenizer),
+        "options": dict(seq_len=seq_len, packing=bool(packing), long_rows=long_rows,
+                        eval_fraction=float(eval_fraction), seed=int(seed)),
+    }
+    return specs, Path(cache_dir).expanduser() / cache_key(inputs), inputs
+
+
+def _build(specs, tokenizer, *, seq_len, packing, long_rows, eval_fraction, seed) -> dict[str, Rows]:
+    """Tokenize all datasets in order, split, then pack or pad each split."""
+    pad_id = ensure_pad_token(tokenizer)
+    examples = ExampleStore()
+    for spec in specs:
+        before = len(examples)
+        for example in tokenize_records(read_records(spec), tokenizer):
+            examples.append(example)
+        logger.info("dataset %s: %d examples", spec.label, len(examples) - before)
+    if not packing:
+        examples = fit_long_rows(examples, seq_len, long_rows)
+        if not len(examples):
+            raise DataError(f"long_rows=drop left no example of at most sequence_len={seq_len} tokens; raise "
+                            f"sequence_len or enable sample_packing")
+    train, evaluation = split_examples(examples, eval_fraction, seed)
+    arrange = pack_examples if packing else pad_examples
+    splits = {"train": arrange(train, seq_len, pad_id)}
+    if evaluation is not None:
+        splits["eval"] = arrange(evaluation, seq_len, pad_id)
+    return splits
+
+
+def split_examples(examples: ExampleStore, fraction: float, seed: int) -> tuple[ExampleStore, ExampleStore | None]:
+    """(train, eval): ``round(fraction * n)`` examples (at least one) picked by a seeded shuffle go to eval.
+
+    Both splits keep the examples' original order.
+    """
+    if fraction == 0:
+        return examples, None
+    total = len(examples)
+    count = max(1, round(fraction * total))
+    if count >= total:
+        raise DataError(
+            f"eval_fraction={fraction} of {total} examples leaves no training example; lower eval_fraction or add data"
+        )
+    chosen = np.zeros(total, dtype=bool)
+    chosen[np.random.default_rng(seed).permutation(total)[:count]] = True
+    return examples.subset(np.flatnonzero(~chosen)), examples.subset(np.flatnonzero(chosen))

@@ -1,0 +1,146 @@
+"""Records of a dataset, checked and normalised per dataset type.
+
+``read_records(spec)`` yields one record per document, whatever the file format:
+
+- ``TextRecord`` for ``completion`` (the ``field:`` column, default ``text``) and ``pretrain_files``;
+- ``InstructionRecord`` for ``alpaca`` (``instruction``, optional ``input``, ``output``);
+- ``ChatRecord`` for ``chat_template``: ``messages`` of ``{role, content}``, or ShareGPT ``conversations`` of
+  ``{from, value}`` with ``human`` -> ``user`` and ``gpt`` -> ``assistant``.
+
+Every problem with a record is a one-line DataError naming the file, the record and the setting to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ndparallel.data.files import iter_rows, read_utf8, resolve_files
+from ndparallel.data.spec import ALIASES, DATASET_TYPES, DatasetSpec
+from ndparallel.errors import DataError
+
+__all__ = [
+    "ALIASES", "DATASET_TYPES", "ChatRecord", "DatasetSpec", "InstructionRecord", "Record", "TextRecord",
+    "read_records",
+]
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+@dataclass(frozen=True, slots=True)
+class TextRecord:
+    """A document trained on every token."""
+
+    text: str
+    where: str
+
+
+@dataclass(frozen=True, slots=True)
+class InstructionRecord:
+    """An alpaca instruction: the prompt is instruction (+ input), the trained part is the output."""
+
+    instruction: str
+    input: str
+    output: str
+    where: str
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRecord:
+    """A conversation of ``{"role", "content"}`` messages; assistant turns are trained."""
+
+    messages: tuple[dict[str, str], ...]
+    where: str
+
+
+Record = TextRecord | InstructionRecord | ChatRecord
+
+
+def read_records(spec: DatasetSpec) -> Iterator[Record]:
+    """The records of one dataset, file by file in order; a DataError if there are none."""
+    count = 0
+    for path in resolve_files(spec):
+        if spec.kind == "pretrain_files":
+            records: Iterator[Record] = iter([TextRecord(read_utf8(path), str(path))])
+        else:
+            records = (_normalise(row, where, spec) for where, row in iter_rows(path))
+        for record in records:
+            count += 1
+            yield record
+    if count == 0:
+        raise DataError(f"dataset {spec.label}: {spec.path} holds no records; fix path: or add data")
+
+
+def _normalise(row: Any, where: str, spec: DatasetSpec) -> Record:
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: a record must be a JSON object / table row, found {_kind(row)}; "
+                        f"fix the file")
+    if spec.kind == "completion":
+        field = spec.field or "text"
+        return TextRecord(_string(row, field, where, "set field: to the column holding the text"), where)
+    if spec.kind == "alpaca":
+        fix = "alpaca records need instruction, output and optionally input (or use another type:)"
+        given = row.get("input")
+        return InstructionRecord(
+            instruction=_string(row, "instruction", where, fix),
+            input="" if given is None else _string(row, "input", where, fix),
+            output=_string(row, "output", where, fix),
+            where=where,
+        )
+    return ChatRecord(_messages(row, where, spec), where)
+
+
+def _string(row: dict, field: str, where: str, fix: str) -> str:
+    if field not in row:
+        present = ", ".join(map(str, row)) or "none"
+        raise DataError(f"{where}: no field '{field}' (fields: {present}); {fix}")
+    value = row[field]
+    if not isinstance(value, str):
+        raise DataError(f"{where}: field '{field}' holds {_kind(value)}, not a string; {fix}")
+    return value
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _messages(row: dict, where: str, spec: DatasetSpec) -> tuple[dict[str, str], ...]:
+    """The conversation as role/content dicts, from ``messages`` (or ``field:``) or ShareGPT ``conversations``."""
+    fix = "set field: to the column holding the messages list"
+    if spec.field is not None:
+        key = spec.field
+    else:
+        key = "messages" if "messages" in row or "conversations" not in row else "conversations"
+    if key not in row:
+        present = ", ".join(map(str, row)) or "none"
+        raise DataError(f"{where}: no field '{key}' (fields: {present}); {fix}")
+    turns = row[key]
+    if not isinstance(turns, list) or not turns:
+        what = "an empty list" if isinstance(turns, list) else _kind(turns)
+        raise DataError(f"{where}: field '{key}' holds {what}, not a list of messages; {fix}")
+    return tuple(_message(turn, number, key, where) for number, turn in enumerate(turns, start=1))
+
+
+def _message(turn: Any, number: int, key: str, where: str) -> dict[str, str]:
+    place = f"{where}: message {number} of '{key}'"
+    if isinstance(turn, dict) and "role" in turn:
+        role, content = turn.get("role"), turn.get("content")
+    elif isinstance(turn, dict) and "from" in turn:
+        speaker = turn.get("from")
+        if speaker not in SHAREGPT_ROLES:
+            raise DataError(
+                f"{place}: from={speaker!r} is not a ShareGPT speaker; use one of {', '.join(SHAREGPT_ROLES)}"
+            )
+        role, content = SHAREGPT_ROLES[speaker], turn.get("value")
+    else:
+        raise DataError(f"{place}: expected {{role, content}} or {{from, value}}, found {_describe(turn)}; fix it")
+    if not isinstance(role, str) or not isinstance(content, str):
+        raise DataError(f"{place}: role and content must be strings, found {_describe(turn)}; fix it")
+    return {"role": role, "content": content}
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_kind(v)}" for k, v in value.items()) + "}"
+    return _kind(value)

@@ -1,0 +1,154 @@
+"""Records -> examples: token ids and labels, -100 where no loss is taken.
+
+- ``TextRecord`` (completion, pretrain files): every token trained, eos appended.
+- ``InstructionRecord`` (alpaca): the prompt of ``ALPACA_PROMPT`` / ``ALPACA_PROMPT_WITH_INPUT`` is not
+  trained, the output and the eos after it are. Prompt and output are tokenized apart, so the boundary
+  between them is exact.
+- ``ChatRecord``: rendered with the tokenizer's chat template. The conversation is rendered prefix by
+  prefix; each rendering must extend the previous one (DataError otherwise), and the tokens an assistant
+  message adds after its generation prompt (the assistant header) are trained. The template decides how a
+  turn ends, so no eos is appended.
+
+A bos token is prepended where the tokenizer itself would add one (for completion and alpaca; chat
+templates write their own).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+
+import jinja2
+from transformers import PreTrainedTokenizerBase
+
+from ndparallel.data.examples import IGNORE_INDEX, Example, ExampleStore, example_lengths
+from ndparallel.data.sources import ChatRecord, InstructionRecord, Record, TextRecord
+from ndparallel.errors import DataError
+
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request."
+    "\n\n### Instruction:\n{instruction}\n\n### Response:\n"
+)
+ALPACA_PROMPT_WITH_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request."
+    "\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+LONG_ROWS_POLICIES = ("error", "truncate", "drop")
+
+logger = logging.getLogger(__name__)
+
+
+class RecordTokenizer:
+    """Turns records into examples with one tokenizer (what it adds by itself is probed once)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.bos = self._leading_bos()
+
+    def __call__(self, record: Record) -> Example:
+        if isinstance(record, TextRecord):
+            ids = self.bos + self._encode(record.text) + self._eos(record)
+            return Example(ids, list(ids))
+        if isinstance(record, InstructionRecord):
+            template = ALPACA_PROMPT_WITH_INPUT if record.input else ALPACA_PROMPT
+            prompt = self.bos + self._encode(template.format(instruction=record.instruction, input=record.input))
+            answer = self._encode(record.output) + self._eos(record)
+            return Example(prompt + answer, [IGNORE_INDEX] * len(prompt) + answer)
+        return self._chat(record)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _leading_bos(self) -> list[int]:
+        bos = self.tokenizer.bos_token_id
+        if bos is None:
+            return []
+        probe = self.tokenizer("a", add_special_tokens=True)["input_ids"]
+        return [bos] if probe and probe[0] == bos else []
+
+    def _eos(self, record: Record) -> list[int]:
+        eos = self.tokenizer.eos_token_id
+        if eos is None:
+            raise DataError(
+                f"{record.where}: tokenizer {self.tokenizer.name_or_path!r} has no eos token to end documents with; "
+                f'add "eos_token" to its tokenizer_config.json'
+            )
+        return [eos]
+
+    def _chat(self, record: ChatRecord) -> Example:
+        if not self.tokenizer.chat_template:
+            raise DataError(
+                f"{record.where}: tokenizer {self.tokenizer.name_or_path!r} has no chat template, which "
+                f"chat_template datasets need; set chat_template: in the config or use a tokenizer that has one"
+            )
+        messages = list(record.messages)
+        ids: list[int] = []
+        labels: list[int] = []
+        for index, message in enumerate(messages):
+            is_assistant = message["role"] == "assistant"
+            if is_assistant and index > 0:  # the assistant header is prompt, not answer
+                header = self._render(messages[:index], record, generation_prompt=True)
+                self._extend(ids, labels, header, trained=False, record=record, index=index)
+            rendering = self._render(messages[: index + 1], record, generation_prompt=False)
+            self._extend(ids, labels, rendering, trained=is_assistant, record=record, index=index)
+        return Example(ids, labels)
+
+    def _render(self, messages: list[dict[str, str]], record: ChatRecord, *, generation_prompt: bool) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt
+            )
+        except jinja2.TemplateError as error:
+            raise DataError(
+                f"{record.where}: the chat template failed on this conversation ({error}); fix the record or "
+                f"the chat_template"
+            ) from None
+        return self._encode(text)
+
+    @staticmethod
+    def _extend(
+        ids: list[int], labels: list[int], rendering: list[int], *, trained: bool, record: ChatRecord, index: int
+    ) -> None:
+        """Append what ``rendering`` adds to the tokens so far; it must start with them."""
+        if rendering[: len(ids)] != ids:
+            raise DataError(
+                f"{record.where}: the chat template is not prefix-stable (rendering messages 1..{index + 1} changes "
+                f"the tokens of the earlier ones), so assistant turns cannot be found; use a chat_template whose "
+                f"turns only append text"
+            )
+        added = rendering[len(ids):]
+        ids.extend(added)
+        labels.extend(added if trained else [IGNORE_INDEX] * len(added))
+
+
+def tokenize_records(records: Iterable[Record], tokenizer: PreTrainedTokenizerBase) -> Iterator[Example]:
+    """One example per record, in order."""
+    encode = RecordTokenizer(tokenizer)
+    for record in records:
+        yield encode(record)
+
+
+def fit_long_rows(examples: Sequence[Example], seq_len: int, policy: str = "error") -> ExampleStore:
+    """Examples that fit in ``seq_len`` tokens, when rows are padded rather than packed.
+
+    ``policy``: ``error`` (default) refuses longer examples, ``truncate`` keeps their first ``seq_len``
+    tokens, ``drop`` leaves them out.
+    """
+    if policy not in LONG_ROWS_POLICIES:
+        raise DataError(f"long_rows={policy!r} is not a policy; use one of {', '.join(LONG_ROWS_POLICIES)}")
+    lengths = example_lengths(examples)
+    too_long = [n for n in lengths if n > seq_len]
+    if too_long and policy == "error":
+        raise DataError(
+            f"{len(too_long)} of {len(lengths)} examples are longer than sequence_len={seq_len} (longest "
+            f"{max(too_long)} tokens); raise sequence_len, enable sample_packing, or set long_rows: truncate|drop"
+        )
+    if too_long:
+        logger.info("long_rows=%s: %s %d of %d examples longer than sequence_len=%d", policy,
+                    "truncated" if policy == "truncate" else "dropped", len(too_long), len(lengths), seq_len)
+    if policy == "drop":
+        kept = (example for example, n in zip(examples, lengths) if n <= seq_len)
+    else:
+        kept = (Example(example.input_ids[:seq_len], example.labels[:seq_len]) for example in examples)
+    return ExampleStore.from_examples(kept)
