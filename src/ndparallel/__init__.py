@@ -28,6 +28,7 @@ from ndparallel.step import (
     build_optimizer,
     clip_grad_norm_,
     count_tokens,
+    gather_logits,
     reduce_loss,
     set_gradient_sync,
     token_loss,
@@ -40,6 +41,6 @@ __all__ = [
     "IGNORE_INDEX", "Batch", "prepare_batch", "shift_labels",
     "CheckpointError", "ConfigError", "DataError", "LayoutError", "ModelError", "NdParallelError", "NumericsError",
     "Layout", "ParallelismConfig", "cp_gather", "cp_shard", "ParallelOptions", "parallelize",
-    "build_optimizer", "clip_grad_norm_", "count_tokens", "reduce_loss", "set_gradient_sync", "token_loss",
+    "build_optimizer", "clip_grad_norm_", "count_tokens", "gather_logits", "reduce_loss", "set_gradient_sync", "token_loss",
     "Topology", "init_distributed",
 ]

@@ -8,6 +8,7 @@ MFU uses FLOPs/token = 6 * (non-embedding params + lm_head params) + 12 * layers
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -56,9 +57,10 @@ class MetricsLogger:
             return
         self.path = Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        from tqdm.auto import tqdm
+        if sys.stderr.isatty():  # a live bar in a terminal; plain lines in logs and CI
+            from tqdm.auto import tqdm
 
-        self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -77,9 +79,13 @@ class MetricsLogger:
         self.records.append(record)
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+        shown = {k: record[k] for k in ("loss", "eval_loss", "grad_norm", "tokens_per_s") if record.get(k) is not None}
         if self._bar is not None:
-            shown = {k: record[k] for k in ("loss", "eval_loss", "tokens_per_s") if k in record and record[k] is not None}
             self._bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in shown.items()})
+        else:
+            elapsed = time.perf_counter() - self.start
+            print(f"step {record['step']}/{self.total_steps} " + " ".join(f"{k} {v:.4g}" for k, v in shown.items())
+                  + f" ({elapsed:.0f} s)", flush=True)
         if self._tb is not None:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step":

@@ -42,6 +42,20 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor, *, num_tokens: torch.
     return total / num_tokens.clamp(min=1)
 
 
+def gather_logits(logits: torch.Tensor, topology: Topology) -> torch.Tensor:
+    """Full (B, S, V) logits of this rank's rows from vocabulary- (tp) and sequence- (cp) split parts.
+
+    For checks and debugging: it materializes what parallelism avoids materializing. A collective.
+    """
+    from ndparallel.parallel.context import cp_gather
+
+    if topology.layout.tp > 1:
+        parts = [torch.empty_like(logits) for _ in range(topology.layout.tp)]
+        dist.all_gather(parts, logits.contiguous(), group=topology.tp.get_group())
+        logits = torch.cat(parts, dim=-1)
+    return cp_gather(logits, topology, dim=1)
+
+
 def reduce_loss(local_share: torch.Tensor, topology: Topology) -> torch.Tensor:
     """The step loss from the ranks' shares (for logging; this is a collective)."""
     total = local_share.detach().clone()

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import resource
+import shutil
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -100,6 +101,10 @@ def run_training(cfg: TrainConfig) -> TrainResult:
     if resume_dir is None and ckpt.has_checkpoints(output_dir) and not cfg.overwrite_output_dir:
         raise ConfigError(f"output_dir {str(output_dir)!r} already holds checkpoints; resume with "
                           f"resume_from_checkpoint: latest, choose another output_dir, or set overwrite_output_dir: true")
+    export_dir = output_dir / "hf"
+    if cfg.export_hf and export_dir.exists() and any(export_dir.iterdir()) and not cfg.overwrite_output_dir:
+        raise ConfigError(f"export_hf would replace {str(export_dir)!r}, which is not empty; move it away, choose "
+                          f"another output_dir, or set overwrite_output_dir: true")
 
     # 2. Mesh, data, model.
     init_distributed(device_type=device_type, timeout_s=cfg.process_group_timeout_s)
@@ -159,15 +164,8 @@ def run_training(cfg: TrainConfig) -> TrainResult:
     for step in range(state.step, total_steps):
         micro = [prepare_batch(**train_rows.batch(next(batches)), topology=topo, local=True, pad_token_id=pad_id)
                  for _ in range(accum)]
-        num_targets = count_tokens(sum(b.num_tokens for b in micro), topo)
-        step_loss = torch.zeros((), device=topo.device)
-        for i, batch in enumerate(micro):
-            set_gradient_sync(model, i == accum - 1)
-            logits = model(**batch.model_inputs()).logits
-            loss = token_loss(logits, batch.labels, num_tokens=num_targets, topology=topo)
-            loss.backward()
-            step_loss += loss.detach()
-            tokens_since_log += batch.num_input_tokens
+        step_loss, step_tokens = forward_backward(model, micro, topo)
+        tokens_since_log += step_tokens
         grad_norm = clip_grad_norm_(trainable, cfg.max_grad_norm)
         if cfg.nan_policy == "skip" and not _finite_everywhere(step_loss, grad_norm, topo):
             optimizer.zero_grad(set_to_none=True)
@@ -220,13 +218,33 @@ def run_training(cfg: TrainConfig) -> TrainResult:
         if topo.is_main:
             from ndparallel.export import export_checkpoint
 
-            export_checkpoint(output_dir, output_dir / "hf", merge_lora=lora is not None, dtype="bfloat16")
+            shutil.rmtree(export_dir, ignore_errors=True)  # checked at start: empty, or overwrite_output_dir
+            export_checkpoint(output_dir, export_dir, merge_lora=lora is not None, dtype="bfloat16")
+            metrics.message(f"exported a Hugging Face model to {export_dir}")
         dist.barrier()
     metrics.close()
     final = metrics.records[-1]["loss"] if metrics.records else None
     if topo.is_main:
         _summary(metrics.records, output_dir)
     return TrainResult(steps=state.step, final_loss=final, records=metrics.records, layout=layout)
+
+
+def forward_backward(model, micro_batches: list, topo: Topology) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step's forward and backward passes over its micro-batches (gradients summed).
+
+    Returns this rank's share of the step loss and its real input tokens, as device tensors (no sync).
+    """
+    num_targets = count_tokens(sum(b.num_tokens for b in micro_batches), topo)
+    step_loss = torch.zeros((), device=topo.device)
+    tokens = torch.zeros((), device=topo.device)
+    for i, batch in enumerate(micro_batches):
+        set_gradient_sync(model, i == len(micro_batches) - 1)
+        logits = model(**batch.model_inputs()).logits
+        loss = token_loss(logits, batch.labels, num_tokens=num_targets, topology=topo)
+        loss.backward()
+        step_loss += loss.detach()
+        tokens += batch.num_input_tokens
+    return step_loss, tokens
 
 
 def _finite_everywhere(loss: torch.Tensor, grad_norm: torch.Tensor, topo: Topology) -> bool:
