@@ -18,14 +18,17 @@ A checkpoint is written to ``.partial-step-N``, every rank's part is flushed, ra
 and ``latest`` intact. Distributed checkpointing stores each parameter's global shape and the slices
 each rank wrote, so loading under another layout or world size reads the right slices (resharding).
 
-What loading trusts: tensor data and JSON; pickled objects are read only through ``torch.load`` with
-``weights_only=True`` (PyTorch's restricted unpickler), so a checkpoint cannot run code.
+What loading trusts: tensor data and JSON. PyTorch reads the checkpoint's index (``.metadata``) with plain
+``pickle``, which could run code, so ndparallel first unpickles it with an allow-list of the classes such an
+index holds and refuses anything else; other pickled items go through ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 import yaml
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -99,6 +103,40 @@ def _check_complete(path: Path) -> None:
         if not (path / required).is_file():
             raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {required} is missing; resume from an "
                                   f"earlier checkpoint")
+    check_index_is_plain_data(path)
+
+
+# The classes a torch.distributed.checkpoint index may reference (checked on torch 2.11 and 2.13).
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_METADATA_GLOBALS = {("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+                     ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                     ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice")}
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        import torch as _torch
+
+        allowed = (module, name) in _METADATA_GLOBALS or module in _METADATA_MODULES or (
+            module == "torch" and isinstance(getattr(_torch, name, None), _torch.dtype))
+        if not allowed:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
+        return super().find_class(module, name)
+
+
+def check_index_is_plain_data(path: Path) -> None:
+    """Unpickle a checkpoint index with an allow-list before PyTorch unpickles it without one."""
+    index = path / "model_optim" / ".metadata"
+    try:
+        _IndexUnpickler(io.BytesIO(index.read_bytes())).load()
+    except pickle.UnpicklingError as exc:
+        if "refusing" in str(exc):
+            raise CheckpointError(f"{str(index)!r} references code ({exc}), which a checkpoint index never does; "
+                                  f"it was not loaded. Use a checkpoint written by ndparallel") from None
+        raise CheckpointError(f"{str(index)!r} is corrupted ({exc}); resume from an earlier checkpoint") from None
+    except Exception as exc:
+        raise CheckpointError(f"{str(index)!r} is corrupted ({type(exc).__name__}: {exc}); resume from an earlier "
+                              f"checkpoint") from None
 
 
 def _shape_of(config: Any) -> dict:
@@ -178,7 +216,7 @@ def load(path: Path, *, model, optimizer, scheduler, order, topology: Topology, 
     states = _state_dicts(model, optimizer)
     try:
         dcp.load(states, checkpoint_id=str(path / "model_optim"))
-    except Exception as exc:  # truncated / corrupted shards surface here, on every rank
+    except (Exception, CheckpointException) as exc:  # truncated / corrupted shards, on every rank
         raise CheckpointError(f"cannot read the shards in {str(path / 'model_optim')!r}: {_first_line(exc)}; the "
                               f"checkpoint is corrupted or incomplete, resume from an earlier one") from None
     set_model_state_dict(model, states["model"])
@@ -242,5 +280,11 @@ def _json_default(value):
 
 
 def _first_line(exc: BaseException) -> str:
+    failures = getattr(exc, "failures", None)  # CheckpointException: the underlying error per rank
+    if isinstance(failures, dict) and failures:
+        rank, cause = next(iter(failures.items()))
+        cause = cause[0] if isinstance(cause, tuple) else getattr(cause, "exc", cause)
+        message = str(cause).strip().splitlines()[0][:300] if str(cause).strip() else ""
+        return f"rank {rank}: {type(cause).__name__}" + (f": {message}" if message else " (a shard file is truncated?)")
     text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    return text[0][:300] if text else type(exc).__name__

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ndparallel.checkpoint import _check_complete, checkpoints_dir
@@ -58,7 +59,7 @@ def load_full_model(path: Path, *, dtype: torch.dtype, with_adapters: bool = Fal
     state = {k: v for k, v in model.state_dict().items()}
     try:
         dcp.load({"model": state}, checkpoint_id=str(path / "model_optim"), no_dist=True)
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"cannot read the model from {str(path / 'model_optim')!r}: {first}") from None
     model.load_state_dict(state, strict=False)

@@ -80,7 +80,30 @@ def _quiet_libraries(rank: int) -> None:
         warnings.filterwarnings("ignore")
 
 
-def run_training(cfg: TrainConfig) -> TrainResult:
+@dataclass
+class TrainingRun:
+    """Everything a run is made of once set up (``setup``); the loop (``run_training``) drives it."""
+
+    cfg: TrainConfig
+    topo: Topology
+    model_config: object
+    tokenizer: object
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    order: DataOrder
+    train_rows: object
+    eval_rows: object
+    lora: LoraSpec | None
+    state: ckpt.TrainState
+    total_steps: int
+    steps_per_epoch: int
+    resume_dir: Path | None
+    layout_reason: str | None
+
+
+def setup(cfg: TrainConfig) -> TrainingRun:
+    """Check the config, build mesh, data, model and optimizer, and resume if asked (on every rank)."""
     device_type = default_device_type()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -131,26 +154,40 @@ def run_training(cfg: TrainConfig) -> TrainResult:
 
     order = DataOrder(len(train_rows), rows_per_rank=cfg.micro_batch_size, batch_rank=topo.batch_rank,
                       batch_ranks=layout.batch_size, seed=cfg.seed)
-    accum = cfg.gradient_accumulation_steps
-    steps_per_epoch = max(1, order.batches_per_epoch // accum)
+    steps_per_epoch = max(1, order.batches_per_epoch // cfg.gradient_accumulation_steps)
     total_steps = cfg.max_steps or max(1, math.ceil(cfg.num_epochs * steps_per_epoch))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, warmup=cfg.warmup_steps, total=total_steps, kind=cfg.lr_scheduler))
-
     state = ckpt.TrainState()
     if resume_dir is not None:
         state = ckpt.load(resume_dir, model=model, optimizer=optimizer, scheduler=scheduler, order=order,
                           topology=topo, config=cfg)
+    return TrainingRun(cfg=cfg, topo=topo, model_config=model_config, tokenizer=tokenizer, model=model,
+                       optimizer=optimizer, scheduler=scheduler, order=order, train_rows=train_rows,
+                       eval_rows=eval_rows, lora=lora, state=state, total_steps=total_steps,
+                       steps_per_epoch=steps_per_epoch, resume_dir=resume_dir, layout_reason=layout_reason)
+
+
+def run_training(cfg: TrainConfig) -> TrainResult:
+    run = setup(cfg)
+    topo, model, optimizer, scheduler, order = run.topo, run.model, run.optimizer, run.scheduler, run.order
+    state, total_steps, lora, tokenizer = run.state, run.total_steps, run.lora, run.tokenizer
+    train_rows, eval_rows, resume_dir = run.train_rows, run.eval_rows, run.resume_dir
+    layout = topo.layout
+    accum = cfg.gradient_accumulation_steps
+    output_dir = Path(cfg.output_dir)
+    export_dir = output_dir / "hf"
     metrics = MetricsLogger(output_dir, enabled=topo.is_main, total_steps=total_steps, start_step=state.step)
     if topo.is_main:
         metrics.message(topo.describe())
-        if layout_reason:
-            metrics.message(f"layout chosen by the planner: {layout_reason}")
-        metrics.message(f"data: {len(train_rows)} rows of {cfg.sequence_len} tokens; {steps_per_epoch} steps per epoch; "
-                        f"{total_steps} steps" + (f"; resuming at step {state.step} from {resume_dir}" if resume_dir else ""))
+        if run.layout_reason:
+            metrics.message(f"layout chosen by the planner: {run.layout_reason}")
+        metrics.message(f"data: {len(train_rows)} rows of {cfg.sequence_len} tokens; {run.steps_per_epoch} steps "
+                        f"per epoch; {total_steps} steps"
+                        + (f"; resuming at step {state.step} from {resume_dir}" if resume_dir else ""))
 
     trainable = [p for p in model.parameters() if p.requires_grad]
-    flops_tok = flops_per_token(model_config, cfg.sequence_len)
+    flops_tok = flops_per_token(run.model_config, cfg.sequence_len)
     peak = device_peak_flops(topo.device)
     pad_id = tokenizer.pad_token_id
     batches = iter(order)

@@ -1,0 +1,44 @@
+"""``ndparallel train`` on several layouts gives the losses of one process on the same config."""
+
+from __future__ import annotations
+
+import pytest
+
+from scenarios import max_rel_diff
+from trainer_helpers import layout_config, losses, run_train, tiny_config
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("train")
+    config = tiny_config(tmp)
+    records = run_train(1, {**config, "output_dir": str(tmp / "single")})
+    return tmp, config, records
+
+
+@pytest.mark.parametrize("layout", [
+    dict(s=2, t=2),                            # FSDP x TP
+    dict(s=2, c=2, t=2, method="ring"),        # the three axes
+    dict(r=2, c=2, method="alltoall"),         # CP with plain replicas
+    dict(r=2, s=2, t=2),                       # HSDP x TP
+], ids=["fsdp2-tp2", "fsdp2-cp2-tp2-ring", "ddp2-cp2-alltoall", "hsdp2x2-tp2"])
+def test_train_layouts_match_one_process(base, layout, parity_record):
+    tmp, config, single = base
+    world = layout.get("r", 1) * layout.get("s", 1) * layout.get("c", 1) * layout.get("t", 1)
+    name = "-".join(f"{k}{v}" for k, v in layout.items())
+    records = run_train(world, {**layout_config(config, **layout), "output_dir": str(tmp / name)})
+    assert [r["step"] for r in records] == [r["step"] for r in single]
+    diff = max_rel_diff(losses(records), losses(single))
+    norm_diff = max_rel_diff([r["grad_norm"] for r in records], [r["grad_norm"] for r in single])
+    parity_record({"loss": diff, "grad_norm": norm_diff})
+    assert diff < 1e-5 and norm_diff < 1e-5, (losses(records), losses(single))
+    assert records[-1]["tokens"] == single[-1]["tokens"]
+
+
+def test_loss_falls_and_metrics_are_complete(base):
+    _, _, single = base
+    assert single[-1]["loss"] < single[0]["loss"] - 0.3
+    keys = {"step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "tokens_per_s_per_device", "mfu",
+            "peak_memory_gib"}
+    assert keys <= set(single[0])
+    assert [r["tokens"] for r in single] == sorted(r["tokens"] for r in single)

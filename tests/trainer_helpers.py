@@ -1,0 +1,102 @@
+"""Small configs and in-process runs of ``ndparallel train`` for tests (ranks forked by ``run_ranks``)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from harness import run_ranks
+
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
+         "upsilon phi chi psi omega parallel shard tensor context ring gather token loss").split()
+
+
+def write_corpus(directory: Path, *, docs: int = 60, seed: int = 0) -> Path:
+    """A JSONL completion dataset of short pseudo-sentences (learnable: a small fixed vocabulary)."""
+    rng = random.Random(seed)
+    path = directory / "corpus.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for _ in range(docs):
+            text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 40))) + "."
+            f.write(json.dumps({"text": text}) + "\n")
+    return path
+
+
+def tiny_config(tmp: Path, **overrides) -> dict:
+    """A fp32 CPU config of a tiny Llama with the byte tokenizer; global batch 8 rows of 64 tokens."""
+    corpus = tmp / "corpus.jsonl"
+    if not corpus.exists():
+        write_corpus(tmp)
+    config = {
+        "model_shape": "tiny",
+        "model_config_overrides": {"vocab_size": 320},
+        "tokenizer_config": "byte",
+        "datasets": [{"path": str(corpus), "type": "completion"}],
+        "dataset_prepared_path": str(tmp / "prepared"),
+        "sequence_len": 64,
+        "sample_packing": True,
+        "micro_batch_size": 8,
+        "max_steps": 6,
+        "learning_rate": 3e-3,
+        "warmup_steps": 2,
+        "weight_decay": 0.1,
+        "adam_epsilon": 1e-5,
+        "output_dir": str(tmp / "out"),
+        "logging_steps": 1,
+        "seed": 1,
+    }
+    config.update(overrides)
+    return config
+
+
+def _train(config: dict, probe: bool):
+    from ndparallel.config import parse_config
+    from ndparallel.train import run_training
+
+    result = run_training(parse_config(config))
+    return {"records": result.records, "steps": result.steps}
+
+
+def run_train(world: int, config: dict, **kwargs) -> list[dict]:
+    """Train on ``world`` forked ranks; rank 0's metrics records."""
+    return run_ranks(world, _train, config, False, **kwargs)[0]["records"]
+
+
+def layout_config(config: dict, *, r=1, s=1, c=1, t=1, method="allgather") -> dict:
+    """``config`` on layout (r, s, c, t), with micro_batch_size keeping the same global batch."""
+    global_rows = config["micro_batch_size"] * config.get("dp_replicate_size", 1) * _shard(config)
+    return {**config, "dp_replicate_size": r, "dp_shard_size": s, "context_parallel_size": c,
+            "tensor_parallel_size": t, "cp_comm_strategy": method, "micro_batch_size": global_rows // (r * s)}
+
+
+def _shard(config: dict) -> int:
+    s = config.get("dp_shard_size", -1)
+    return 1 if s in (-1, "auto") else s
+
+
+def full_state(model, optimizer=None) -> dict:
+    """Gathered model (and optimizer) tensors by name, on CPU (a collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+    out = {f"model.{k}": _full(v) for k, v in get_model_state_dict(model, options=options).items()}
+    if optimizer is not None:
+        osd = get_optimizer_state_dict(model, optimizer, options=options)
+        for name, state in osd["state"].items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    out[f"optim.{name}.{key}"] = _full(value)
+    return out
+
+
+def _full(value):
+    value = value.full_tensor() if isinstance(value, DTensor) else value
+    return value.detach().cpu().clone()
+
+
+def losses(records: list[dict]) -> list[float]:
+    return [r["loss"] for r in records]
