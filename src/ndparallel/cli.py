@@ -146,7 +146,9 @@ def _launch(cfg, args) -> int:
     except Exception as exc:  # ChildFailedError: workers printed the reason
         failures = getattr(exc, "failures", {}) or {}
         codes = sorted({getattr(f, "exitcode", 1) for f in failures.values()}) or [1]
-        code = EXIT_USER_ERROR if codes == [EXIT_USER_ERROR] else 1
+        # A user error exits 2 on the ranks that saw it; the launcher stops the others by signal (< 0).
+        user_error = EXIT_USER_ERROR in codes and all(c == EXIT_USER_ERROR or c < 0 for c in codes)
+        code = EXIT_USER_ERROR if user_error else 1
         if code != EXIT_USER_ERROR:
             _print_error(f"training failed (worker exit codes {codes})")
         return code

@@ -301,6 +301,11 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             value = yaml.safe_load(text) if text != "" else None
         except yaml.YAMLError:
             value = text
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string; users mean the number
+            try:
+                value = float(value) if any(c in value for c in "eE.") else value
+            except ValueError:
+                pass
         target: Any = raw
         parts = key.strip().split(".")
         for part in parts[:-1]:
