@@ -151,3 +151,51 @@ def measure_activations(shape: ModelShape, layout: dict[str, Any], *, seq_len: i
         "layout": topo.layout.shape,
         "cp_comm_strategy": topo.layout.cp_comm_strategy,
     }
+
+
+class _PeakRecorder(TorchDispatchMode):
+    """Largest total of live storages created inside the block (checked after every op)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                for t in _plain(leaf):
+                    key = _storage_key(t)
+                    if key is not None:
+                        self.live.setdefault(key[0].cdata, key)
+        for cdata in [c for c, (ref, _) in self.live.items() if ref.expired()]:
+            del self.live[cdata]
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
+
+
+def measure_loss_peak(*, vocab: int, tokens: int, precision: str = "bf16", seed: int = 0) -> dict[str, Any]:
+    """Peak bytes of the logits and ``ndparallel.loss`` through forward and backward, on this rank.
+
+    The logits are (tokens, vocab / world) in the compute dtype, made inside the measured block like a
+    model's; with more than one rank the vocabulary-parallel loss runs over the world group (as tp).
+    """
+    import torch.distributed as dist
+
+    from ndparallel.loss import cross_entropy_sum
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    local = vocab // world
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, local, generator=g).to(dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    recorder = _PeakRecorder()
+    with recorder:
+        logits = hidden * 1.0
+        group = dist.group.WORLD if world > 1 else None
+        loss = cross_entropy_sum(logits, labels, tp_group=group, vocab_start=rank * local) / tokens
+        loss.backward()
+    return {"peak": recorder.peak, "elements": tokens * local}
