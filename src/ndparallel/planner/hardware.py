@@ -12,6 +12,7 @@ every group stays inside one node talks over NVLink, otherwise its collectives a
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ndparallel.errors import ConfigError
@@ -44,6 +45,8 @@ class Cluster:
     """Dense bf16 peak per GPU (H100/H200 SXM). fp32 training runs on TF32 units at half this rate."""
     efficiency: float = 0.5
     """Fraction of peak the model's matmuls and attention achieve (rule of thumb; calibrate)."""
+    hbm_gbps: float = 3350.0
+    """Device memory bandwidth, GB/s (H100 SXM 3350, H200 4800): the rate of recomputed elementwise ops."""
     intra_latency_us: float = 15.0
     """Fixed cost of one collective inside a node."""
     inter_latency_us: float = 40.0
@@ -61,7 +64,7 @@ class Cluster:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a whole number >= 1")
-        for name in ("device_memory_gib", "intra_node_gbps", "inter_node_gbps", "peak_tflops"):
+        for name in ("device_memory_gib", "intra_node_gbps", "inter_node_gbps", "peak_tflops", "hbm_gbps"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be > 0")
         for name in ("efficiency", "headroom"):
@@ -85,9 +88,11 @@ class Cluster:
         return self.intra_node_gbps * GB, self.intra_latency_us * 1e-6
 
 
+@functools.lru_cache(maxsize=4096)
 def groups_cross_nodes(layout: Layout, gpus_per_node: int) -> dict[str, bool]:
     """For each communicating group ('tp', 'cp', 'fsdp', 'dp_replicate'): does any of its groups hold
-    ranks of two nodes? Ranks are numbered node by node, so rank // gpus_per_node is the node."""
+    ranks of two nodes? Ranks are numbered node by node, so rank // gpus_per_node is the node.
+    (Cached: the planner asks once per candidate; callers must not modify the returned dict.)"""
     out = {}
     for name, axes in GROUP_AXES.items():
         size = 1

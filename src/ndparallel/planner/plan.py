@@ -107,6 +107,7 @@ def best_layout(model: ModelShape | str | Any, world_size: int, seq_len: int, *,
         reason = (f"{sizes}, {setting}: {best.memory.total / GIB:.1f} GiB of {cluster.usable_bytes / GIB:.1f} usable, "
                   f"~{best.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, best of {len(rows)} layouts")
     else:
+        hint = "" if activation_checkpointing in ("auto", "full") else " or allow activation checkpointing"
         reason = (f"{sizes}, {setting}: nothing fits in {device_memory_gib:g} GiB; this is the leanest layout "
-                  f"({best.memory.total / GIB:.1f} GiB); use more GPUs, a shorter sequence or checkpointing")
+                  f"({best.memory.total / GIB:.1f} GiB); use more GPUs or a shorter sequence{hint}")
     return LayoutChoice(layout=lay, reason=reason)

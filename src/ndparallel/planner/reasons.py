@@ -119,7 +119,10 @@ def knob_reasons(row: PlanRow, siblings: list[PlanRow], cluster: Cluster) -> lis
             text += "; gradients reduced every micro-batch to keep them sharded (more traffic, less memory)"
     out.append(text)
     exposed = ", ".join(f"{k} {v:.2f}" for k, v in row.time.exposed_comm_s.items() if v > 0.0005)
-    out.append(f"step {row.step_s:.2f} s: compute {row.time.compute_s:.2f} s" + (f" + exposed comm ({exposed} s)" if exposed else ""))
+    text = f"step {row.step_s:.2f} s: compute {row.time.compute_s:.2f} s"
+    if row.time.memory_bound_s > 0.0005:
+        text += f" + memory-bound {row.time.memory_bound_s:.2f} s (recomputation, CP reorders)"
+    out.append(text + (f" + exposed comm ({exposed} s)" if exposed else ""))
     return out
 
 
