@@ -162,7 +162,7 @@ class ModelShape:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, name: str | None = None) -> "ModelShape":
-        """From our own field names (``to_dict``) or a Hugging Face config dict."""
+        """From our own field names (``to_dict``) or a Hugging Face config dict; ``name`` if it has none."""
         own = {f.name for f in fields(cls)}
         if "hidden_size" in data or "text_config" in data:
             return cls.from_hf_config(data, name=name)
@@ -171,7 +171,7 @@ class ModelShape:
             raise ConfigError(
                 f"model fields {unknown} are unknown; use {sorted(own)} or a Hugging Face config.json's names"
             )
-        return cls(**{**data, **({"name": name} if name else {})})
+        return cls(**{**({"name": name} if name else {}), **data})
 
     def to_hf_config(self):
         """A transformers config of this shape (Llama family; Qwen2/Qwen3 when biases / q-k norms are set).
