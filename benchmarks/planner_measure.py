@@ -88,7 +88,8 @@ def measure_all() -> list[dict]:
         name = _name(model, layout, mode, precision)
         rows.append({"case": name, **base, "quantity": "activations_retained", "measured_bytes": got["retained"]})
         if got["layer_saved"] is not None:
-            rows.append({"case": name + "-layer", **base, "quantity": "layer_saved", "measured_bytes": got["layer_saved"]})
+            rows.append({"case": name + "-layer", **base, "quantity": "layer_saved",
+                         "measured_bytes": got["layer_saved"]})
         else:
             # Checkpointed layers hide their tensors from autograd hooks: measure one layer as the difference
             # between the same model with two more layers and this one.
@@ -108,10 +109,21 @@ def measure_all() -> list[dict]:
     return rows
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def environment() -> dict:
     return {
         "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores, {platform.system()}".strip(),
+        "machine": f"{_cpu_name()}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}",
         "device": "cpu (gloo)",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -142,7 +154,20 @@ def write_report(rows: list[dict], env: dict, path: str) -> None:
     for (case, predicted, measured, err), row in zip(table, rows):
         lines.append(f"| {case} | {row['quantity']} | {measured:,.0f} | {predicted:,.0f} | {err:+.1%} |")
     worst = max(abs(t[3]) for t in table)
-    lines += ["", f"Largest relative error: {worst:.1%} over {len(table)} rows.", ""]
+    lines += [
+        "", f"Largest relative error: {worst:.1%} over {len(table)} rows.", "",
+        "## What this does and does not validate", "",
+        "- Validated (CPU, eager, SDPA): every activation coefficient in `planner/activations.py` for all three",
+        "  checkpointing modes, tp, all three CP methods and their compositions, bf16 and fp32, and the loss",
+        "  peak of 14 bytes per local logit element (bf16; 16 in fp32) for the plain and vocab-parallel loss.",
+        "- Not validated here: GPU kernels may save differently (cuDNN attention, the memory-efficient kernel's",
+        "  padded log-sum-exp; allgather CP's mask goes to the memory-efficient kernel as a bf16 bias);",
+        "  FSDP's gathered/unsharded buffers, gradient reduce buffers, the backward-workspace transient, the",
+        "  allocator's fragmentation and the CUDA/NCCL overhead (2 GiB assumed); LoRA activations (peft is not",
+        "  measured); throughput (efficiency 0.5, overlap 0.8, link speeds are assumptions). These need the",
+        "  H200 runs: add `peak_allocated` rows to `measurements.json` (see `planner/calibration.py`).",
+        "",
+    ]
     with open(path, "w") as f:
         f.write("\n".join(lines))
 
@@ -151,9 +176,9 @@ def main() -> None:
     rows = measure_all()
     env = environment()
     with open(MEASUREMENTS_PATH, "w") as f:
-        json.dump({"description": "CPU measurements of this implementation's activation and loss memory "
-                                  "(benchmarks/planner_measure.py); add GPU peak_allocated rows here.",
-                   "environment": env, "rows": rows}, f, indent=1)
+        description = ("CPU measurements of this implementation's activation and loss memory "
+                       "(benchmarks/planner_measure.py); add GPU peak_allocated rows here.")
+        json.dump({"description": description, "environment": env, "rows": rows}, f, indent=1)
         f.write("\n")
     write_report(rows, env, os.path.join(ROOT, "benchmarks", "planner_validation.md"))
     for case, predicted, measured, err in compare_to_measurements(rows):

@@ -71,12 +71,12 @@ def _norm(m: ModelShape, t: int, e: int) -> float:
     return (4 * m.hidden + 4 + e * m.hidden) / t
 
 
-def _kv_expanded(m: ModelShape) -> int:
+def kv_width_allgather(m: ModelShape) -> int:
     """Width of gathered K (or V) in allgather CP: expanded to the query heads under grouped-query attention."""
     return m.q_dim if m.kv_heads != m.heads else m.kv_dim
 
 
-def _kv_alltoall(m: ModelShape, layout: Layout) -> int:
+def kv_width_alltoall(m: ModelShape, layout: Layout) -> int:
     """Width of K (or V) after the alltoall: expanded to the query heads when kv_heads/tp does not split over cp."""
     return m.kv_dim if (m.kv_heads // layout.tp) % layout.cp == 0 else m.q_dim
 
@@ -89,11 +89,11 @@ def attention_none(m: ModelShape, layout: Layout, seq: int, b: int, e: int) -> f
         return b * s * (e * (2 * q + 2 * kv) + 4 * n) / t
     if layout.cp_comm_strategy == "allgather":
         local = b * s * (2 * e * q + 4 * n) / t
-        gathered = b * seq * 2 * e * _kv_expanded(m) / t
+        gathered = b * seq * 2 * e * kv_width_allgather(m) / t
         return local + gathered + e * s * seq + 8 * seq
     if layout.cp_comm_strategy == "ring":
         return b * s * (e * (3 * q + 2 * kv) + 4 * n) / t
-    return b * s * (e * (3 * q + 2 * _kv_alltoall(m, layout)) + 4 * n) / t + 16 * seq
+    return b * s * (e * (3 * q + 2 * kv_width_alltoall(m, layout)) + 4 * n) / t + 16 * seq
 
 
 def layer_none(m: ModelShape, layout: Layout, seq: int, b: int, e: int) -> float:

@@ -50,7 +50,9 @@ def predict(row: dict[str, Any]) -> float:
     """The planner's number for the quantity a measurement row measured."""
     quantity = row.get("quantity")
     if quantity not in QUANTITIES:
-        raise ConfigError(f"measurement {row.get('case')!r}: quantity={quantity!r} must be one of {', '.join(QUANTITIES)}")
+        raise ConfigError(
+            f"measurement {row.get('case')!r}: quantity={quantity!r} must be one of {', '.join(QUANTITIES)}"
+        )
     model = load_model_shape(row["model"])
     layout = Layout(**row["layout"])
     seq, b = row["seq_len"], row["micro_batch"]

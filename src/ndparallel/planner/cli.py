@@ -28,7 +28,9 @@ def _int_list(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers, e.g. 1,2,4") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of whole numbers, e.g. 1,2,4"
+        ) from None
     if not values:
         raise argparse.ArgumentTypeError("give at least one number, e.g. 1,2,4")
     return values

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ndparallel.layout import Layout
-from ndparallel.planner.activations import _kv_alltoall
+from ndparallel.planner.activations import kv_width_alltoall
 from ndparallel.planner.hardware import Cluster, groups_cross_nodes
 from ndparallel.planner.memory import lora_params
 from ndparallel.planner.shapes import ModelShape
@@ -96,7 +96,7 @@ def comm_per_step(model: ModelShape, layout: Layout, workload: Workload, cluster
             per_layer = (c - 1) * kvb * (2 + recompute) + c * kvb * 4 / e
             calls = (c - 1) * (2 + recompute) + c
         else:
-            sizes = e * b * s * (2 * model.q_dim + 2 * _kv_alltoall(model, layout)) / t
+            sizes = e * b * s * (2 * model.q_dim + 2 * kv_width_alltoall(model, layout)) / t
             per_layer, calls = sizes * _ring(c) * (2 + recompute), 4 * (2 + recompute)
         add("cp", m * L * per_layer, m * L * calls, cross["cp"])
     return out

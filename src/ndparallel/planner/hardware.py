@@ -42,7 +42,7 @@ class Cluster:
     inter_node_gbps: float = 50.0
     """Network bandwidth per GPU per direction (one 400 Gb/s NIC per GPU)."""
     peak_tflops: float = 989.0
-    """Dense bf16 peak per GPU (H100/H200 SXM). fp32 training runs on TF32 units at half this rate."""
+    """Dense bf16 peak per GPU (H100/H200 SXM). fp32 runs at 67/989 of it (perf.FP32_RATE: TF32 is off)."""
     efficiency: float = 0.5
     """Fraction of peak the model's matmuls and attention achieve (rule of thumb; calibrate)."""
     hbm_gbps: float = 3350.0

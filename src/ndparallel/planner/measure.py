@@ -3,8 +3,9 @@
 Two counts over one forward (with the loss) of a model parallelized by ``ndparallel.parallelize``:
 
 - ``layer_saved``: bytes of the unique storages autograd saves for backward inside the last decoder layer
-  (its weights and the rotary tables shared by all layers left out), seen through ``torch.autograd.graph.saved_tensors_hooks`` (mode 'none' only: inside a checkpointed
-  layer the checkpoint's own hooks take the tensors, so ours see nothing).
+  (its weights and the rotary tables shared by all layers left out), seen through
+  ``torch.autograd.graph.saved_tensors_hooks`` (mode 'none' only: inside a checkpointed layer the
+  checkpoint's own hooks take the tensors, so ours see nothing).
 - ``retained``: bytes of the storages created during the forward that are still alive after it, once
   the caller's references to the logits are dropped: what autograd saved, what checkpointing keeps (its
   inputs, selective checkpointing's cached outputs) and the loss's saved softmax, parameters excluded.

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ndparallel.layout import Layout
-from ndparallel.planner.activations import _kv_alltoall, _kv_expanded, activation_bytes, loss_peak
+from ndparallel.planner.activations import activation_bytes, kv_width_allgather, kv_width_alltoall, loss_peak
 from ndparallel.planner.hardware import GIB, Cluster
 from ndparallel.planner.shapes import ModelShape
 from ndparallel.planner.workload import Workload
@@ -93,16 +93,20 @@ def cp_buffer_bytes(model: ModelShape, layout: Layout, seq: int, b: int, e: int)
         return 0.0
     s, kv, q = seq // c, model.kv_dim, model.q_dim
     if layout.cp_comm_strategy == "allgather":
-        return b * seq * e * (2 * _kv_expanded(model) + 2 * kv) / t
+        return b * seq * e * (2 * kv_width_allgather(model) + 2 * kv) / t
     if layout.cp_comm_strategy == "ring":
         return b * s * (4 * e * kv + 16 * kv + 8 * q) / t
-    return 2 * e * b * s * (q + 2 * _kv_alltoall(model, layout)) / t
+    return 2 * e * b * s * (q + 2 * kv_width_alltoall(model, layout)) / t
 
 
 def estimate_memory(model: ModelShape, layout: Layout, workload: Workload, *, micro_batch: int = 1,
                     activation_checkpointing: str | None = None, accumulation: int = 1, grad_sync: str = "last",
                     cluster: Cluster | None = None) -> MemoryEstimate:
-    """Peak memory of one GPU training ``model`` on ``layout`` (see the module docstring for each term)."""
+    """Peak memory of one GPU training ``model`` on ``layout`` (see the module docstring for each term).
+
+    ``activation_checkpointing`` defaults to the workload's mode ('none' when the workload says 'auto');
+    ``accumulation`` micro-batches per step with ``grad_sync`` 'last' keep unsharded fp32 gradients.
+    """
     mode = activation_checkpointing or workload.ac_modes[0]
     cluster = cluster or Cluster()
     e, t, seq, b = workload.compute_bytes, layout.tp, workload.seq_len, micro_batch

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ndparallel.layout import Layout
-from ndparallel.planner.activations import _kv_alltoall, _kv_expanded
+from ndparallel.planner.activations import kv_width_allgather, kv_width_alltoall
 from ndparallel.planner.comm import AxisComm
 from ndparallel.planner.hardware import Cluster
 from ndparallel.planner.memory import lora_params
@@ -57,7 +57,8 @@ class StepTime:
         return self.compute_s + self.memory_bound_s + sum(self.exposed_comm_s.values())
 
 
-def step_flops(model: ModelShape, layout: Layout, workload: Workload, activation_checkpointing: str) -> tuple[float, float]:
+def step_flops(model: ModelShape, layout: Layout, workload: Workload,
+               activation_checkpointing: str) -> tuple[float, float]:
     """(all FLOPs, attention FLOPs) of one optimizer step over all GPUs."""
     tokens, seq, L, q = workload.tokens, workload.seq_len, model.layers, model.q_dim
     n = model.matmul_params()
@@ -107,7 +108,7 @@ def memory_bound_bytes(model: ModelShape, layout: Layout, workload: Workload, *,
         if method == "ring":
             per_layer += (2 * c + 1) * 10 * 4 * b * model.q_dim / t * s / 2
         elif method == "allgather":
-            per_layer += 6 * e * b * seq * 2 * _kv_expanded(model) / t + e * s * seq
+            per_layer += 6 * e * b * seq * 2 * kv_width_allgather(model) / t + e * s * seq
         else:
-            per_layer += 4 * e * b * s * (2 * model.q_dim + 2 * _kv_alltoall(model, layout)) / t
+            per_layer += 4 * e * b * s * (2 * model.q_dim + 2 * kv_width_alltoall(model, layout)) / t
     return accumulation * model.layers * per_layer

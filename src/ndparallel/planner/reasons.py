@@ -28,7 +28,8 @@ def fit_reason(row: PlanRow, cluster: Cluster, workload: Workload) -> str:
                 f"{row.layout.batch_size} data-parallel ranks (dp_replicate x dp_shard)")
     where = f"peak at {mem.transient_kind}"
     if row.fits:
-        return f"fits: {_gib(mem.total)} of {_gib(usable)} usable ({cluster.headroom:.0%} of {cluster.device_memory_gib:g} GiB), {where}"
+        return (f"fits: {_gib(mem.total)} of {_gib(usable)} usable ({cluster.headroom:.0%} of "
+                f"{cluster.device_memory_gib:g} GiB), {where}")
     return (f"does not fit: needs {mem.total / GIB:.0f} GiB of {cluster.device_memory_gib:g} "
             f"({_gib(usable)} usable); {mem.summary()}")
 
@@ -74,7 +75,8 @@ def axis_reasons(row: PlanRow, model: ModelShape, cluster: Cluster, workload: Wo
                        f"overlapped with each block's attention ({row.time.exposed_comm_s.get('cp', 0):.2f} s exposed)")
         elif method == "allgather":
             out.append(f"allgather cp: {_gb(cp.bytes)}/step, exposed; keeps the whole row's K/V and a "
-                       f"{workload.seq_len // c} x {workload.seq_len} mask per layer and computes every score (no causal skip)")
+                       f"{workload.seq_len // c} x {workload.seq_len} mask per layer and computes every score "
+                       f"(no causal skip)")
         else:
             out.append(f"alltoall cp: 4 all-to-alls per layer each way ({_gb(cp.bytes)}/step, exposed) over "
                        f"{_link(cross['cp'], cluster)}")
@@ -106,7 +108,8 @@ def knob_reasons(row: PlanRow, siblings: list[PlanRow], cluster: Cluster) -> lis
     if mode != "none" and "none" in lighter:
         none = lighter["none"]
         why = "does not fit" if not none.fits else f"is slower ({none.tokens_per_s_per_gpu:,.0f} tokens/s/GPU)"
-        out.append(f"activation checkpointing '{mode}': without it this layout needs {_gib(none.memory.total)} and {why}")
+        out.append(f"activation checkpointing '{mode}': without it this layout needs {_gib(none.memory.total)} "
+                   f"and {why}")
     elif mode == "none":
         out.append(f"no activation checkpointing: activations take {_gib(row.memory.activations)}")
     text = f"micro-batch {row.micro_batch}"

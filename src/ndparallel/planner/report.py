@@ -30,7 +30,8 @@ def format_table(rows: list[PlanRow], top: int = 10, reasons_for: int = 3) -> st
     shown = rows[:top]
     table = [list(_COLUMNS)] + [_cells(i + 1, row) for i, row in enumerate(shown)]
     widths = [max(len(r[k]) for r in table) for k in range(len(_COLUMNS))]
-    lines = ["  ".join(cell.rjust(w) if k not in (5, 7) else cell.ljust(w) for k, (cell, w) in enumerate(zip(r, widths)))
+    left = (5, 7)  # text columns: cp method, AC
+    lines = ["  ".join(cell.ljust(w) if k in left else cell.rjust(w) for k, (cell, w) in enumerate(zip(r, widths)))
              for r in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
     if len(rows) > top:

@@ -226,14 +226,18 @@ def load_model_shape(spec: "str | dict | ModelShape | Any") -> ModelShape:
         try:
             return ModelShape.from_dict(json.loads(text), name="inline")
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"--model inline JSON does not parse ({exc.msg} at char {exc.pos}); check quoting") from None
+            raise ConfigError(
+                f"--model inline JSON does not parse ({exc.msg} at char {exc.pos}); check quoting"
+            ) from None
     path = os.path.join(text, "config.json") if os.path.isdir(text) else text
     if os.path.isfile(path):
         with open(path) as f:
             try:
                 data = json.load(f)
             except json.JSONDecodeError as exc:
-                raise ConfigError(f"model config {path} is not valid JSON ({exc.msg}); fix or replace the file") from None
+                raise ConfigError(
+                    f"model config {path} is not valid JSON ({exc.msg}); fix or replace the file"
+                ) from None
         return ModelShape.from_hf_config(data, name=os.path.basename(os.path.dirname(os.path.abspath(path))))
     raise ConfigError(
         f"model={spec!r} is not a preset ({', '.join(PRESETS)}), a directory with config.json, a config file "
