@@ -5,6 +5,8 @@ import json
 
 import pytest
 
+from ndparallel import ConfigError
+
 from ndparallel.planner import Cluster, PlanRow, Workload, best_layout, format_table, plan, to_json
 from ndparallel.planner.candidates import layout_problems
 from ndparallel.planner.hardware import groups_cross_nodes
@@ -99,3 +101,13 @@ def test_best_layout_honours_constraints_and_long_sequences():
     assert layout.cp > 1 and layout.tp <= 8
     fixed, _ = best_layout("llama-8b", 8, 8192, constraints={"tp": 2})
     assert fixed.tp == 2 and fixed.world_size == 8
+
+
+def test_impossible_requests_are_config_errors_or_marked_infeasible():
+    with pytest.raises(ConfigError, match="no layout of 8 GPUs splits llama-8b"):
+        plan("llama-8b", Cluster(), Workload(seq_len=8192, global_batch_rows=8), constraints={"tp": 3})
+    rows = plan("llama-8b", Cluster(), Workload(seq_len=8192, global_batch_rows=12, micro_batch_sizes=(4,)))
+    reasons = {r.layout.shape: r.reasons[0] for r in rows}
+    assert reasons[(1, 8, 1, 1)].startswith("infeasible: the global batch of 12 rows does not split over 8")
+    assert reasons[(1, 2, 1, 4)].startswith("infeasible: no micro-batch size of (4) divides the 6 rows")
+    assert reasons[(1, 1, 1, 8)].startswith(("fits", "does not fit"))

@@ -24,8 +24,13 @@ def _link(cross: bool, cluster: Cluster) -> str:
 def fit_reason(row: PlanRow, cluster: Cluster, workload: Workload) -> str:
     mem, usable = row.memory, cluster.usable_bytes
     if not row.feasible:
-        return (f"infeasible: the global batch of {workload.rows} rows does not split over "
-                f"{row.layout.batch_size} data-parallel ranks (dp_replicate x dp_shard)")
+        ranks = row.layout.batch_size
+        if workload.rows % ranks:
+            return (f"infeasible: the global batch of {workload.rows} rows does not split over "
+                    f"{ranks} data-parallel ranks (dp_replicate x dp_shard)")
+        sizes = ", ".join(map(str, workload.micro_batch_sizes))
+        return (f"infeasible: no micro-batch size of ({sizes}) divides the {workload.rows // ranks} rows of each "
+                f"data-parallel rank")
     where = f"peak at {mem.transient_kind}"
     if row.fits:
         return (f"fits: {_gib(mem.total)} of {_gib(usable)} usable ({cluster.headroom:.0%} of "
