@@ -31,6 +31,8 @@ from ndparallel.planner.shapes import PRESETS  # noqa: E402
 TINY = PRESETS["tiny"]
 # Grouped-query attention (8 query heads, 4 key/value heads): exercises K/V expansion in CP attention.
 GQA = dataclasses.replace(TINY, kv_heads=4, name="tiny-gqa4")
+# Qwen3's per-head q/k RMSNorm.
+QWEN3 = dataclasses.replace(GQA, qk_norm=True, name="tiny-qwen3")
 SEQ, ROWS = 64, 2
 
 
@@ -60,6 +62,9 @@ ACTIVATION_CASES = [
     (GQA, L(c=2, t=2, method="alltoall"), "none", "bf16"),
     (GQA, L(c=2, t=2, method="allgather"), "selective", "bf16"),
     (GQA, L(s=2, t=2), "selective", "bf16"),
+    (QWEN3, L(), "none", "bf16"),
+    (QWEN3, L(t=2), "none", "bf16"),
+    (QWEN3, L(c=2, method="ring"), "selective", "bf16"),
 ]
 # (vocab, tokens, tp, precision)
 LOSS_CASES = [(4096, 256, 1, "bf16"), (4096, 256, 2, "bf16"), (4096, 256, 1, "fp32"), (4096, 256, 4, "bf16")]
@@ -140,7 +145,8 @@ def write_report(rows: list[dict], env: dict, path: str) -> None:
         "",
         "Regenerate with `PYTHONPATH=src python benchmarks/planner_measure.py` (writes this file and",
         "`src/ndparallel/planner/measurements.json`). Models: `tiny` (hidden 64, 2 layers, 8 heads, 8 kv heads,",
-        "intermediate 128, vocab 256) and `tiny-gqa4` (the same with 4 kv heads); micro-batch 2 rows of 64",
+        "intermediate 128, vocab 256), `tiny-gqa4` (the same with 4 kv heads) and `tiny-qwen3` (tiny-gqa4 with",
+        "Qwen3's q/k norms); micro-batch 2 rows of 64",
         "tokens per data rank. Quantities (see `planner/calibration.py`): `activations_retained` = bytes alive after",
         "forward + loss (parameters excluded), `layer_saved` = bytes autograd saves in the last decoder layer",
         "without checkpointing, `layer_retained` = what one more checkpointed layer keeps (the difference",

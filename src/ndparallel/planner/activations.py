@@ -14,6 +14,7 @@ one decoder layer, no checkpointing
     attention        (e*(2q + 2kv) + 4n) / t   rotated q and k, v, the output (also o_proj's input),
                                           and the fp32 log-sum-exp; rotary tables save nothing per layer
     MLP              4 * e*i / t          gate and up outputs, silu(gate), their product (down's input)
+    q/k RMSNorm      ((4 + e)*(q + kv) + 4*(n + kv_heads)) / t   Qwen3 only: the same three per head
 
 attention under CP (replaces the attention line; indices are int64 per layer)
     allgather   (2e*q + 4n)/t per token + 2e*kv'/t per token of the FULL row (K/V gathered; expanded to the
@@ -100,6 +101,8 @@ def layer_none(m: ModelShape, layout: Layout, seq: int, b: int, e: int) -> float
     """Bytes one decoder layer keeps for backward without checkpointing."""
     t, s = layout.tp, seq // layout.cp
     dense = b * s * (2 * _norm(m, t, e) + 2 * e * m.hidden + 4 * e * m.intermediate / t)
+    if m.qk_norm:
+        dense += b * s * ((4 + e) * (m.q_dim + m.kv_dim) + 4 * (m.heads + m.kv_heads)) / t
     return dense + attention_none(m, layout, seq, b, e)
 
 
