@@ -1,0 +1,40 @@
+"""Layout planner: which (dp_replicate, dp_shard, cp, tp) layout to train a model on, and why.
+
+    from ndparallel.planner import Cluster, Workload, plan, format_table
+    rows = plan("llama-8b", Cluster(nodes=2, gpus_per_node=8, device_memory_gib=80),
+                Workload(seq_len=131072, global_batch_tokens=1 << 20))
+    print(format_table(rows))
+
+Modules, in the order a plan is made:
+
+    shapes.py       ModelShape (presets, HF configs) and parameter counts
+    hardware.py     Cluster (GPUs, memory, links, FLOP/s) and which axes cross nodes
+    workload.py     Workload (sequence, batch, precision, checkpointing, LoRA)
+    candidates.py   every valid layout of a world size; per-layout knobs
+    activations.py  activation bytes as this implementation keeps them (measured on CPU: measure.py)
+    memory.py       itemized per-GPU peak memory
+    comm.py         bytes per step per axis; perf.py: compute and step time
+    evaluate.py     one candidate estimated (PlanRow); plan.py: ranking, best_layout; reasons.py; report.py
+    calibration.py  measured peaks against predictions (measurements.json)
+    cli.py          ``ndparallel plan``
+"""
+
+from ndparallel.planner.activations import ActivationBytes, activation_bytes
+from ndparallel.planner.calibration import compare_to_measurements, load_measurements
+from ndparallel.planner.candidates import valid_layouts
+from ndparallel.planner.cli import add_plan_arguments, run_plan
+from ndparallel.planner.comm import AxisComm, comm_per_step
+from ndparallel.planner.evaluate import PlanRow
+from ndparallel.planner.hardware import Cluster
+from ndparallel.planner.memory import MemoryEstimate, estimate_memory
+from ndparallel.planner.plan import LayoutChoice, best_layout, plan
+from ndparallel.planner.report import format_table, to_json
+from ndparallel.planner.shapes import PRESETS, ModelShape, load_model_shape
+from ndparallel.planner.workload import Workload
+
+__all__ = [
+    "ActivationBytes", "activation_bytes", "compare_to_measurements", "load_measurements", "valid_layouts",
+    "add_plan_arguments", "run_plan", "AxisComm", "comm_per_step", "PlanRow", "Cluster", "MemoryEstimate",
+    "estimate_memory", "LayoutChoice", "best_layout", "plan", "format_table", "to_json", "PRESETS", "ModelShape",
+    "load_model_shape", "Workload",
+]

@@ -1,0 +1,202 @@
+"""Measure the activation memory this implementation keeps, on any device, for small models.
+
+Two counts over one forward (with the loss) of a model parallelized by ``ndparallel.parallelize``:
+
+- ``layer_saved``: bytes of the unique storages autograd saves for backward inside the last decoder layer
+  (its weights and the rotary tables shared by all layers left out), seen through
+  ``torch.autograd.graph.saved_tensors_hooks`` (mode 'none' only: inside a checkpointed layer the
+  checkpoint's own hooks take the tensors, so ours see nothing).
+- ``retained``: bytes of the storages created during the forward that are still alive after it, once
+  the caller's references to the logits are dropped: what autograd saved, what checkpointing keeps (its
+  inputs, selective checkpointing's cached outputs) and the loss's saved softmax, parameters excluded.
+  Storages are tracked through a ``TorchDispatchMode`` with weak references, so nothing is kept alive by
+  the measurement itself.
+
+To tell gathered parameters from activations, FSDP keeps parameters unsharded after forward
+(``reshard_after_forward=False``, which changes no activation) so they are the module's registered
+parameters when counting. Call ``measure_activations`` on every rank of an initialized process group
+(or in a plain process for one rank); it returns rank-local numbers.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from ndparallel.planner.shapes import ModelShape
+
+
+def _plain(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors holding ``t``'s memory: its local part for a DTensor, inner tensors of wrapper subclasses."""
+    if isinstance(t, DTensor):
+        return [t.to_local()]
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return [x for name in names for x in _plain(getattr(t, name))]
+    return [t]
+
+
+def _storage_key(t: torch.Tensor):
+    """(weak reference, bytes) of ``t``'s storage, or None for a storage without memory of its own."""
+    storage = t.untyped_storage()
+    try:
+        storage.data_ptr()
+    except RuntimeError:  # a wrapper subclass whose data lives in an inner tensor
+        return None
+    return StorageWeakRef(storage), storage.nbytes()
+
+
+def _param_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [t for p in module.parameters() for t in _plain(p)]
+
+
+class _StorageRecorder(TorchDispatchMode):
+    """Records every storage an op returns, with the region (embedding / layer k / head) that made it."""
+
+    def __init__(self, region: list[str]) -> None:
+        super().__init__()
+        self.region = region
+        self.storages: dict[int, tuple[StorageWeakRef, int, str]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                for t in _plain(leaf):
+                    key = _storage_key(t)
+                    if key is not None and key[0].cdata not in self.storages:
+                        self.storages[key[0].cdata] = (key[0], key[1], self.region[0])
+        return out
+
+
+def measure_activations(shape: ModelShape, layout: dict[str, Any], *, seq_len: int, micro_batch: int,
+                        activation_checkpointing: str = "none", precision: str = "bf16",
+                        seed: int = 0) -> dict[str, Any]:
+    """Activation bytes one rank keeps for a micro-batch of ``micro_batch`` rows of ``seq_len`` tokens.
+
+    ``layout`` holds ParallelismConfig keyword arguments. Returns ``retained``, ``layer_saved`` (mode
+    'none'), ``regions`` (retained bytes by the region that created them) and the layout used.
+    """
+    from transformers import AutoModelForCausalLM
+
+    import ndparallel as ndp
+
+    topo = ndp.Topology.build(ndp.ParallelismConfig(**layout))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(shape.to_hf_config(), attn_implementation="sdpa",
+                                             dtype=torch.float32).train()
+    options = ndp.ParallelOptions(param_dtype="bfloat16" if precision == "bf16" else None,
+                                  activation_checkpointing=activation_checkpointing, reshard_after_forward=False)
+    ndp.parallelize(model, topo, options=options)
+    rows = micro_batch * topo.layout.batch_size
+    ids = torch.randint(1, shape.vocab, (rows, seq_len), generator=torch.Generator().manual_seed(seed + 1))
+    batch = ndp.prepare_batch(ids, topo)
+    num_tokens = ndp.count_tokens(batch.num_tokens, topo)
+
+    region = ["embedding"]
+    layers = model.model.layers
+    last = f"layer{len(layers) - 1}"
+    layer_params: set[int] = set()
+
+    def enter(mod, args, name):
+        region[0] = name
+        if name == last:  # FSDP has gathered the layer's weights by now (its hook runs first)
+            layer_params.update(key[0].cdata for key in map(_storage_key, _param_tensors(mod)) if key)
+
+    for k, layer in enumerate(layers):
+        layer.register_forward_pre_hook(lambda mod, args, k=k: enter(mod, args, f"layer{k}"))
+        layer.register_forward_hook(lambda mod, args, out: region.__setitem__(0, "head"))
+
+    recorder = _StorageRecorder(region)
+    saved: dict[int, tuple[StorageWeakRef, int]] = {}
+    keep_refs: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        # Count what the last layer saves except its weights (linears save transposed views of them) and
+        # what was made before the first layer (rotary tables, shared by all layers; input ids).
+        if region[0] == last:
+            for plain in _plain(t):
+                key = _storage_key(plain)
+                if key is None or key[0].cdata in saved or key[0].cdata in layer_params:
+                    continue
+                made = recorder.storages.get(key[0].cdata)
+                if made is not None and made[2] != "embedding":
+                    saved[key[0].cdata] = key
+                    keep_refs.append(plain)  # saved by autograd anyway; keeps the storage (and key) unique
+        return t
+
+    inputs = batch.model_inputs()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
+        logits = model(**inputs).logits
+        loss = ndp.token_loss(logits, batch.labels, num_tokens=num_tokens, topology=topo)
+    del logits, keep_refs
+    gc.collect()
+
+    params = {key[0].cdata for key in map(_storage_key, _param_tensors(model)) if key}
+    regions: dict[str, int] = {}
+    for cdata, (ref, nbytes, where) in recorder.storages.items():
+        if ref.expired() or cdata in params:
+            continue
+        regions[where] = regions.get(where, 0) + nbytes
+    loss.backward()  # exercise the graph once: a measurement of a layout that cannot train is worthless
+    return {
+        "retained": sum(regions.values()),
+        "layer_saved": sum(n for _, n in saved.values()) if activation_checkpointing == "none" else None,
+        "regions": regions,
+        "layout": topo.layout.shape,
+        "cp_comm_strategy": topo.layout.cp_comm_strategy,
+    }
+
+
+class _PeakRecorder(TorchDispatchMode):
+    """Largest total of live storages created inside the block (checked after every op)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                for t in _plain(leaf):
+                    key = _storage_key(t)
+                    if key is not None:
+                        self.live.setdefault(key[0].cdata, key)
+        for cdata in [c for c, (ref, _) in self.live.items() if ref.expired()]:
+            del self.live[cdata]
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
+
+
+def measure_loss_peak(*, vocab: int, tokens: int, precision: str = "bf16", seed: int = 0) -> dict[str, Any]:
+    """Peak bytes of the logits and ``ndparallel.loss`` through forward and backward, on this rank.
+
+    The logits are (tokens, vocab / world) in the compute dtype, made inside the measured block like a
+    model's; with more than one rank the vocabulary-parallel loss runs over the world group (as tp).
+    """
+    import torch.distributed as dist
+
+    from ndparallel.loss import cross_entropy_sum
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    local = vocab // world
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, local, generator=g).to(dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    recorder = _PeakRecorder()
+    with recorder:
+        logits = hidden * 1.0
+        group = dist.group.WORLD if world > 1 else None
+        loss = cross_entropy_sum(logits, labels, tp_group=group, vocab_start=rank * local) / tokens
+        loss.backward()
+    return {"peak": recorder.peak, "elements": tokens * local}

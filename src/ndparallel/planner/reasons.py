@@ -1,0 +1,154 @@
+"""Human-readable reasons for each planned layout: whether it fits, and what each axis costs or buys."""
+
+from __future__ import annotations
+
+from ndparallel.layout import Layout
+from ndparallel.planner.evaluate import PlanRow
+from ndparallel.planner.hardware import GB, GIB, Cluster, groups_cross_nodes
+from ndparallel.planner.shapes import ModelShape
+from ndparallel.planner.workload import Workload
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:.1f} GiB"
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:.1f} GB" if x >= 0.1 * GB else f"{x / 1e6:.0f} MB"
+
+
+def _link(cross: bool, cluster: Cluster) -> str:
+    return f"the {cluster.inter_node_gbps:g} GB/s network" if cross else f"NVLink ({cluster.intra_node_gbps:g} GB/s)"
+
+
+def fit_reason(row: PlanRow, cluster: Cluster, workload: Workload) -> str:
+    mem, usable = row.memory, cluster.usable_bytes
+    if not row.feasible:
+        ranks = row.layout.batch_size
+        if workload.rows % ranks:
+            return (f"infeasible: the global batch of {workload.rows} rows does not split over "
+                    f"{ranks} data-parallel ranks (dp_replicate x dp_shard)")
+        sizes = ", ".join(map(str, workload.micro_batch_sizes))
+        return (f"infeasible: no micro-batch size of ({sizes}) divides the {workload.rows // ranks} rows of each "
+                f"data-parallel rank")
+    where = f"peak at {mem.transient_kind}"
+    if row.fits:
+        return (f"fits: {_gib(mem.total)} of {_gib(usable)} usable ({cluster.headroom:.0%} of "
+                f"{cluster.device_memory_gib:g} GiB), {where}")
+    return (f"does not fit: needs {mem.total / GIB:.0f} GiB of {cluster.device_memory_gib:g} "
+            f"({_gib(usable)} usable); {mem.summary()}")
+
+
+def _cp_reason(row: PlanRow, workload: Workload, cluster: Cluster, context: dict) -> str:
+    """Why the sequence is split: memory (nothing without cp fits), or throughput against the best without."""
+    c, seq, usable = row.layout.cp, workload.seq_len, cluster.usable_bytes
+    held = f"cp {c}: each GPU holds {seq // c} of {seq} tokens"
+    leanest, leanest_dp, best = context["leanest_no_cp"], context["leanest_no_cp_no_tp"], context["best_no_cp"]
+    if leanest is not None and leanest > usable:
+        return (f"cp needed: at {seq} tokens the leanest layout without cp needs {_gib(leanest)} per GPU "
+                f"({_gib(usable)} usable); {held}")
+    if leanest_dp is not None and leanest_dp > usable and best is not None:
+        return (f"cp needed unless tp splits the activations: at {seq} tokens data parallelism alone needs "
+                f"{_gib(leanest_dp)} per GPU ({_gib(usable)} usable), and the best layout without cp "
+                f"(tp {best.layout.tp}) makes {best.tokens_per_s_per_gpu:,.0f} tokens/s/GPU against "
+                f"{row.tokens_per_s_per_gpu:,.0f} here; {held}")
+    return f"{held} (not needed for memory)"
+
+
+def axis_reasons(row: PlanRow, model: ModelShape, cluster: Cluster, workload: Workload, context: dict) -> list[str]:
+    lay: Layout = row.layout
+    r, s, c, t = lay.shape
+    cross = groups_cross_nodes(lay, cluster.gpus_per_node)
+    multi_node = cluster.nodes > 1
+    out = []
+    if t > 1:
+        tp = row.comm["tp"]
+        if cross["tp"]:
+            out.append(f"tp {t} spans nodes: its per-layer all-gathers and reduce-scatters ({_gb(tp.bytes)}/step) "
+                       f"cross {_link(True, cluster)}, {tp.seconds:.2f} s exposed")
+        elif multi_node:
+            out.append(f"tp {t} kept inside a node ({cluster.gpus_per_node} GPUs/node): its per-layer all-gathers "
+                       f"({_gb(tp.bytes)}/step, {tp.seconds:.2f} s exposed) would cross {_link(True, cluster)}")
+        else:
+            out.append(f"tp {t} over NVLink: {_gb(tp.bytes)}/step of per-layer collectives, {tp.seconds:.2f} s exposed")
+    if c > 1:
+        out.append(_cp_reason(row, workload, cluster, context))
+        cp = row.comm["cp"]
+        method = lay.cp_comm_strategy
+        if method == "ring":
+            out.append(f"ring cp sends {_gb(cp.bytes)}/step of K/V blocks over {_link(cross['cp'], cluster)}, "
+                       f"overlapped with each block's attention ({row.time.exposed_comm_s.get('cp', 0):.2f} s exposed)")
+        elif method == "allgather":
+            out.append(f"allgather cp: {_gb(cp.bytes)}/step, exposed; keeps the whole row's K/V and a "
+                       f"{workload.seq_len // c} x {workload.seq_len} mask per layer and computes every score "
+                       f"(no causal skip)")
+        else:
+            out.append(f"alltoall cp: 4 all-to-alls per layer each way ({_gb(cp.bytes)}/step, exposed) over "
+                       f"{_link(cross['cp'], cluster)}")
+    if r > 1:
+        rep = row.comm["dp_replicate"]
+        if cross["dp_replicate"]:
+            out.append(f"dp_replicate {r} across nodes: one gradient all-reduce per reduction crosses the network "
+                       f"({_gb(rep.bytes)}/step, {rep.seconds:.2f} s, overlapped with backward)")
+        else:
+            out.append(f"dp_replicate {r} inside a node: gradient all-reduce {_gb(rep.bytes)}/step on NVLink")
+    if lay.fsdp_size > 1:
+        f = row.comm["fsdp"]
+        parts = f"dp_shard {s} x cp {c}" if c > 1 else f"dp_shard {s}"
+        if cross["fsdp"]:
+            out.append(f"FSDP over {lay.fsdp_size} GPUs ({parts}) spans nodes: weight all-gathers and gradient "
+                       f"reduce-scatters ({_gb(f.bytes)}/step, {f.seconds:.2f} s) cross the network")
+        else:
+            out.append(f"FSDP shards weights, gradients and AdamW states {lay.fsdp_size} ways ({parts}): "
+                       f"{_gb(f.bytes)}/step on NVLink")
+    return out
+
+
+def knob_reasons(row: PlanRow, siblings: list[PlanRow], cluster: Cluster) -> list[str]:
+    """Why this checkpointing mode and micro-batch, from the other candidates of the same layout."""
+    out = []
+    mode = row.activation_checkpointing
+    same_b = [x for x in siblings if x.micro_batch == row.micro_batch and x.grad_sync == row.grad_sync]
+    lighter = {x.activation_checkpointing: x for x in same_b}
+    if mode != "none" and "none" in lighter:
+        none = lighter["none"]
+        why = "does not fit" if not none.fits else f"is slower ({none.tokens_per_s_per_gpu:,.0f} tokens/s/GPU)"
+        out.append(f"activation checkpointing '{mode}': without it this layout needs {_gib(none.memory.total)} "
+                   f"and {why}")
+    elif mode == "none":
+        out.append(f"no activation checkpointing: activations take {_gib(row.memory.activations)}")
+    text = f"micro-batch {row.micro_batch}"
+    if row.accumulation > 1:
+        text += f" x {row.accumulation} accumulation steps"
+        if row.grad_sync == "last":
+            text += (f"; gradients reduced once per step, so FSDP keeps {_gib(row.memory.accumulated_grads)} of "
+                     f"unsharded fp32 gradients between micro-batches")
+        else:
+            text += "; gradients reduced every micro-batch to keep them sharded (more traffic, less memory)"
+    out.append(text)
+    exposed = ", ".join(f"{k} {v:.2f}" for k, v in row.time.exposed_comm_s.items() if v > 0.0005)
+    text = f"step {row.step_s:.2f} s: compute {row.time.compute_s:.2f} s"
+    if row.time.memory_bound_s > 0.0005:
+        text += f" + memory-bound {row.time.memory_bound_s:.2f} s (recomputation, CP reorders)"
+    out.append(text + (f" + exposed comm ({exposed} s)" if exposed else ""))
+    return out
+
+
+def add_reasons(rows: list[PlanRow], candidates: dict[Layout, list[PlanRow]], model: ModelShape, cluster: Cluster,
+                workload: Workload) -> None:
+    """Fill ``row.reasons`` for every row (in place)."""
+    # Memory does not depend on whether the batch splits (infeasible layouts are estimated at micro-batch 1).
+    no_cp = [x for lay, xs in candidates.items() if lay.cp == 1 for x in xs]
+    no_cp_no_tp = [x for x in no_cp if x.layout.tp == 1]
+    fitting_no_cp = [x for x in no_cp if x.fits]
+    context = {
+        "leanest_no_cp": min((x.memory.total for x in no_cp), default=None),
+        "leanest_no_cp_no_tp": min((x.memory.total for x in no_cp_no_tp), default=None),
+        "best_no_cp": max(fitting_no_cp, key=lambda x: x.tokens_per_s_per_gpu, default=None),
+    }
+    for row in rows:
+        row.reasons = [fit_reason(row, cluster, workload)]
+        if not row.feasible:
+            continue
+        row.reasons += axis_reasons(row, model, cluster, workload, context)
+        row.reasons += knob_reasons(row, candidates[row.layout], cluster)

@@ -1,0 +1,84 @@
+"""What is trained: sequence length, batch, precision, activation checkpointing, full or LoRA fine-tuning."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ndparallel.errors import ConfigError
+from ndparallel.layout import CP_METHODS
+from ndparallel.parallel.checkpointing import MODES as AC_MODES
+
+PRECISIONS = ("bf16", "fp32")
+GRAD_SYNC = ("auto", "last", "every")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One training step's shape and numerics.
+
+    ``precision='bf16'`` is ndparallel's default mixed precision: bf16 compute and gathered weights, fp32
+    master weights, fp32 gradients (reduced in fp32) and fp32 AdamW states. ``'fp32'`` computes in fp32.
+    """
+
+    seq_len: int
+    global_batch_rows: int | None = None
+    """Rows of seq_len tokens per optimizer step (give this or global_batch_tokens)."""
+    global_batch_tokens: int | None = None
+    """Tokens per optimizer step; rows = ceil(tokens / seq_len)."""
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    """Rows per data rank per forward/backward to consider; the rest of a rank's rows are accumulated."""
+    precision: str = "bf16"
+    activation_checkpointing: str = "auto"
+    """'none', 'full', 'selective', or 'auto' to consider all three."""
+    lora_rank: int | None = None
+    """LoRA rank r: base weights frozen (stored in the compute dtype, no gradients or optimizer state),
+    adapters on all seven linears of each layer."""
+    cp_methods: tuple[str, ...] = CP_METHODS
+    """CP methods to consider when cp > 1."""
+    grad_sync: str = "auto"
+    """With gradient accumulation: 'last' reduces gradients on the last micro-batch only (FSDP keeps
+    unsharded fp32 gradients in between), 'every' reduces each micro-batch, 'auto' considers both."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
+            raise ConfigError(f"seq_len={self.seq_len!r} must be a whole number of tokens >= 1")
+        if (self.global_batch_rows is None) == (self.global_batch_tokens is None):
+            raise ConfigError("give exactly one of global_batch_rows or global_batch_tokens (e.g. --global-batch 64)")
+        for name in ("global_batch_rows", "global_batch_tokens", "lora_rank"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name}={value!r} must be a whole number >= 1")
+        if not self.micro_batch_sizes or any(not isinstance(b, int) or b < 1 for b in self.micro_batch_sizes):
+            raise ConfigError(f"micro_batch_sizes={self.micro_batch_sizes!r} must be whole numbers >= 1, e.g. 1,2,4")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision={self.precision!r} must be one of {', '.join(PRECISIONS)}")
+        if self.activation_checkpointing not in (*AC_MODES, "auto"):
+            raise ConfigError(
+                f"activation_checkpointing={self.activation_checkpointing!r} must be one of "
+                f"{', '.join((*AC_MODES, 'auto'))}"
+            )
+        bad = [m for m in self.cp_methods if m not in CP_METHODS]
+        if bad or not self.cp_methods:
+            raise ConfigError(f"cp_methods={self.cp_methods!r} must be a non-empty subset of {', '.join(CP_METHODS)}")
+        if self.grad_sync not in GRAD_SYNC:
+            raise ConfigError(f"grad_sync={self.grad_sync!r} must be one of {', '.join(GRAD_SYNC)}")
+
+    @property
+    def rows(self) -> int:
+        if self.global_batch_rows is not None:
+            return self.global_batch_rows
+        return -(-self.global_batch_tokens // self.seq_len)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per optimizer step."""
+        return self.rows * self.seq_len
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of activations and gathered weights."""
+        return 2 if self.precision == "bf16" else 4
+
+    @property
+    def ac_modes(self) -> tuple[str, ...]:
+        return AC_MODES if self.activation_checkpointing == "auto" else (self.activation_checkpointing,)
