@@ -76,7 +76,7 @@ def bench_ndparallel(args, config, topo) -> dict:
 
     def step(i):
         batch = ndp.prepare_batch(_synthetic(rows, args.seq, config.vocab_size, i), topo)
-        forward_backward(model, [batch], topo)
+        forward_backward(model, [batch], topo, compiled_loss=args.compile)
         ndp.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)

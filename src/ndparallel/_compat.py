@@ -77,6 +77,12 @@ def set_gradient_sum(fsdp_module) -> None:
     fsdp_module.set_force_sum_reduction_for_comms(True)
 
 
+def scale_tensors_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply many tensors in place by one device scalar in few kernels (the optimizers' foreach op)."""
+    if tensors:
+        torch._foreach_mul_(tensors, factor.to(tensors[0].device))
+
+
 # ---------------------------------------------------------------------------------------------
 # Fused attention kernels that return the log-sum-exp of each query row.
 #

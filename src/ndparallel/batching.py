@@ -20,11 +20,12 @@ import torch
 
 from ndparallel.errors import ConfigError
 from ndparallel.parallel.context import (
-    CONTEXT_KWARG,
-    AttentionContext,
-    build_attention_context,
+    SEGMENTS_HOST_KWARG,
+    SEGMENTS_KWARG,
+    SINGLE_KWARG,
     cp_shard,
     segment_ids_from,
+    single_segment,
 )
 from ndparallel.topology import Topology
 
@@ -38,7 +39,11 @@ class Batch:
     input_ids: torch.Tensor
     labels: torch.Tensor
     position_ids: torch.Tensor
-    attention: AttentionContext | None
+    segments: torch.Tensor | None
+    """Document id of every token of the whole (padded) rows, (B, S) on the device; None when plain causal
+    attention is exact and no context parallelism needs them."""
+    segments_host: torch.Tensor | None
+    single_segment: bool
     num_input_tokens: torch.Tensor
     """Real (non-padding) input tokens in this rank's part, for throughput."""
 
@@ -47,8 +52,9 @@ class Batch:
         # use_cache=False: training needs no KV cache, and one would grow again when checkpointed layers
         # are recomputed in backward.
         inputs: dict[str, Any] = {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
-        if self.attention is not None:
-            inputs[CONTEXT_KWARG] = self.attention
+        if self.segments is not None:
+            inputs.update({SEGMENTS_KWARG: self.segments, SEGMENTS_HOST_KWARG: self.segments_host,
+                           SINGLE_KWARG: self.single_segment})
         return inputs
 
     @property
@@ -118,20 +124,28 @@ def prepare_batch(
         position_ids = _pad(position_ids, extra, 0)
         segments = _pad(segments, extra, -1)
 
-    device = topology.device
-    input_ids, targets, position_ids, segments = (t.to(device) for t in (input_ids, targets, position_ids, segments))
-    packed_or_padded = bool((segments != segments[:, :1]).any()) or bool((segments == -1).any())
-    context = None
-    if layout.cp > 1 or packed_or_padded:
-        context = build_attention_context(segments, topology)
+    # Decide on the host (the trainer's rows are on the CPU): no device sync in the step.
+    segments_host = segments.cpu()
+    single = single_segment(segments_host)
+    input_ids, targets, position_ids, segments = (_to_device(t, topology.device)
+                                                  for t in (input_ids, targets, position_ids, segments))
+    needs_segments = layout.cp > 1 or not single
     shard = dict(cp_size=layout.cp, cp_rank=topology.cp_rank)
     return Batch(
         input_ids=cp_shard(input_ids, **shard),
         labels=cp_shard(targets, **shard),
         position_ids=cp_shard(position_ids, **shard),
-        attention=context,
+        segments=segments if needs_segments else None,
+        segments_host=segments_host if needs_segments else None,
+        single_segment=single,
         num_input_tokens=(cp_shard(segments, **shard) != -1).sum(),
     )
+
+
+def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda" and x.device.type == "cpu":
+        return x.contiguous().pin_memory().to(device, non_blocking=True)  # overlaps the copy with queued work
+    return x.to(device)
 
 
 def _pad(x: torch.Tensor, extra: int, value: int) -> torch.Tensor:

@@ -2,15 +2,21 @@
 
 Memory: the logits of a 128k vocabulary are large ((N, V) for N tokens), and a plain float32 cross-entropy
 keeps two more float32 copies (the upcast and the softmax) alive for backward. This one keeps only the
-logits as the model produced them (bf16 under mixed precision) plus two floats per token (row max and
+logits as the model produced them (bf16 under mixed precision) plus one float per token (the
 log-sum-exp); the float32 softmax is recomputed chunk by chunk in backward and never exists in full.
 
-Tensor parallelism: the logits are split along the vocabulary, (N, V/t) per rank. The row max, the
-sum of exponentials and the target's logit are reduced over tp (three all-reduces of N floats each),
-never gathering the (N, V) logits.
+Speed: each chunk is read once in forward (row max, sum of exponentials and the target's logit in one
+pass) and once in backward (softmax minus one-hot, written as the gradient). With ``compiled=True`` these
+two per-chunk functions are compiled, so each pass is one fused kernel.
+
+Tensor parallelism: the logits are split along the vocabulary, (N, V/t) per rank. Each rank's (max,
+sum-exp) pair is combined over tp as in an online softmax, and the target's logit comes from the rank
+that holds it: three all-reduces of N floats, never gathering the (N, V) logits.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -26,11 +32,12 @@ def cross_entropy_sum(
     tp_group: dist.ProcessGroup | None = None,
     vocab_start: int = 0,
     chunk_rows: int = CHUNK_ROWS,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """Sum over tokens of -log p(label); labels == -100 add nothing. logits (..., V_local), labels (...)."""
     logits = logits.reshape(-1, logits.shape[-1])
     labels = labels.reshape(-1)
-    return _ChunkedCrossEntropy.apply(logits, labels, tp_group, vocab_start, chunk_rows).sum()
+    return _ChunkedCrossEntropy.apply(logits, labels, tp_group, vocab_start, chunk_rows, compiled).sum()
 
 
 def _math_dtype(x: torch.Tensor) -> torch.dtype:
@@ -38,51 +45,71 @@ def _math_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
+def _chunk_stats(chunk: torch.Tensor, label: torch.Tensor):
+    """Row max, sum of exp(x - max) and the logit at ``label``, in one pass over a (rows, V) chunk."""
+    x = chunk.to(_math_dtype(chunk))
+    row_max = x.amax(dim=-1)
+    sum_exp = (x - row_max[:, None]).exp().sum(dim=-1)
+    target = x.gather(-1, label[:, None]).squeeze(-1)
+    return row_max, sum_exp, target
+
+
+def _chunk_grad(chunk: torch.Tensor, lse: torch.Tensor, label: torch.Tensor, scale: torch.Tensor,
+                target_scale: torch.Tensor) -> torch.Tensor:
+    """d loss / d logits of a chunk: (softmax - one_hot(label)) * scale, in the logits' dtype."""
+    x = chunk.to(lse.dtype)
+    grad = (x - lse[:, None]).exp() * scale[:, None]
+    grad = grad.scatter_add(-1, label[:, None], -target_scale[:, None])
+    return grad.to(chunk.dtype)
+
+
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn, dynamic=True)
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """Per-token losses (N,) from (N, V_local) logits, in row chunks."""
 
     @staticmethod
-    def forward(ctx, logits, labels, group, vocab_start, chunk_rows):
+    def forward(ctx, logits, labels, group, vocab_start, chunk_rows, compiled):
         n, local_vocab = logits.shape
         dtype = _math_dtype(logits)
+        stats = _compiled(_chunk_stats) if compiled else _chunk_stats
         local_label = labels - vocab_start
         here = (local_label >= 0) & (local_label < local_vocab)
         safe_label = local_label.clamp(0, local_vocab - 1)
 
         row_max = torch.empty(n, dtype=dtype, device=logits.device)
-        for rows in _chunks(n, chunk_rows):
-            row_max[rows] = logits[rows].to(dtype).amax(dim=-1)
-        if group is not None:
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-
         sum_exp = torch.empty(n, dtype=dtype, device=logits.device)
         target = torch.empty(n, dtype=dtype, device=logits.device)
         for rows in _chunks(n, chunk_rows):
-            shifted = logits[rows].to(dtype) - row_max[rows, None]
-            sum_exp[rows] = shifted.exp().sum(dim=-1)
-            target[rows] = shifted.gather(-1, safe_label[rows, None]).squeeze(-1) * here[rows]
+            row_max[rows], sum_exp[rows], target[rows] = stats(logits[rows], safe_label[rows])
+        target = target * here
         if group is not None:
+            # Online-softmax combination of the ranks' vocabulary slices.
+            global_max = row_max.clone()
+            dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+            sum_exp = sum_exp * (row_max - global_max).exp()
             dist.all_reduce(sum_exp, group=group)
             dist.all_reduce(target, group=group)
-
+            row_max = global_max
         valid = labels != IGNORE_INDEX
-        log_sum = sum_exp.log()
-        ctx.save_for_backward(logits, row_max + log_sum, safe_label, here & valid, valid)
-        ctx.chunk_rows = chunk_rows
-        return (log_sum - target) * valid
+        lse = row_max + sum_exp.log()
+        ctx.save_for_backward(logits, lse, safe_label, here & valid, valid)
+        ctx.chunk_rows, ctx.compiled = chunk_rows, compiled
+        return (lse - target) * valid
 
     @staticmethod
     def backward(ctx, grad_loss):
         logits, lse, safe_label, target_here, valid = ctx.saved_tensors
-        dtype = lse.dtype
+        grad_fn = _compiled(_chunk_grad) if ctx.compiled else _chunk_grad
+        scale = grad_loss.to(lse.dtype) * valid
+        target_scale = scale * target_here
         grad = torch.empty_like(logits)
-        scale = (grad_loss.to(dtype) * valid)
         for rows in _chunks(logits.shape[0], ctx.chunk_rows):
-            # d loss_i / d logit_ij = softmax_ij - [j == label_i], scaled by the incoming gradient.
-            g = (logits[rows].to(dtype) - lse[rows, None]).exp_().mul_(scale[rows, None])
-            g.scatter_add_(-1, safe_label[rows, None], -(scale[rows] * target_here[rows])[:, None])
-            grad[rows] = g.to(grad.dtype)
-        return grad, None, None, None, None
+            grad[rows] = grad_fn(logits[rows], lse[rows], safe_label[rows], scale[rows], target_scale[rows])
+        return grad, None, None, None, None, None
 
 
 def _chunks(n: int, size: int):

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from ndparallel import _compat
 from ndparallel.loss import cross_entropy_sum
 from ndparallel.topology import Topology
 
@@ -28,17 +29,20 @@ def count_tokens(local_count: torch.Tensor | int, topology: Topology) -> torch.T
     return total
 
 
-def token_loss(logits: torch.Tensor, labels: torch.Tensor, *, num_tokens: torch.Tensor, topology: Topology) -> torch.Tensor:
+def token_loss(logits: torch.Tensor, labels: torch.Tensor, *, num_tokens: torch.Tensor, topology: Topology,
+               compiled: bool = False) -> torch.Tensor:
     """This rank's share of the step loss: its token-loss sum / the global token count.
 
     ``logits`` are the model's (B, L, V) — or (B, L, V/tp) under tensor parallelism, vocabulary-split.
-    Summed over the ``loss`` view, the shares give the step loss.
+    Summed over the ``loss`` view, the shares give the step loss. ``compiled``: fuse the loss kernels
+    with torch.compile (GPU).
     """
     if topology.layout.tp > 1:
         vocab_start = topology.tp_rank * logits.shape[-1]
-        total = cross_entropy_sum(logits, labels, tp_group=topology.tp.get_group(), vocab_start=vocab_start)
+        total = cross_entropy_sum(logits, labels, tp_group=topology.tp.get_group(), vocab_start=vocab_start,
+                                  compiled=compiled)
     else:
-        total = cross_entropy_sum(logits, labels)
+        total = cross_entropy_sum(logits, labels, compiled=compiled)
     return total / num_tokens.clamp(min=1)
 
 
@@ -89,7 +93,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float | None, 
         by_mesh[_mesh_key(g)].append(g)
     partials = []
     for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type, foreach=False)
+        norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         partials.append(norm.float())
@@ -101,8 +105,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float | None, 
         total = torch.stack([p ** norm_type for p in partials]).sum() ** (1.0 / norm_type)
     if max_norm is not None:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.device))
+        _compat.scale_tensors_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
     return total
 
 

@@ -201,7 +201,7 @@ def run_training(cfg: TrainConfig) -> TrainResult:
     for step in range(state.step, total_steps):
         micro = [prepare_batch(**train_rows.batch(next(batches)), topology=topo, local=True, pad_token_id=pad_id)
                  for _ in range(accum)]
-        step_loss, step_tokens = forward_backward(model, micro, topo)
+        step_loss, step_tokens = forward_backward(model, micro, topo, compiled_loss=cfg.torch_compile)
         tokens_since_log += step_tokens
         grad_norm = clip_grad_norm_(trainable, cfg.max_grad_norm)
         if cfg.nan_policy == "skip" and not _finite_everywhere(step_loss, grad_norm, topo):
@@ -244,10 +244,14 @@ def run_training(cfg: TrainConfig) -> TrainResult:
             steps_in_window = 0
             last_time, last_step = time.perf_counter(), state.step
         if (cfg.save_steps and state.step % cfg.save_steps == 0) or last:
+            save_start = time.perf_counter()
             ckpt.save(output_dir, state=state, model=model, optimizer=optimizer, scheduler=scheduler, order=order,
                       topology=topo, config=cfg, keep=cfg.save_total_limit, tokenizer=tokenizer,
                       extra={"lora": asdict(lora)} if lora is not None else None)
             saved_step = state.step
+            save_s = time.perf_counter() - save_start
+            metrics.message(f"step {state.step}: checkpoint saved in {save_s:.1f} s")
+            last_time += save_s  # throughput is training time only
 
     if lora is not None:
         save_peft_adapter(model, lora, output_dir / "adapter", base_model=cfg.base_model, write=topo.is_main)
@@ -266,7 +270,8 @@ def run_training(cfg: TrainConfig) -> TrainResult:
     return TrainResult(steps=state.step, final_loss=final, records=metrics.records, layout=layout)
 
 
-def forward_backward(model, micro_batches: list, topo: Topology) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_backward(model, micro_batches: list, topo: Topology, *, compiled_loss: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step's forward and backward passes over its micro-batches (gradients summed).
 
     Returns this rank's share of the step loss and its real input tokens, as device tensors (no sync).
@@ -277,7 +282,7 @@ def forward_backward(model, micro_batches: list, topo: Topology) -> tuple[torch.
     for i, batch in enumerate(micro_batches):
         set_gradient_sync(model, i == len(micro_batches) - 1)
         logits = model(**batch.model_inputs()).logits
-        loss = token_loss(logits, batch.labels, num_tokens=num_targets, topology=topo)
+        loss = token_loss(logits, batch.labels, num_tokens=num_targets, topology=topo, compiled=compiled_loss)
         loss.backward()
         step_loss += loss.detach()
         tokens += batch.num_input_tokens

@@ -12,13 +12,15 @@ the full row (every CP rank of a group holds the same rows, so none needs commun
 Padding forms a segment of its own: its queries still see themselves (no empty softmax rows), and no
 real token sees it.
 
-The model's attention is switched to ``"ndparallel"`` through transformers' ``AttentionInterface``.
-Per batch, the context travels as the keyword ``ndp_attention`` that transformers passes through to
-the attention function: no globals and no patching.
+The model's attention is switched, through transformers' ``AttentionInterface``, to an ndparallel
+function bound to the topology's cp group (``CPSetup``: static for the run). Per batch, the segment ids
+travel as plain keyword tensors (``ndp_segments``...) that transformers passes through to the attention
+function: no globals, no patching, and nothing per-batch that ``torch.compile`` would guard on by identity.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -32,7 +34,7 @@ from ndparallel.errors import ConfigError
 from ndparallel.topology import Topology
 
 ATTENTION_NAME = "ndparallel"
-CONTEXT_KWARG = "ndp_attention"
+SEGMENTS_KWARG, SEGMENTS_HOST_KWARG, SINGLE_KWARG = "ndp_segments", "ndp_segments_host", "ndp_single_segment"
 PAD_SEGMENT = -1
 
 
@@ -97,18 +99,53 @@ def segment_ids_from(position_ids: torch.Tensor, padding: torch.Tensor | None) -
 
 
 @dataclass
-class AttentionContext:
-    """What attention needs to know about one micro-batch beyond q, k and v.
+class CPSetup:
+    """The static part of attention for a run: this rank's place in the cp group, and the method."""
 
-    ``segment_ids`` covers the whole (padded) row, (B, S); the local tokens are the cp rank's two chunks.
-    """
-
-    segment_ids: torch.Tensor
     cp_size: int
     cp_rank: int
     method: str
     cp_group: dist.ProcessGroup | None
-    _block_kinds: dict = field(default_factory=dict, repr=False)
+    plans: dict = field(default_factory=dict, repr=False)
+    """Ring plans of the current batch, keyed by (id of its host segment ids, window); see cp_attention."""
+
+    @classmethod
+    def from_topology(cls, topology: Topology) -> "CPSetup":
+        layout = topology.layout
+        return cls(cp_size=layout.cp, cp_rank=topology.cp_rank, method=layout.cp_comm_strategy,
+                   cp_group=topology.cp.get_group() if layout.cp > 1 else None)
+
+
+@dataclass
+class AttentionContext:
+    """What attention needs to know about one micro-batch beyond q, k and v.
+
+    ``segment_ids`` covers the whole (padded) row, (B, S), on the compute device; ``segment_ids_host`` is
+    the same on the CPU, so decisions about which blocks to compute never wait for the device. The
+    local tokens are the cp rank's two chunks.
+    """
+
+    segment_ids: torch.Tensor
+    segment_ids_host: torch.Tensor
+    single_segment: bool
+    """Every row is one document with no padding: plain causal attention is exact."""
+    setup: CPSetup
+
+    @property
+    def cp_size(self) -> int:
+        return self.setup.cp_size
+
+    @property
+    def cp_rank(self) -> int:
+        return self.setup.cp_rank
+
+    @property
+    def method(self) -> str:
+        return self.setup.method
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        return self.setup.cp_group
 
     @property
     def seq_len(self) -> int:
@@ -118,17 +155,19 @@ class AttentionContext:
     def chunk_len(self) -> int:
         return self.seq_len // (2 * self.cp_size)
 
-    def token_index(self, rank: int | None = None) -> torch.Tensor:
+    def token_index(self, rank: int | None = None, *, device: torch.device | None = None) -> torch.Tensor:
         """Row indices of the tokens cp rank ``rank`` (default: this one) holds, in local order."""
         rank = self.cp_rank if rank is None else rank
         n = self.chunk_len
         a, b = chunk_ids(rank, self.cp_size)
-        device = self.segment_ids.device
+        device = device or self.segment_ids.device
         return torch.cat([torch.arange(a * n, (a + 1) * n, device=device), torch.arange(b * n, (b + 1) * n, device=device)])
 
-    def allowed(self, q_index: torch.Tensor, k_index: torch.Tensor, window: int | None) -> torch.Tensor:
+    def allowed(self, q_index: torch.Tensor, k_index: torch.Tensor, window: int | None, *,
+                host: bool = False) -> torch.Tensor:
         """Boolean mask (B, 1, Lq, Lk): may the query at row index q attend to the key at row index k."""
-        seg = self.segment_ids
+        seg = self.segment_ids_host if host else self.segment_ids
+        q_index, k_index = q_index.to(seg.device), k_index.to(seg.device)
         same = seg[:, q_index].unsqueeze(-1) == seg[:, k_index].unsqueeze(-2)
         diff = q_index.unsqueeze(-1) - k_index.unsqueeze(-2)
         ok = same & (diff >= 0)
@@ -138,22 +177,18 @@ class AttentionContext:
 
     def is_plain(self, window: int | None) -> bool:
         """True when plain causal attention over the whole row is exact (one document, no padding)."""
-        seg = self.segment_ids
-        single = bool((seg == seg[:, :1]).all()) and bool((seg[:, 0] != PAD_SEGMENT).all())
-        return single and (window is None or window >= self.seq_len)
+        return self.single_segment and (window is None or window >= self.seq_len)
 
 
-def build_attention_context(
-    segment_ids: torch.Tensor, topology: Topology
-) -> AttentionContext:
-    layout = topology.layout
-    return AttentionContext(
-        segment_ids=segment_ids,
-        cp_size=layout.cp,
-        cp_rank=topology.cp_rank,
-        method=layout.cp_comm_strategy,
-        cp_group=topology.cp.get_group() if layout.cp > 1 else None,
-    )
+def single_segment(segment_ids_host: torch.Tensor) -> bool:
+    return bool((segment_ids_host == segment_ids_host[:, :1]).all()) and bool((segment_ids_host[:, 0] != PAD_SEGMENT).all())
+
+
+def build_attention_context(segment_ids: torch.Tensor, topology: Topology) -> AttentionContext:
+    """``segment_ids`` (B, S) of the whole rows, on the CPU (decisions are made there) or the device."""
+    host = segment_ids.cpu()
+    return AttentionContext(segment_ids=segment_ids.to(topology.device), segment_ids_host=host,
+                            single_segment=single_segment(host), setup=CPSetup.from_topology(topology))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -169,13 +204,20 @@ def ndparallel_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    *,
+    setup: CPSetup,
     **kwargs,
 ):
     """transformers' attention signature: q (B, H, L, D), k/v (B, Hkv, L, D) -> ((B, L, H, D), None)."""
-    context: AttentionContext | None = kwargs.pop(CONTEXT_KWARG, None)
-    if context is None:
-        # A batch without packing or padding info (or a call outside ndparallel's batches): exactly what
-        # transformers' own SDPA path does, with the mask transformers built.
+    segments = kwargs.pop(SEGMENTS_KWARG, None)
+    segments_host = kwargs.pop(SEGMENTS_HOST_KWARG, None)
+    single = kwargs.pop(SINGLE_KWARG, False)
+    if segments is None:
+        if setup.cp_size > 1:
+            raise ConfigError("the model is context-parallel: call it with the inputs of ndparallel.prepare_batch "
+                              "(batch.model_inputs()), which carry this rank's sequence chunks and their segments")
+        # A batch without packing or padding (or a call outside ndparallel's batches): exactly transformers'
+        # own SDPA path, with the mask transformers built.
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling,
                                                dropout=dropout, **kwargs)
     if dropout:
@@ -183,22 +225,37 @@ def ndparallel_attention(
             f"attention dropout {dropout} is not supported with packed/padded or context-parallel batches; "
             f"set the model's attention_dropout to 0"
         )
-    from ndparallel.parallel.cp_attention import context_attention
-
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    window = kwargs.get("sliding_window")
-    out = context_attention(query, key, value, context, scale=scale, window=window)
+    context = AttentionContext(segment_ids=segments, segment_ids_host=segments_host, single_segment=single,
+                               setup=setup)
+    out = _context_attention(query, key, value, context, scale, kwargs.get("sliding_window"))
     return out.transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(ATTENTION_NAME, ndparallel_attention)
-# Batches without an ndparallel context get transformers' usual SDPA mask (padding, sliding window).
+@torch.compiler.disable
+def _context_attention(query, key, value, context, scale, window):
+    # Outside compiled graphs: collectives, custom autograd and host-side decisions (a graph break).
+    from ndparallel.parallel.cp_attention import context_attention
+
+    return context_attention(query, key, value, context, scale=scale, window=window)
+
+
+# Batches without ndparallel segments get transformers' usual SDPA mask (padding, sliding window).
 AttentionMaskInterface.register(ATTENTION_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
 def apply_context_parallel(model: nn.Module, topology: Topology) -> None:
-    """Route the model's attention through ndparallel (exact for packed/padded rows, CP when cp > 1)."""
+    """Route the model's attention through ndparallel (exact for packed/padded rows, CP when cp > 1).
+
+    The attention function is bound to this topology's cp group and registered under a name of its
+    own, which the model's config then selects.
+    """
+    setup = CPSetup.from_topology(topology)
+    group = setup.cp_group.group_name if setup.cp_group is not None else "local"
+    name = f"{ATTENTION_NAME}-{group}"
+    AttentionInterface.register(name, functools.partial(ndparallel_attention, setup=setup))
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(ATTENTION_NAME)
+        model.set_attn_implementation(name)
     else:  # older transformers
-        model.config._attn_implementation = ATTENTION_NAME
+        model.config._attn_implementation = name

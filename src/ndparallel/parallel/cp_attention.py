@@ -154,7 +154,13 @@ def _ulysses_attention(q, k, v, ctx, scale, window):
 
 def _ring_plan(ctx: AttentionContext, window: int | None) -> list[list[tuple]]:
     """For ring step s (holding the k/v of cp rank ``cp_rank - s``): the (q slot, kv slot, kind, mask)
-    pairs to compute. kind: 'full' (no mask), 'causal' (same chunk, plain), 'masked' (bool mask)."""
+    pairs to compute. kind: 'full' (no mask), 'causal' (same chunk, plain), 'masked' (bool mask).
+
+    Decided on the host copy of the segment ids (no device sync), once per batch and window."""
+    key = (id(ctx.segment_ids_host), window)
+    cached = ctx.setup.plans.get(key)
+    if cached is not None and cached[0] is ctx.segment_ids_host:  # every layer of a batch: plan once
+        return cached[1]
     plain = ctx.is_plain(window)
     n = ctx.chunk_len
     plan = []
@@ -168,13 +174,18 @@ def _ring_plan(ctx: AttentionContext, window: int | None) -> list[list[tuple]]:
                 if plain:
                     pairs.append((qi, kj, "causal" if gk == gq else "full", None))
                     continue
-                q_index = torch.arange(gq * n, (gq + 1) * n, device=ctx.segment_ids.device)
-                k_index = torch.arange(gk * n, (gk + 1) * n, device=ctx.segment_ids.device)
-                mask = ctx.allowed(q_index, k_index, window)
+                q_index = torch.arange(gq * n, (gq + 1) * n)
+                k_index = torch.arange(gk * n, (gk + 1) * n)
+                mask = ctx.allowed(q_index, k_index, window, host=True)
                 if not bool(mask.any()):
                     continue
-                pairs.append((qi, kj, "full", None) if bool(mask.all()) else (qi, kj, "masked", mask))
+                if bool(mask.all()):
+                    pairs.append((qi, kj, "full", None))
+                else:
+                    pairs.append((qi, kj, "masked", mask.to(ctx.segment_ids.device, non_blocking=True)))
         plan.append(pairs)
+    ctx.setup.plans.clear()  # keep the current batch's plans only
+    ctx.setup.plans[key] = (ctx.segment_ids_host, plan)
     return plan
 
 

@@ -34,6 +34,10 @@ def apply_fsdp(
                 f"reshard_after_forward={reshard_after_forward} must be a divisor of the FSDP shard size "
                 f"{shard_size} other than 1 and {shard_size} (or true/false)"
             )
+    if dp_mesh.size() == 1:
+        # Nothing to gather from other ranks: keep the (mixed-precision) copies from forward to backward
+        # instead of casting them again.
+        reshard_after_forward = False
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     common = dict(mesh=dp_mesh, mp_policy=mp, offload_policy=offload)
