@@ -39,3 +39,9 @@ def test_best_layout_takes_a_transformers_config_and_the_one_configured_cp_metho
     with pytest.raises(Exception, match="cp_comm_strategy"):
         best_layout(TINY, 4, 64, cp_comm_strategy="ulysses")
 
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_auto_plans_for_the_checkpointing_the_run_will_use(mode):
+    cfg = parse_config({**BASE, "dp_shard_size": "auto", "activation_checkpointing": mode})
+    _, reason = resolve_layout(cfg, 2, TINY)
+    assert f"activation_checkpointing={mode}" in reason
