@@ -66,8 +66,9 @@ ACTIVATION_CASES = [
     (QWEN3, L(t=2), "none", "bf16"),
     (QWEN3, L(c=2, method="ring"), "selective", "bf16"),
 ]
-# (vocab, tokens, tp, precision)
-LOSS_CASES = [(4096, 256, 1, "bf16"), (4096, 256, 2, "bf16"), (4096, 256, 1, "fp32"), (4096, 256, 4, "bf16")]
+# (vocab, tokens, tp, precision): one chunk (tokens <= loss.CHUNK_ROWS = 2048), a chunk and a bit, three chunks.
+LOSS_CASES = [(4096, 256, 1, "bf16"), (4096, 256, 2, "bf16"), (4096, 256, 1, "fp32"), (4096, 256, 4, "bf16"),
+              (1024, 2560, 1, "bf16"), (1024, 6144, 1, "bf16"), (1024, 6144, 2, "bf16"), (1024, 6144, 1, "fp32")]
 
 
 def _name(model, layout, mode, precision) -> str:
@@ -107,7 +108,7 @@ def measure_all() -> list[dict]:
     for vocab, tokens, tp, precision in LOSS_CASES:
         got = run_ranks(tp, measure_loss_peak, vocab=vocab, tokens=tokens, precision=precision)[0]
         model = dataclasses.replace(TINY, vocab=vocab, name=f"tiny-v{vocab}")
-        rows.append({"case": f"loss-v{vocab}-tp{tp}-{precision}", "model": model.to_dict(), "layout": L(t=tp),
+        rows.append({"case": f"loss-v{vocab}-n{tokens}-tp{tp}-{precision}", "model": model.to_dict(), "layout": L(t=tp),
                      "seq_len": tokens, "micro_batch": 1, "precision": precision, "quantity": "loss_peak",
                      "measured_bytes": got["peak"]})
         print(f"loss tp{tp} {precision}: {got['peak'] / got['elements']:.2f} B per logit element", flush=True)
@@ -150,8 +151,9 @@ def write_report(rows: list[dict], env: dict, path: str) -> None:
         "tokens per data rank. Quantities (see `planner/calibration.py`): `activations_retained` = bytes alive after",
         "forward + loss (parameters excluded), `layer_saved` = bytes autograd saves in the last decoder layer",
         "without checkpointing, `layer_retained` = what one more checkpointed layer keeps (the difference",
-        "between the model with 4 and with 2 layers), `loss_peak` = peak of the logits and the loss through",
-        "forward and backward.",
+        "between the model with 4 and with 2 layers), `loss_peak` = peak of the logits and the chunked",
+        "cross-entropy through forward and backward (logits made by a 64-wide linear head and held by the caller",
+        "through backward, as the trainer does; `n` = tokens on the rank, `v` = vocabulary).",
         "Layouts are r(eplicate) s(hard) c(p) t(p) sizes. A test holds every row to 15%.",
         "",
         "| case | quantity | measured B | predicted B | error |",
@@ -164,11 +166,15 @@ def write_report(rows: list[dict], env: dict, path: str) -> None:
         "", f"Largest relative error: {worst:.1%} over {len(table)} rows.", "",
         "## What this does and does not validate", "",
         "- Validated (CPU, eager, SDPA): every activation coefficient in `planner/activations.py` for all three",
-        "  checkpointing modes, tp, all three CP methods and their compositions, bf16 and fp32, and the loss",
-        "  peak of 14 bytes per local logit element (bf16; 16 in fp32) for the plain and vocab-parallel loss.",
+        "  checkpointing modes, tp, all three CP methods and their compositions, bf16 and fp32; what the chunked",
+        "  cross-entropy saves (the logits + 14 B per token) and its peak: logits + their gradient (2e bytes per",
+        "  local logit element) + float32 temporaries of one or two 2048-row chunks (8 B per chunk element in",
+        "  bf16, 4 in fp32, +4 for the previous chunk when there is more than one) + 18 B per token, for tp 1, 2",
+        "  and 4 (bf16: 12 B per element within one chunk, 8 B at three chunks).",
         "- Not validated here: GPU kernels may save differently (cuDNN attention, the memory-efficient kernel's",
         "  padded log-sum-exp; allgather CP's mask goes to the memory-efficient kernel as a bf16 bias);",
-        "  FSDP's gathered/unsharded buffers, gradient reduce buffers, the backward-workspace transient, the",
+        "  FSDP's gathered/unsharded buffers, gradient reduce buffers, the backward-workspace transient (and the",
+        "  logits `train.forward_backward` holds through lm_head's and the layers' backward, counted there), the",
         "  allocator's fragmentation and the CUDA/NCCL overhead (2 GiB assumed); LoRA activations (peft is not",
         "  measured); throughput (efficiency 0.5, overlap 0.8, link speeds are assumptions). These need the",
         "  H200 runs: add `peak_allocated` rows to `measurements.json` (see `planner/calibration.py`).",

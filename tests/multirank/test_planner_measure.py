@@ -1,8 +1,8 @@
 """The planner's activation model against a fresh measurement of this implementation (multi-rank, CPU).
 
 ``measurements.json`` was produced by ``benchmarks/planner_measure.py``; here a few of its cases are
-measured again so a change to what the implementation saves for backward shows up as a failure (then
-rerun the benchmark and update the activation formulas).
+measured again so a change to what the implementation saves for backward, or to the loss's peak, shows
+up as a failure (then rerun the benchmark and update the activation or loss formulas).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from harness import run_ranks
 from ndparallel.planner.calibration import TOLERANCE, compare_to_measurements, load_measurements
-from ndparallel.planner.measure import measure_activations
+from ndparallel.planner.measure import measure_activations, measure_loss_peak
 from ndparallel.planner.shapes import ModelShape
 
 STORED = {row["case"]: row for row in load_measurements()}
@@ -36,3 +36,13 @@ def test_fresh_measurement_matches_the_stored_one_and_the_model(case):
     assert abs(err) <= TOLERANCE, f"predicted {predicted:,.0f} B, measured {measured:,.0f} B"
     if row["layout"]["cp"] == 1:  # every rank of a tp group keeps the same amount
         assert len({r["retained"] for r in got}) == 1
+
+
+@pytest.mark.parametrize("case", ["loss-v4096-n256-tp2-bf16", "loss-v1024-n6144-tp2-bf16"])
+def test_fresh_loss_peak_matches_the_stored_one_and_the_model(case):
+    row = STORED[case]
+    got = run_ranks(row["layout"]["tp"], measure_loss_peak, vocab=row["model"]["vocab"], tokens=row["seq_len"],
+                    precision=row["precision"])
+    assert got[0]["peak"] == row["measured_bytes"]
+    (_, predicted, measured, err), = compare_to_measurements([{**row, "measured_bytes": got[0]["peak"]}])
+    assert abs(err) <= TOLERANCE, f"predicted {predicted:,.0f} B, measured {measured:,.0f} B"

@@ -70,22 +70,43 @@ def test_allgather_cp_keeps_the_whole_rows_kv_and_a_mask():
     assert layer_none(L8B, lay, SEQ, 1, 2) - layer_none(L8B, ring, SEQ, 1, 2) == local + extra
 
 
-def test_loss_peak_is_fourteen_bytes_per_local_logit_in_bf16():
-    assert loss_peak(L8B, Layout(), SEQ, 1, 2) == SEQ * 128256 * 14
-    assert loss_peak(L8B, Layout(tp=2, cp=2), SEQ, 2, 2) == 2 * (SEQ // 2) * (128256 / 2) * 14
-    assert loss_peak(L8B, Layout(), SEQ, 1, 4) == SEQ * 128256 * 16
+def test_loss_peak_is_the_logits_their_gradient_and_float32_chunk_temporaries():
+    v = 128256
+    # 8192 tokens = 4 chunks of 2048 rows: logits + their gradient (2 + 2 B per element); the previous chunk's
+    # float32 result, the current chunk upcast and shifted (3 x 4 B per chunk element); 18 B per token.
+    assert loss_peak(L8B, Layout(), SEQ, 1, 2) == SEQ * v * 4 + 12 * 2048 * v + 18 * SEQ
+    assert loss_peak(L8B, Layout(tp=2, cp=2), SEQ, 2, 2) == 8192 * (v / 2) * 4 + 12 * 2048 * (v / 2) + 18 * 8192
+    # fp32: no upcast copy
+    assert loss_peak(L8B, Layout(), SEQ, 1, 4) == SEQ * v * 8 + 8 * 2048 * v + 18 * SEQ
+    # one chunk: no previous chunk. Two: the first chunk's two copies, or the first's result + the second's two
+    assert loss_peak(L8B, Layout(), 1024, 1, 2) == 1024 * v * (4 + 8) + 18 * 1024
+    assert loss_peak(L8B, Layout(), 2048 + 64, 1, 2) == 2112 * v * 4 + 8 * 2048 * v + 18 * 2112
+    assert loss_peak(L8B, Layout(), 2048 + 1536, 1, 2) == 3584 * v * 4 + (4 * 2048 + 8 * 1536) * v + 18 * 3584
+    # never the 14+ B per element of a float32 copy and softmax of the whole logits
+    assert loss_peak(L8B, Layout(), 131072, 1, 2) < 4.2 * 131072 * v
 
 
 def test_total_is_the_sum_of_the_items_and_the_largest_transient():
     work = Workload(seq_len=SEQ, global_batch_rows=8)
-    mem = estimate_memory(L8B, Layout(dp_shard=8), work, micro_batch=1, activation_checkpointing="full")
+    lay = Layout(dp_shard=8)
+    mem = estimate_memory(L8B, lay, work, micro_batch=1, activation_checkpointing="full")
     items = mem.items()
     parts = [v for k, v in items.items() if k not in ("allocated", "total")]
     assert items["total"] == pytest.approx(sum(parts))
-    assert mem.transient_kind == "loss"  # 14 B x 8192 x 128256 = 14.7 GB beats any layer's backward
-    assert mem.transient == loss_peak(L8B, Layout(dp_shard=8), SEQ, 1, 2)
-    retained = activation_bytes(L8B, Layout(dp_shard=8), SEQ, 1, "full")
+    # The loss (logits + gradient + 12 B x 2048 rows x V) and lm_head's backward (logits + gradient + 6 B
+    # x V x h, h = 4096) come out the same but for the loss's 18 B per token; both beat any layer's backward.
+    assert mem.transient_kind == "loss"
+    assert mem.transient == loss_peak(L8B, lay, SEQ, 1, 2)
+    head = 2 * 2 * SEQ * 128256 + 6 * 128256 * 4096
+    assert mem.transient - head == 18 * SEQ
+    retained = activation_bytes(L8B, lay, SEQ, 1, "full")
     assert mem.activations == retained.retained - retained.loss_saved
+
+
+def test_the_loss_saves_the_logits_in_the_compute_dtype_not_a_softmax():
+    for e in (2, 4):
+        acts = activation_bytes(L8B, Layout(tp=2), SEQ, 1, "none", e)
+        assert acts.loss_saved == SEQ * (e * 128256 / 2 + 14)
 
 
 def test_accumulated_gradients_only_when_reducing_on_the_last_micro_batch():

@@ -31,7 +31,8 @@ full checkpointing keeps the layer input, e*h/t, and recomputes one layer at a t
 outside the layers
     embedding   2e*d (rotary cos/sin) + 8 (input ids)
     head        final RMSNorm (4h + 4 + e*h)/t + lm_head input e*h + labels 8
-    loss        saved float32 softmax: 4V/t (+ 10 bytes of labels/masks with tp)
+    loss        the logits as the model made them, e*V/t (the chunked cross-entropy saves them, not a softmax),
+                + 14: the fp32 log-sum-exp, the int64 local label and two boolean masks
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ndparallel.layout import Layout
+from ndparallel.loss import CHUNK_ROWS
 from ndparallel.planner.shapes import ModelShape
 
 
@@ -54,7 +56,7 @@ class ActivationBytes:
     head: float
     """Final norm, lm_head input and labels."""
     loss_saved: float
-    """What the loss keeps for backward (float32 softmax)."""
+    """What the loss keeps for backward: the logits (compute dtype) and 14 bytes per token."""
     layer_recompute: float
     """Backward working set of the layer being processed: what checkpointing recomputes for it."""
 
@@ -143,17 +145,25 @@ def activation_bytes(m: ModelShape, layout: Layout, seq: int, b: int, mode: str,
         per_layer, recompute = layer_full(m, layout, seq, b, e), none
     embedding = b * s * (2 * e * m.head_dim + 8)
     head = b * s * (_norm(m, t, e) + e * m.hidden + 8)
-    loss_saved = b * s * (4 * m.vocab / t + (10 if t > 1 else 0))
+    loss_saved = b * s * (e * m.vocab / t + 14)
     return ActivationBytes(per_layer=per_layer, layers=m.layers * per_layer, embedding=embedding, head=head,
                            loss_saved=loss_saved, layer_recompute=recompute)
 
 
 def loss_peak(m: ModelShape, layout: Layout, seq: int, b: int, e: int) -> float:
-    """Most bytes the logits and the loss hold at once, per micro-batch (``loss.py``):
+    """Most bytes the logits and the loss hold at once, per micro-batch (``ndparallel.loss``).
 
-    the model's logits (e bytes per element, kept by the caller through backward) and, inside the loss, a
-    float32 copy, the max-shifted logits and their exp (the softmax, saved): e + 12 bytes per local logit
-    element with tp (``_VocabParallelCrossEntropy``); without tp, ``F.cross_entropy`` keeps a float32 copy
-    and the log-softmax, and its backward holds two more float32 (N, V) tensors: again about e + 12.
+    The chunked cross-entropy never makes a full float32 copy or softmax of the (N, V/t) logits (N = b*s
+    tokens of the rank). Its peak is in backward: the logits (saved by the loss and still held by the
+    trainer, e bytes per local logit element), their gradient (e bytes) and the float32 temporaries of
+    the chunk being processed (``CHUNK_ROWS`` rows): the upcast chunk (bf16 only; a no-op in fp32) and the
+    max-shifted one, 4 bytes each, and, from the second chunk on, the previous chunk's result, which its
+    loop variable keeps alive until the next is made; and 18 bytes per token (the saved log-sum-exp,
+    label and masks, and the per-token loss gradient). Forward holds no gradient, so it peaks lower.
     """
-    return b * (seq // layout.cp) * (m.vocab / layout.tp) * (e + 12)
+    n, w = b * (seq // layout.cp), m.vocab / layout.tp
+    per_row = 4 * w * (2 if e < 4 else 1)
+    first = min(n, CHUNK_ROWS)
+    second = min(max(n - CHUNK_ROWS, 0), CHUNK_ROWS)
+    temporaries = max(first * per_row, (4 * w * first + second * per_row) if second else 0.0)
+    return 2 * e * n * w + temporaries + 18 * n

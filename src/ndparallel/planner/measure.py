@@ -8,7 +8,8 @@ Two counts over one forward (with the loss) of a model parallelized by ``ndparal
   checkpoint's own hooks take the tensors, so ours see nothing).
 - ``retained``: bytes of the storages created during the forward that are still alive after it, once
   the caller's references to the logits are dropped: what autograd saved, what checkpointing keeps (its
-  inputs, selective checkpointing's cached outputs) and the loss's saved softmax, parameters excluded.
+  inputs, selective checkpointing's cached outputs) and what the loss saves (the logits and a few
+  numbers per token), parameters excluded.
   Storages are tracked through a ``TorchDispatchMode`` with weak references, so nothing is kept alive by
   the measurement itself.
 
@@ -157,10 +158,12 @@ def measure_activations(shape: ModelShape, layout: dict[str, Any], *, seq_len: i
 class _PeakRecorder(TorchDispatchMode):
     """Largest total of live storages created inside the block (checked after every op)."""
 
-    def __init__(self) -> None:
+    def __init__(self, exclude: tuple[torch.Tensor, ...] = ()) -> None:
         super().__init__()
         self.live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.peak = 0
+        # Storages made before the block (inputs, weights) reappear as outputs of view ops: not counted.
+        self.exclude = {key[0].cdata for key in map(_storage_key, exclude) if key}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -168,7 +171,7 @@ class _PeakRecorder(TorchDispatchMode):
             if isinstance(leaf, torch.Tensor):
                 for t in _plain(leaf):
                     key = _storage_key(t)
-                    if key is not None:
+                    if key is not None and key[0].cdata not in self.exclude:
                         self.live.setdefault(key[0].cdata, key)
         for cdata in [c for c, (ref, _) in self.live.items() if ref.expired()]:
             del self.live[cdata]
@@ -176,11 +179,15 @@ class _PeakRecorder(TorchDispatchMode):
         return out
 
 
-def measure_loss_peak(*, vocab: int, tokens: int, precision: str = "bf16", seed: int = 0) -> dict[str, Any]:
+def measure_loss_peak(*, vocab: int, tokens: int, precision: str = "bf16", hidden: int = 64,
+                      seed: int = 0) -> dict[str, Any]:
     """Peak bytes of the logits and ``ndparallel.loss`` through forward and backward, on this rank.
 
-    The logits are (tokens, vocab / world) in the compute dtype, made inside the measured block like a
-    model's; with more than one rank the vocabulary-parallel loss runs over the world group (as tp).
+    The logits are (tokens, vocab / world) in the compute dtype, made inside the measured block by a
+    linear head from a narrow (``hidden``-wide) input, like lm_head's, and referenced until backward ends,
+    as ``train.forward_backward`` does; with more than one rank the vocabulary-parallel loss runs over the
+    world group (as tp). The head's own gradients are (tokens + vocab/world) x hidden, small beside the
+    logits, so the peak is the loss's.
     """
     import torch.distributed as dist
 
@@ -191,12 +198,14 @@ def measure_loss_peak(*, vocab: int, tokens: int, precision: str = "bf16", seed:
     local = vocab // world
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(tokens, local, generator=g).to(dtype).requires_grad_()
+    x = torch.randn(tokens, hidden, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(local, hidden, generator=g) / hidden ** 0.5).to(dtype).requires_grad_()
     labels = torch.randint(0, vocab, (tokens,), generator=g)
-    recorder = _PeakRecorder()
+    recorder = _PeakRecorder(exclude=(x, weight, labels))
     with recorder:
-        logits = hidden * 1.0
+        logits = x @ weight.T
         group = dist.group.WORLD if world > 1 else None
         loss = cross_entropy_sum(logits, labels, tp_group=group, vocab_start=rank * local) / tokens
         loss.backward()
+    del logits
     return {"peak": recorder.peak, "elements": tokens * local}

@@ -15,11 +15,15 @@ every parameter (dp_replicate copies the shards, dividing nothing). With e bytes
                       micro-batch: FSDP keeps every unsharded gradient in fp32 between micro-batches
     activations       see activations.py: all layers + embedding + head, for one micro-batch
     transient         the largest of three moments beyond the retained activations:
-                      loss: logits and the loss's float32 temporaries, (e + 12) * b*s*V/t;
-                      head backward: logits gradient + lm_head's unsharded gradient and its fp32
-                      reduce-scatter input, e*b*s*V/t + (e + 4) * V*h/t;
+                      loss (backward of the chunked cross-entropy): the logits and their gradient,
+                      2e * b*s*V/t, + float32 temporaries of one or two CHUNK_ROWS-row chunks
+                      (activations.loss_peak; no full float32 copy of the logits is ever made);
+                      head backward: the logits (the trainer holds them through backward) and their
+                      gradient, 2e * b*s*V/t, + lm_head's unsharded gradient and its fp32 reduce-scatter
+                      input (e + 4) * V*h/t;
                       layer backward: what checkpointing recomputes + activation gradients
                       e*b*s*(2h + 3i/t) + the unit's gradient buffers (e + 4) * P_layer/t + CP buffers
+                      + the logits the trainer still holds, e * b*s*V/t
     overhead          fixed: CUDA context, NCCL, fragmentation (Cluster.overhead_gib)
 
 ``allocated`` (everything but the overhead) is what ``torch.cuda.max_memory_allocated`` measures.
@@ -133,9 +137,11 @@ def estimate_memory(model: ModelShape, layout: Layout, workload: Workload, *, mi
     kept = acts.layers + acts.embedding + acts.head
     moments = {
         "loss": loss_peak(model, layout, seq, b, e),
-        "head backward": e * b * s * v / t + reduce_bytes * head_grad,
+        # train.forward_backward keeps ``logits`` referenced until loss.backward() returns.
+        "head backward": 2 * e * b * s * v / t + reduce_bytes * head_grad,
         "layer backward": (acts.layer_recompute + e * b * s * (2 * h + 3 * model.intermediate / t)
-                           + reduce_bytes * unit_grad + cp_buffer_bytes(model, layout, seq, b, e)),
+                           + reduce_bytes * unit_grad + cp_buffer_bytes(model, layout, seq, b, e)
+                           + e * b * s * v / t),
     }
     kind = max(moments, key=moments.get)
     return MemoryEstimate(

@@ -82,13 +82,21 @@ class LayoutChoice(NamedTuple):
 def best_layout(model: ModelShape | str | Any, world_size: int, seq_len: int, *, gpus_per_node: int | None = None,
                 device_memory_gib: float = 80.0, micro_batch_size: int = 1, global_batch_rows: int | None = None,
                 precision: str = "bf16", activation_checkpointing: str = "auto", lora_rank: int | None = None,
-                cp_methods: tuple[str, ...] = CP_METHODS, constraints: dict[str, int] | None = None) -> LayoutChoice:
+                cp_methods: tuple[str, ...] = CP_METHODS, cp_comm_strategy: str | None = None,
+                constraints: dict[str, int] | None = None) -> LayoutChoice:
     """The layout to train on ``world_size`` GPUs (for ``dp_shard_size: auto``), and a one-line reason.
 
-    Always a valid layout for ``world_size``: when nothing fits in memory, the leanest one, saying so.
-    ``gpus_per_node`` defaults to min(world_size, 8); the global batch to ``micro_batch_size`` rows per GPU.
+    ``model`` is a ModelShape, a preset name, a config path or a transformers config (what the trainer has).
+    ``cp_comm_strategy`` is the one CP method the run is configured with (the trainer's setting); it
+    replaces ``cp_methods``. Always a valid layout for ``world_size``: when nothing fits in memory, the
+    leanest one, saying so. ``gpus_per_node`` defaults to min(world_size, 8); the global batch to
+    ``micro_batch_size`` rows per GPU. Unpacks as ``layout, reason``.
     """
     model = load_model_shape(model)
+    if cp_comm_strategy is not None:
+        if cp_comm_strategy not in CP_METHODS:
+            raise ConfigError(f"cp_comm_strategy={cp_comm_strategy!r} must be one of {', '.join(CP_METHODS)}")
+        cp_methods = (cp_comm_strategy,)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size={world_size!r} must be a whole number >= 1")
     per_node = math.gcd(world_size, gpus_per_node or min(world_size, 8))
