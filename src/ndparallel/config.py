@@ -118,6 +118,8 @@ class TrainConfig(BaseModel):
     context_parallel_size: int = Field(1, ge=1, validation_alias=AliasChoices("context_parallel_size", "cp_size"))
     cp_comm_strategy: Literal["allgather", "ring", "alltoall"] = "allgather"
     """How context-parallel attention exchanges keys/values."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train: cuda (one GPU per process), cpu (gloo), or auto (cuda when available)."""
     process_group_timeout_s: float = Field(600.0, gt=0)
     """A collective that waits longer than this fails the job instead of hanging."""
 

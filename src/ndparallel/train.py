@@ -106,7 +106,10 @@ class TrainingRun:
 
 def setup(cfg: TrainConfig) -> TrainingRun:
     """Check the config, build mesh, data, model and optimizer, and resume if asked (on every rank)."""
-    device_type = default_device_type()
+    device_type = default_device_type() if cfg.device == "auto" else cfg.device
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device: cuda, but this machine has no CUDA GPU (or torch is a CPU build); set device: "
+                          "cpu or auto")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     _quiet_libraries(rank)
@@ -164,6 +167,10 @@ def setup(cfg: TrainConfig) -> TrainingRun:
     if resume_dir is not None:
         state = ckpt.load(resume_dir, model=model, optimizer=optimizer, scheduler=scheduler, order=order,
                           topology=topo, config=cfg)
+        # The schedule resumes at the saved step, with this config's learning rate (it may have changed).
+        scheduler.base_lrs = [cfg.learning_rate for _ in scheduler.base_lrs]
+        for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["lr"] = base * factor(scheduler.last_epoch)
     return TrainingRun(cfg=cfg, topo=topo, model_config=model_config, tokenizer=tokenizer, model=model,
                        optimizer=optimizer, scheduler=scheduler, order=order, train_rows=train_rows,
                        eval_rows=eval_rows, lora=lora, state=state, total_steps=total_steps,
@@ -198,6 +205,8 @@ def run_training(cfg: TrainConfig) -> TrainResult:
     loss_since_log = torch.zeros((), device=topo.device)
     steps_in_window = 0
     saved_step = state.step if resume_dir is not None else None
+    first_bad = torch.full((), -1, dtype=torch.long, device=topo.device)
+    skipped = 0
 
     # 3. The loop.
     for step in range(state.step, total_steps):
@@ -208,8 +217,12 @@ def run_training(cfg: TrainConfig) -> TrainResult:
         grad_norm = clip_grad_norm_(trainable, cfg.max_grad_norm)
         if cfg.nan_policy == "skip" and not _finite_everywhere(step_loss, grad_norm, topo):
             optimizer.zero_grad(set_to_none=True)
+            skipped += 1
             metrics.message(f"step {step + 1}: non-finite loss or gradient norm; step skipped (nan_policy: skip)")
         else:
+            # Remember the first non-finite step on the device; it is looked at when logging or saving.
+            finite = torch.isfinite(step_loss) & torch.isfinite(grad_norm)
+            first_bad = torch.where(~finite & (first_bad < 0), step + 1, first_bad)
             optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -219,14 +232,19 @@ def run_training(cfg: TrainConfig) -> TrainResult:
         metrics.advance()
 
         last = state.step == total_steps
-        if state.step % cfg.logging_steps == 0 or last:
+        saving = bool(cfg.save_steps and state.step % cfg.save_steps == 0) or last
+        logging_now = state.step % cfg.logging_steps == 0 or last
+        if (logging_now or saving) and cfg.nan_policy == "stop":
+            bad = _first_bad_step(first_bad, topo)
+            if bad is not None:  # never log on, never save weights that saw a non-finite update
+                kept = (f"; the last good checkpoint is {output_dir / 'checkpoints' / f'step-{saved_step}'}"
+                        if saved_step else "; no checkpoint was saved before it")
+                raise NumericsError(f"step {bad}: the loss or the gradient norm is not finite; training stopped{kept}. "
+                                    f"Lower learning_rate or set max_grad_norm, or set nan_policy: skip to skip such "
+                                    f"steps")
+        if logging_now:
             loss_value = reduce_loss(loss_since_log, topo).item() / steps_in_window
             norm_value = grad_norm.item()
-            if not (math.isfinite(loss_value) and math.isfinite(norm_value)) and cfg.nan_policy == "stop":
-                kept = f"; the last good checkpoint is {saved_step}" if saved_step else ""
-                raise NumericsError(f"step {state.step}: loss {loss_value} / gradient norm {norm_value} is not finite; "
-                                    f"training stopped{kept}. Lower learning_rate or set max_grad_norm, or "
-                                    f"nan_policy: skip to skip such steps")
             dist.all_reduce(tokens_since_log, group=topo.loss.get_group())
             now = time.perf_counter()
             tokens = tokens_since_log.item()
@@ -237,7 +255,7 @@ def run_training(cfg: TrainConfig) -> TrainResult:
                       "tokens_per_s_per_device": tps / topo.world_size,
                       "mfu": (tps * flops_tok / (peak * topo.world_size)) if peak else None,
                       "peak_memory_gib": _peak_memory_gib(topo.device),
-                      "step_time_s": (now - last_time) / max(1, state.step - last_step)}
+                      "step_time_s": (now - last_time) / max(1, state.step - last_step), "skipped_steps": skipped}
             if eval_rows is not None and (cfg.eval_steps is None or state.step % cfg.eval_steps == 0 or last):
                 record["eval_loss"] = evaluate(model, eval_rows, topo, cfg.micro_batch_size, pad_id)
             metrics.log(record)
@@ -245,7 +263,7 @@ def run_training(cfg: TrainConfig) -> TrainResult:
             loss_since_log.zero_()
             steps_in_window = 0
             last_time, last_step = time.perf_counter(), state.step
-        if (cfg.save_steps and state.step % cfg.save_steps == 0) or last:
+        if saving:
             save_start = time.perf_counter()
             ckpt.save(output_dir, state=state, model=model, optimizer=optimizer, scheduler=scheduler, order=order,
                       topology=topo, config=cfg, keep=cfg.save_total_limit, tokenizer=tokenizer,
@@ -289,6 +307,15 @@ def forward_backward(model, micro_batches: list, topo: Topology, *, compiled_los
         step_loss += loss.detach()
         tokens += batch.num_input_tokens
     return step_loss, tokens
+
+
+def _first_bad_step(first_bad: torch.Tensor, topo: Topology) -> int | None:
+    """The earliest step any rank saw a non-finite loss or gradient norm at, or None (two tiny all-reduces)."""
+    never = torch.iinfo(torch.long).max
+    step = torch.where(first_bad < 0, never, first_bad).clone()
+    dist.all_reduce(step, op=dist.ReduceOp.MIN)
+    value = int(step.item())
+    return None if value == never else value
 
 
 def _finite_everywhere(loss: torch.Tensor, grad_norm: torch.Tensor, topo: Topology) -> bool:
