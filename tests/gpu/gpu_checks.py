@@ -85,9 +85,47 @@ def check_world1_parity() -> None:
             report(f"world-1 bf16 vs fp32 {family} {data} loss", max_rel_diff(bf16["losses"], ref["losses"]), 1e-3)
 
 
+def _layouts_for(world: int) -> list[dict]:
+    """The CPU parity matrix's kinds of layout that fit ``world`` GPUs (FSDP, HSDP, TP, CP x 3 methods, mixes)."""
+    candidates = [
+        dict(dp_shard_size=world),
+        dict(dp_replicate_size=2, dp_shard_size=world // 2),
+        dict(dp_shard_size=world // 2, tp_size=2),
+        dict(dp_replicate_size=2, dp_shard_size=1, tp_size=world // 2),
+        *(dict(dp_shard_size=world // 2, cp_size=2, cp_comm_strategy=m) for m in ("allgather", "ring", "alltoall")),
+        dict(dp_shard_size=world // 4, cp_size=2, tp_size=2, cp_comm_strategy="ring"),
+        dict(dp_replicate_size=2, dp_shard_size=world // 8, cp_size=2, tp_size=2, cp_comm_strategy="allgather"),
+        dict(cp_size=world, dp_shard_size=1, cp_comm_strategy="ring"),
+    ]
+    out = []
+    for layout in candidates:
+        sizes = [layout.get(k, 1) for k in ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size")]
+        if all(x >= 1 for x in sizes) and sizes[0] * sizes[1] * sizes[2] * sizes[3] == world and layout not in out:
+            out.append(layout)
+    return out
+
+
+def check_layouts() -> None:
+    """Every layout that fits the GPUs against one GPU on the same data (each rank computes the reference)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    for data in ("pad", "packed"):
+        batches = make_batches(steps=5, micro=1, rows=8, seq=128, pad=data == "pad", packed=data == "packed")
+        batches = [[{k: t.cuda() for k, t in mb.items()} for mb in step] for step in batches]
+        for dtype, bound in (("float32", 1e-5), ("bfloat16", 2e-2)):
+            options = {"param_dtype": None if dtype == "float32" else "bfloat16"}
+            ref = train_reference(make_model("qwen3").cuda(), batches) if dtype == "float32" else None
+            ref = ref or train_parallel("qwen3", {"dp_shard_size": 1, "dp_replicate_size": world},
+                                        batches, options=options)
+            for layout in _layouts_for(world):
+                got = train_parallel("qwen3", layout, batches, options=options)
+                name = ",".join(f"{k.split('_')[0]}{v}" for k, v in layout.items())
+                report(f"{world} GPUs {name} {data} {dtype} loss", max_rel_diff(got["losses"], ref["losses"]), bound)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--skip-kernels", action="store_true")
+    parser.add_argument("--layouts", action="store_true", help="the multi-GPU parity matrix (under torchrun)")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, cuda {torch.version.cuda}, device {torch.cuda.get_device_name()}", flush=True)
     import transformers
@@ -95,6 +133,10 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     ndp.init_distributed(device_type="cuda")
+    if args.layouts:
+        check_layouts()
+        print(f"{len(FAILURES)} failure(s)", flush=True)
+        return 1 if FAILURES else 0
     if not args.skip_kernels:
         check_kernels(torch.device("cuda"))
     check_world1_parity()

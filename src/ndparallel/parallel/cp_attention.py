@@ -3,8 +3,9 @@
 Shapes: q (B, H, L, D) and k, v (B, Hkv, L, D) hold this rank's L = S/cp tokens (two chunks of
 n = S/(2cp), see ``context.py``); the output has q's shape. Three ways to exchange keys and values:
 
-- ``allgather``: all-gather k/v over cp (GQA keeps this cheap: Hkv << H), attend the local queries to
-  the whole row with an exact mask; backward reduce-scatters dk/dv. Memory O(S) for k/v.
+- ``allgather``: all-gather k/v over cp (GQA keeps this cheap: Hkv << H), attend each local query chunk
+  to the keys it can see in few fused calls (its whole prefix at once, then its own chunk causally),
+  merged by log-sum-exp; backward reduce-scatters dk/dv. Memory O(S) for k/v, no (L, S) mask.
 - ``ring``: pass k/v blocks around the ring peer to peer; the transfer of the next block overlaps the
   current block's compute; partial results are merged with their log-sum-exp; a custom backward sends
   dk/dv accumulators around the ring after the blocks. Memory O(S/cp).
@@ -20,8 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ndparallel import _compat
 from ndparallel.parallel.context import AttentionContext, chunk_ids, natural_order_index
+from ndparallel.parallel.cp_blocks import Block, backward_block, cached_plan, classify, expand_heads, forward_block, merge
 
 
 def context_attention(q, k, v, ctx: AttentionContext, *, scale: float, window: int | None) -> torch.Tensor:
@@ -30,7 +31,7 @@ def context_attention(q, k, v, ctx: AttentionContext, *, scale: float, window: i
         mask = None if ctx.is_plain(window) else ctx.allowed(index, index, window)
         return _sdpa(q, k, v, mask, scale)
     if ctx.method == "allgather":
-        return _allgather_attention(q, k, v, ctx, scale, window)
+        return _AllGatherAttention.apply(q, k, v, ctx, scale, window)
     if ctx.method == "ring":
         return _RingAttention.apply(q, k, v, ctx, scale, window)
     return _ulysses_attention(q, k, v, ctx, scale, window)
@@ -41,12 +42,8 @@ def _sdpa(q, k, v, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     # Masked kernels do not all take grouped heads: expand k/v to the query heads.
-    k, v = _expand_heads(k, q.shape[1]), _expand_heads(v, q.shape[1])
+    k, v = expand_heads(k, q.shape[1]), expand_heads(v, q.shape[1])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-
-
-def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
 def _cp_peers(ctx: AttentionContext) -> tuple[int, int]:
@@ -61,36 +58,73 @@ def _cp_peers(ctx: AttentionContext) -> tuple[int, int]:
 # ------------------------------------------------------------------------------------------------
 
 
-class _GatherSequence(torch.autograd.Function):
-    """(B, C, L, D) on each rank -> (cp, B, C, L, D); backward sums the gradients back to their owners."""
+def _allgather_plan(ctx: AttentionContext, window: int | None) -> list[Block]:
+    """Blocks of each local query chunk against the whole row, consecutive 'full' chunks fused into one."""
+    n = ctx.chunk_len
+
+    def build():
+        blocks = []
+        for qi, gq in enumerate(chunk_ids(ctx.cp_rank, ctx.cp_size)):
+            for g in range(gq + 1):
+                kind = classify(ctx, gq, g, window)
+                if kind is None:
+                    continue
+                last = blocks[-1] if blocks else None
+                if kind[0] == "full" and last and last.q_slot == qi and last.kind == "full" and last.k_end == g * n:
+                    blocks[-1] = Block(qi, last.k_start, (g + 1) * n, "full")
+                else:
+                    blocks.append(Block(qi, g * n, (g + 1) * n, kind[0], kind[1]))
+        return blocks
+
+    return cached_plan(ctx, "allgather", window, build)
+
+
+class _AllGatherAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, q, k, v, ctx, scale, window):
+        b, h, local_len, d = q.shape
+        hkv, n, cp = k.shape[1], ctx.chunk_len, ctx.cp_size
+        gathered = q.new_empty((cp * b, 2 * hkv, local_len, d))
+        dist.all_gather_into_tensor(gathered, torch.cat([k, v], dim=1).contiguous(), group=ctx.cp_group)
+        kv = gathered.view(cp, b, 2 * hkv, local_len, d).permute(1, 2, 0, 3, 4).reshape(b, 2 * hkv, cp * local_len, d)
+        order = natural_order_index(cp, n, q.device)
+        kv = kv.index_select(2, order)                                    # (B, 2Hkv, S, D) in row order
+        plan = _allgather_plan(ctx, window)
+        out = torch.zeros(b, h, local_len, d, dtype=torch.float32, device=q.device)
+        lse = torch.full((b, h, local_len), float("-inf"), dtype=torch.float32, device=q.device)
+        for block in plan:
+            rows = slice(block.q_slot * n, (block.q_slot + 1) * n)
+            keys = kv[:, :, block.k_start:block.k_end]
+            o, l = forward_block(q[:, :, rows], keys[:, :hkv], keys[:, hkv:], block, scale)
+            merge(out[:, :, rows], lse[:, :, rows], o, l)
+        out = out.to(q.dtype)
+        fctx.save_for_backward(q, kv, out, lse, order)
+        fctx.plan, fctx.ctx, fctx.scale, fctx.hkv = plan, ctx, scale, hkv
+        return out
 
     @staticmethod
-    def forward(fctx, x, group, cp_size):
-        fctx.group = group
-        out = x.new_empty((cp_size * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-        return out.view(cp_size, *x.shape)
-
-    @staticmethod
-    def backward(fctx, grad):
-        out = grad.new_empty(grad.shape[1:])
-        dist.reduce_scatter_tensor(out, grad.reshape(-1, *grad.shape[2:]).contiguous(), group=fctx.group)
-        return out, None, None
-
-
-def _allgather_attention(q, k, v, ctx, scale, window):
-    b, hkv, local_len, d = k.shape
-    kv = _GatherSequence.apply(torch.cat([k, v], dim=1), ctx.cp_group, ctx.cp_size)  # (cp, B, 2Hkv, L, D)
-    kv = kv.permute(1, 2, 0, 3, 4).reshape(b, 2 * hkv, ctx.cp_size * local_len, d)    # rank-major sequence
-    kv = kv.index_select(2, natural_order_index(ctx.cp_size, ctx.chunk_len, kv.device))
-    k_full, v_full = kv.split(hkv, dim=1)
-    q_index = ctx.token_index()
-    k_index = torch.arange(ctx.seq_len, device=q.device)
-    if ctx.is_plain(window):
-        mask = (k_index.unsqueeze(0) <= q_index.unsqueeze(1)).view(1, 1, local_len, ctx.seq_len)
-    else:
-        mask = ctx.allowed(q_index, k_index, window)
-    return _sdpa(q, k_full, v_full, mask, scale)
+    def backward(fctx, grad_out):
+        q, kv, out, lse, order = fctx.saved_tensors
+        ctx, hkv, n, cp = fctx.ctx, fctx.hkv, fctx.ctx.chunk_len, fctx.ctx.cp_size
+        b, _, local_len, d = q.shape
+        grad_out = grad_out.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        for block in fctx.plan:
+            rows, keys = slice(block.q_slot * n, (block.q_slot + 1) * n), slice(block.k_start, block.k_end)
+            k_blk, v_blk = kv[:, :hkv, keys], kv[:, hkv:, keys]
+            dq_b, dk_b, dv_b = backward_block(grad_out[:, :, rows], q[:, :, rows], k_blk, v_blk, out[:, :, rows],
+                                              lse[:, :, rows], block, fctx.scale)
+            dq[:, :, rows] += dq_b.float()
+            dkv[:, :hkv, keys] += dk_b.float()
+            dkv[:, hkv:, keys] += dv_b.float()
+        # Back to rank-major order, then each rank receives the sum of its own chunks' gradients.
+        dkv = dkv.index_select(2, torch.argsort(order)).view(b, 2 * hkv, cp, local_len, d)
+        dkv = dkv.permute(2, 0, 1, 3, 4).reshape(cp * b, 2 * hkv, local_len, d).contiguous()
+        mine = dkv.new_empty((b, 2 * hkv, local_len, d))
+        dist.reduce_scatter_tensor(mine, dkv, group=ctx.cp_group)
+        dk, dv = mine.split(hkv, dim=1)
+        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), None, None, None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -138,7 +172,7 @@ def _ulysses_attention(q, k, v, ctx, scale, window):
     heads = q.shape[1]
     if k.shape[1] % ctx.cp_size:
         # Too few key/value heads to split over cp: give every query head its own copy first.
-        k, v = _expand_heads(k, heads), _expand_heads(v, heads)
+        k, v = expand_heads(k, heads), expand_heads(v, heads)
     order = natural_order_index(ctx.cp_size, ctx.chunk_len, q.device)
     inverse = torch.argsort(order)
     qs, ks, vs = (_heads_to_sequence(t, ctx, order) for t in (q, k, v))
@@ -152,41 +186,25 @@ def _ulysses_attention(q, k, v, ctx, scale, window):
 # ------------------------------------------------------------------------------------------------
 
 
-def _ring_plan(ctx: AttentionContext, window: int | None) -> list[list[tuple]]:
-    """For ring step s (holding the k/v of cp rank ``cp_rank - s``): the (q slot, kv slot, kind, mask)
-    pairs to compute. kind: 'full' (no mask), 'causal' (same chunk, plain), 'masked' (bool mask).
-
-    Decided on the host copy of the segment ids (no device sync), once per batch and window."""
-    key = (id(ctx.segment_ids_host), window)
-    cached = ctx.setup.plans.get(key)
-    if cached is not None and cached[0] is ctx.segment_ids_host:  # every layer of a batch: plan once
-        return cached[1]
-    plain = ctx.is_plain(window)
+def _ring_plan(ctx: AttentionContext, window: int | None) -> list[list[Block]]:
+    """For ring step s (holding the k/v of cp rank ``cp_rank - s``, two chunks): the blocks to compute,
+    with key ranges into the held (B, Hkv, 2n, D) k/v."""
     n = ctx.chunk_len
-    plan = []
-    for step in range(ctx.cp_size):
-        src = (ctx.cp_rank - step) % ctx.cp_size
-        pairs = []
-        for qi, gq in enumerate(chunk_ids(ctx.cp_rank, ctx.cp_size)):
-            for kj, gk in enumerate(chunk_ids(src, ctx.cp_size)):
-                if gk > gq:
-                    continue  # keys entirely after the queries
-                if plain:
-                    pairs.append((qi, kj, "causal" if gk == gq else "full", None))
-                    continue
-                q_index = torch.arange(gq * n, (gq + 1) * n)
-                k_index = torch.arange(gk * n, (gk + 1) * n)
-                mask = ctx.allowed(q_index, k_index, window, host=True)
-                if not bool(mask.any()):
-                    continue
-                if bool(mask.all()):
-                    pairs.append((qi, kj, "full", None))
-                else:
-                    pairs.append((qi, kj, "masked", mask.to(ctx.segment_ids.device, non_blocking=True)))
-        plan.append(pairs)
-    ctx.setup.plans.clear()  # keep the current batch's plans only
-    ctx.setup.plans[key] = (ctx.segment_ids_host, plan)
-    return plan
+
+    def build():
+        plan = []
+        for step in range(ctx.cp_size):
+            src = (ctx.cp_rank - step) % ctx.cp_size
+            blocks = []
+            for qi, gq in enumerate(chunk_ids(ctx.cp_rank, ctx.cp_size)):
+                for kj, gk in enumerate(chunk_ids(src, ctx.cp_size)):
+                    kind = classify(ctx, gq, gk, window)
+                    if kind is not None:
+                        blocks.append(Block(qi, kj * n, (kj + 1) * n, kind[0], kind[1]))
+            plan.append(blocks)
+        return plan
+
+    return cached_plan(ctx, "ring", window, build)
 
 
 def _exchange(tensor: torch.Tensor, ctx: AttentionContext):
@@ -202,18 +220,6 @@ def _wait(requests) -> None:
         request.wait()
 
 
-def _bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
-
-
-def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """Fold one block's (out, lse) into the running (out, lse), in place; -inf means 'nothing yet'."""
-    new = torch.logaddexp(lse, block_lse)
-    safe = new.masked_fill(torch.isinf(new), 0.0)
-    out.mul_(torch.exp(lse - safe).unsqueeze(-1)).add_(block_out.float() * torch.exp(block_lse - safe).unsqueeze(-1))
-    lse.copy_(new)
-
-
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(fctx, q, k, v, ctx, scale, window):
@@ -223,20 +229,12 @@ class _RingAttention(torch.autograd.Function):
         out = torch.zeros(b, h, local_len, d, dtype=torch.float32, device=q.device)
         lse = torch.full((b, h, local_len), float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.cat([k, v], dim=1).contiguous()
-        for step, pairs in enumerate(plan):
-            pending = _exchange(kv, ctx) if step < ctx.cp_size - 1 else None
-            k_cur, v_cur = kv.split(hkv, dim=1)
-            for qi, kj, kind, mask in pairs:
-                qs, ks = slice(qi * n, (qi + 1) * n), slice(kj * n, (kj + 1) * n)
-                o_blk, l_blk = _compat.attention_forward_with_lse(
-                    q[:, :, qs], _expand_heads(k_cur[:, :, ks], h), _expand_heads(v_cur[:, :, ks], h),
-                    bias=_bias(mask, q.dtype) if kind == "masked" else None, is_causal=kind == "causal", scale=scale,
-                )
-                if kind == "masked":  # rows with no visible key in this block contribute nothing
-                    has_key = mask.any(-1)                                  # (B, 1, n)
-                    l_blk = l_blk.masked_fill(~has_key, float("-inf"))
-                    o_blk = o_blk.masked_fill(~has_key.unsqueeze(-1), 0.0)
-                _merge(out[:, :, qs], lse[:, :, qs], o_blk, l_blk)
+        for step, blocks in enumerate(plan):
+            pending = _exchange(kv, ctx) if step < ctx.cp_size - 1 else None  # overlaps this step's compute
+            for block in blocks:
+                rows, keys = slice(block.q_slot * n, (block.q_slot + 1) * n), slice(block.k_start, block.k_end)
+                o, l = forward_block(q[:, :, rows], kv[:, :hkv, keys], kv[:, hkv:, keys], block, scale)
+                merge(out[:, :, rows], lse[:, :, rows], o, l)
             if pending is not None:
                 _wait(pending[0])
                 kv = pending[1]
@@ -249,26 +247,21 @@ class _RingAttention(torch.autograd.Function):
     def backward(fctx, grad_out):
         q, k, v, out, lse = fctx.saved_tensors
         plan, ctx, scale = fctx.plan, fctx.ctx, fctx.scale
-        b, h, local_len, d = q.shape
-        hkv, n, rep = k.shape[1], ctx.chunk_len, q.shape[1] // k.shape[1]
+        hkv, n = k.shape[1], ctx.chunk_len
         grad_out = grad_out.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.cat([k, v], dim=1).contiguous()
         dkv_pending = None
-        for step, pairs in enumerate(plan):
+        for step, blocks in enumerate(plan):
             kv_pending = _exchange(kv, ctx) if step < ctx.cp_size - 1 else None
-            k_cur, v_cur = kv.split(hkv, dim=1)
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            for qi, kj, kind, mask in pairs:
-                qs, ks = slice(qi * n, (qi + 1) * n), slice(kj * n, (kj + 1) * n)
-                dq_b, dk_b, dv_b = _compat.attention_backward(
-                    grad_out[:, :, qs], q[:, :, qs], _expand_heads(k_cur[:, :, ks], h),
-                    _expand_heads(v_cur[:, :, ks], h), out[:, :, qs], lse[:, :, qs].contiguous(),
-                    bias=_bias(mask, q.dtype) if kind == "masked" else None, is_causal=kind == "causal", scale=scale,
-                )
-                dq[:, :, qs] += dq_b.float()
-                dkv[:, :hkv, ks] += dk_b.float().view(b, hkv, rep, n, d).sum(2)
-                dkv[:, hkv:, ks] += dv_b.float().view(b, hkv, rep, n, d).sum(2)
+            for block in blocks:
+                rows, keys = slice(block.q_slot * n, (block.q_slot + 1) * n), slice(block.k_start, block.k_end)
+                dq_b, dk_b, dv_b = backward_block(grad_out[:, :, rows], q[:, :, rows], kv[:, :hkv, keys],
+                                                  kv[:, hkv:, keys], out[:, :, rows], lse[:, :, rows], block, scale)
+                dq[:, :, rows] += dq_b.float()
+                dkv[:, :hkv, keys] += dk_b.float()
+                dkv[:, hkv:, keys] += dv_b.float()
             if dkv_pending is not None:
                 # Add what the block's earlier holders accumulated, then pass it on with ours.
                 _wait(dkv_pending[0])
