@@ -102,6 +102,7 @@ class TrainingRun:
     steps_per_epoch: int
     resume_dir: Path | None
     layout_reason: str | None
+    load_s: float | None = None
 
 
 def setup(cfg: TrainConfig) -> TrainingRun:
@@ -164,9 +165,12 @@ def setup(cfg: TrainConfig) -> TrainingRun:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, warmup=cfg.warmup_steps, total=total_steps, kind=cfg.lr_scheduler))
     state = ckpt.TrainState()
+    load_s = None
     if resume_dir is not None:
+        load_start = time.perf_counter()
         state = ckpt.load(resume_dir, model=model, optimizer=optimizer, scheduler=scheduler, order=order,
                           topology=topo, config=cfg)
+        load_s = time.perf_counter() - load_start
         # The schedule resumes at the saved step, with this config's learning rate (it may have changed).
         scheduler.base_lrs = [cfg.learning_rate for _ in scheduler.base_lrs]
         for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
@@ -174,7 +178,8 @@ def setup(cfg: TrainConfig) -> TrainingRun:
     return TrainingRun(cfg=cfg, topo=topo, model_config=model_config, tokenizer=tokenizer, model=model,
                        optimizer=optimizer, scheduler=scheduler, order=order, train_rows=train_rows,
                        eval_rows=eval_rows, lora=lora, state=state, total_steps=total_steps,
-                       steps_per_epoch=steps_per_epoch, resume_dir=resume_dir, layout_reason=layout_reason)
+                       steps_per_epoch=steps_per_epoch, resume_dir=resume_dir, layout_reason=layout_reason,
+                       load_s=load_s)
 
 
 def run_training(cfg: TrainConfig) -> TrainResult:
@@ -193,7 +198,8 @@ def run_training(cfg: TrainConfig) -> TrainResult:
             metrics.message(f"layout chosen by the planner: {run.layout_reason}")
         metrics.message(f"data: {len(train_rows)} rows of {cfg.sequence_len} tokens; {run.steps_per_epoch} steps "
                         f"per epoch; {total_steps} steps"
-                        + (f"; resuming at step {state.step} from {resume_dir}" if resume_dir else ""))
+                        + (f"; resumed at step {state.step} from {resume_dir} (loaded in {run.load_s:.1f} s)"
+                           if resume_dir else ""))
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     flops_tok = flops_per_token(run.model_config, cfg.sequence_len)
