@@ -21,6 +21,7 @@ STORED = {row["case"]: row for row in load_measurements()}
     "tiny-single-none-bf16",
     "tiny-gqa4-t2-selective-bf16",
     "tiny-gqa4-c2-ring-none-bf16",
+    "tiny-gqa4-t2-none-bf16-lora8",
 ])
 def test_fresh_measurement_matches_the_stored_one_and_the_model(case):
     row = STORED[case]
@@ -30,7 +31,7 @@ def test_fresh_measurement_matches_the_stored_one_and_the_model(case):
     world = lay["dp_replicate"] * lay["dp_shard"] * lay["cp"] * lay["tp"]
     got = run_ranks(world, measure_activations, ModelShape.from_dict(row["model"]), config, seq_len=row["seq_len"],
                     micro_batch=row["micro_batch"], activation_checkpointing=row["activation_checkpointing"],
-                    precision=row["precision"])
+                    precision=row["precision"], lora_rank=row.get("lora_rank"))
     assert got[0]["retained"] == row["measured_bytes"]
     (_, predicted, measured, err), = compare_to_measurements([{**row, "measured_bytes": got[0]["retained"]}])
     assert abs(err) <= TOLERANCE, f"predicted {predicted:,.0f} B, measured {measured:,.0f} B"

@@ -4,7 +4,8 @@ import pytest
 
 from ndparallel.layout import Layout
 from ndparallel.planner.activations import activation_bytes, layer_full, layer_none, layer_selective, loss_peak
-from ndparallel.planner.memory import estimate_memory, local_params
+from ndparallel.planner.memory import (GPU_WORKSPACE_BYTES, MOMENTS, estimate_memory, local_params, lora_params,
+                                       memory_moments, reduce_bytes)
 from ndparallel.planner.shapes import PRESETS
 from ndparallel.planner.workload import Workload
 
@@ -12,20 +13,26 @@ L8B = PRESETS["llama-8b"]
 SEQ = 8192
 
 
+def _step(model, layout, work, **kw):
+    """The optimizer-step moment: master weights, every gradient and the AdamW states."""
+    return memory_moments(model, layout, work, **kw)["optimizer step"]
+
+
 def test_llama_8b_parameter_and_state_totals():
     p = L8B.params
     assert abs(p - 8.03e9) / 8.03e9 < 1e-3
-    one = estimate_memory(L8B, Layout(), Workload(seq_len=SEQ, global_batch_rows=1))
+    one = _step(L8B, Layout(), Workload(seq_len=SEQ, global_batch_rows=1))
     assert round(one.master_params / 1e9, 1) == 32.1      # fp32 master weights
     assert round(one.grads / 1e9, 1) == 32.1              # fp32 gradients
     assert round(one.optimizer / 1e9, 1) == 64.2          # AdamW: two fp32 states
+    assert one.allocated == 16 * p + GPU_WORKSPACE_BYTES  # nothing else is alive at the optimizer step
 
 
 def test_sharding_divides_by_tp_dp_shard_and_cp_but_not_dp_replicate():
     work = Workload(seq_len=SEQ, global_batch_rows=64)
-    one = estimate_memory(L8B, Layout(), work)
-    split = estimate_memory(L8B, Layout(dp_shard=8, cp=2, tp=2), work)
-    replicated = estimate_memory(L8B, Layout(dp_replicate=2, dp_shard=8, cp=2, tp=2), work)
+    one = _step(L8B, Layout(), work)
+    split = _step(L8B, Layout(dp_shard=8, cp=2, tp=2), work)
+    replicated = _step(L8B, Layout(dp_replicate=2, dp_shard=8, cp=2, tp=2), work)
     for field in ("master_params", "grads", "optimizer"):
         ratio = getattr(one, field) / getattr(split, field)
         assert ratio == pytest.approx(32, rel=2e-3)  # norms stay whole under tp: slightly less than 32x
@@ -72,35 +79,76 @@ def test_allgather_cp_keeps_the_whole_rows_kv_and_a_mask():
 
 def test_loss_peak_is_the_logits_their_gradient_and_float32_chunk_temporaries():
     v = 128256
-    # 8192 tokens = 4 chunks of 2048 rows: logits + their gradient (2 + 2 B per element); the previous chunk's
-    # float32 result, the current chunk upcast and shifted (3 x 4 B per chunk element); 18 B per token.
-    assert loss_peak(L8B, Layout(), SEQ, 1, 2) == SEQ * v * 4 + 12 * 2048 * v + 18 * SEQ
-    assert loss_peak(L8B, Layout(tp=2, cp=2), SEQ, 2, 2) == 8192 * (v / 2) * 4 + 12 * 2048 * (v / 2) + 18 * 8192
-    # fp32: no upcast copy
-    assert loss_peak(L8B, Layout(), SEQ, 1, 4) == SEQ * v * 8 + 8 * 2048 * v + 18 * SEQ
-    # one chunk: no previous chunk. Two: the first chunk's two copies, or the first's result + the second's two
-    assert loss_peak(L8B, Layout(), 1024, 1, 2) == 1024 * v * (4 + 8) + 18 * 1024
-    assert loss_peak(L8B, Layout(), 2048 + 64, 1, 2) == 2112 * v * 4 + 8 * 2048 * v + 18 * 2112
-    assert loss_peak(L8B, Layout(), 2048 + 1536, 1, 2) == 3584 * v * 4 + (4 * 2048 + 8 * 1536) * v + 18 * 3584
+    # logits + their gradient (2 + 2 B per element); three float32 copies of one 2048-row chunk at once in
+    # _chunk_grad (the upcast chunk, x - lse, its exp: 12 B per chunk element); 22 B per token, 4 per chunk row.
+    assert loss_peak(L8B, Layout(), SEQ, 1, 2) == SEQ * v * 4 + 12 * 2048 * v + 22 * SEQ + 4 * 2048
+    assert loss_peak(L8B, Layout(tp=2, cp=2), SEQ, 2, 2) == (8192 * (v / 2) * 4 + 12 * 2048 * (v / 2) + 22 * 8192
+                                                              + 4 * 2048)
+    # fp32: the upcast is a no-op, two temporaries
+    assert loss_peak(L8B, Layout(), SEQ, 1, 4) == SEQ * v * 8 + 8 * 2048 * v + 22 * SEQ + 4 * 2048
+    # fewer rows than a chunk: the chunk is the whole micro-batch
+    assert loss_peak(L8B, Layout(), 1024, 1, 2) == 1024 * v * (4 + 12) + 26 * 1024
     # never the 14+ B per element of a float32 copy and softmax of the whole logits
     assert loss_peak(L8B, Layout(), 131072, 1, 2) < 4.2 * 131072 * v
 
 
-def test_total_is_the_sum_of_the_items_and_the_largest_transient():
+def test_total_is_the_sum_of_the_items_at_the_moment_that_peaks():
     work = Workload(seq_len=SEQ, global_batch_rows=8)
     lay = Layout(dp_shard=8)
+    moments = memory_moments(L8B, lay, work, micro_batch=1, activation_checkpointing="full")
+    assert tuple(moments) == MOMENTS
     mem = estimate_memory(L8B, lay, work, micro_batch=1, activation_checkpointing="full")
+    assert mem == max(moments.values(), key=lambda m: m.allocated)
     items = mem.items()
     parts = [v for k, v in items.items() if k not in ("allocated", "total")]
     assert items["total"] == pytest.approx(sum(parts))
-    # The loss (logits + gradient + 12 B x 2048 rows x V) and lm_head's backward (logits + gradient + 6 B
-    # x V x h, h = 4096) come out the same but for the loss's 18 B per token; both beat any layer's backward.
+    # The loss (logits + gradient + 12 B x 2048 rows x V) beats lm_head's backward (logits + gradient + 2 B x
+    # V x h, h = 4096) and any layer's; no gradient has been reduced yet.
     assert mem.transient_kind == "loss"
     assert mem.transient == loss_peak(L8B, lay, SEQ, 1, 2)
-    head = 2 * 2 * SEQ * 128256 + 6 * 128256 * 4096
-    assert mem.transient - head == 18 * SEQ
+    assert mem.grads == 0
+    head = moments["head backward"]
+    assert head.transient == 2 * 2 * SEQ * 128256 + 2 * 128256 * 4096
     retained = activation_bytes(L8B, lay, SEQ, 1, "full")
     assert mem.activations == retained.retained - retained.loss_saved
+    # FSDP over 8: the last layer and lm_head's unit stay gathered after forward (bf16)
+    assert mem.working_params == 2 * (L8B.layer_params() + 128256 * 4096 + 4096)
+    step = moments["optimizer step"]
+    assert step.activations == step.working_params == step.transient == 0
+    assert step.grads == 4 * local_params(L8B, lay)
+
+
+def test_world_1_keeps_every_bf16_copy_and_reduces_through_three_fp32_buffers():
+    l1b = PRESETS["llama-1b"]
+    work = Workload(seq_len=8192, global_batch_rows=1)
+    loss = memory_moments(l1b, Layout(), work, activation_checkpointing="full")["loss"]
+    assert loss.working_params == 2 * l1b.params  # parallel/fsdp.py: no resharding after forward on one rank
+    # FSDP's reduction: fp32 input, the input / divide_factor temporary (one rank only) and the output
+    assert reduce_bytes(1000, 1) == 12_000
+    assert reduce_bytes(1000, 8) == 4_000 + 500
+    # tp 2 alone is still one FSDP rank
+    assert memory_moments(l1b, Layout(tp=2), work)["loss"].working_params == pytest.approx(
+        2 * (l1b.split_params() / 2 + l1b.replicated_params()))
+
+
+def test_3b_full_checkpointing_peaks_at_the_end_of_backward_by_hand():
+    # Tied embedding: the root unit reduces last, once every layer's fp32 gradient exists, while the trainer
+    # still holds the logits: master 4P + AdamW 8P + layers' gradients + logits + 3 fp32 copies of V x h.
+    l3b = PRESETS["llama-3b"]
+    p, vh = l3b.params, 128256 * 3072
+    mem = estimate_memory(l3b, Layout(), Workload(seq_len=8192, global_batch_rows=1), activation_checkpointing="full")
+    assert mem.transient_kind == "end of backward"
+    expected = 16 * p - 4 * (vh + 3072) + 2 * 8192 * 128256 + 12 * (vh + 3072) + GPU_WORKSPACE_BYTES
+    assert mem.allocated == pytest.approx(expected)
+
+
+def test_gradients_exist_before_the_loss_only_when_every_micro_batch_reduces():
+    work = Workload(seq_len=SEQ, global_batch_rows=64)
+    lay = Layout(dp_shard=8)
+    every = memory_moments(L8B, lay, work, micro_batch=1, accumulation=8, grad_sync="every")["loss"]
+    last = memory_moments(L8B, lay, work, micro_batch=1, accumulation=8, grad_sync="last")["loss"]
+    assert every.grads == pytest.approx(4 * local_params(L8B, lay)) and every.accumulated_grads == 0
+    assert last.grads == 0 and last.accumulated_grads > 0
 
 
 def test_the_loss_saves_the_logits_in_the_compute_dtype_not_a_softmax():
@@ -121,13 +169,27 @@ def test_accumulated_gradients_only_when_reducing_on_the_last_micro_batch():
 
 def test_lora_keeps_no_gradients_or_optimizer_state_for_the_base():
     lay = Layout(dp_shard=8)
-    full = estimate_memory(L8B, lay, Workload(seq_len=SEQ, global_batch_rows=8))
-    lora = estimate_memory(L8B, lay, Workload(seq_len=SEQ, global_batch_rows=8, lora_rank=16))
+    full = _step(L8B, lay, Workload(seq_len=SEQ, global_batch_rows=8))
+    lora = _step(L8B, lay, Workload(seq_len=SEQ, global_batch_rows=8, lora_rank=16))
     adapters = L8B.layers * L8B.lora_params_per_layer(16)
+    assert lora_params(L8B, 16) == adapters
     # r * (in + out) over the 7 linears: hidden 7 times, q twice (q_proj out, o_proj in), kv twice, i three times
     assert adapters == 32 * 16 * (4096 * 9 + 1024 * 2 + 14336 * 3)
     assert lora.grads == pytest.approx(4 * adapters / 8)
     assert lora.optimizer == pytest.approx(8 * adapters / 8)
-    assert lora.master_params == pytest.approx(2 * local_params(L8B, lay) + 4 * adapters / 8)
+    # the frozen base stays fp32, as models.build.materialize makes it
+    assert lora.master_params == pytest.approx(4 * local_params(L8B, lay) + 4 * adapters / 8)
     static = lambda m: m.master_params + m.grads + m.optimizer  # noqa: E731
-    assert static(lora) < static(full) / 7   # 2 bytes per base parameter instead of 16
+    assert static(lora) < static(full) / 3.9   # 4 bytes per base parameter instead of 16
+
+
+def test_lora_activations_drop_the_frozen_norms_copies_and_add_the_adapters():
+    r, t, h, n = 16, 2, 4096, SEQ
+    base = layer_none(L8B, Layout(tp=t), SEQ, 1, 2)
+    lora = layer_none(L8B, Layout(tp=t), SEQ, 1, 2, r)
+    # two norms lose their bf16 normalized copy (2h/t each); A outputs: 5 full, 2 sequence-split (o, down)
+    assert lora - base == n * (-2 * 2 * h / t + 2 * r * (5 + 2 / t))
+    a_none, b_none = (activation_bytes(L8B, Layout(), SEQ, 1, "none", 2, k) for k in (r, None))
+    # + the head drops lm_head's input and the final norm's copy; the first layer's input norm keeps nothing
+    assert a_none.head == b_none.head - 2 * 2 * h * n
+    assert a_none.layers == 32 * a_none.per_layer - n * (4 * h + 4)

@@ -33,6 +33,17 @@ outside the layers
     head        final RMSNorm (4h + 4 + e*h)/t + lm_head input e*h + labels 8
     loss        the logits as the model made them, e*V/t (the chunked cross-entropy saves them, not a softmax),
                 + 14: the fp32 log-sum-exp, the int64 local label and two boolean masks
+
+LoRA (base weights frozen, adapters on all seven linears): a product with a frozen weight saves nothing
+for that weight's gradient, so every RMSNorm drops its normalized compute-dtype copy (the input of
+``weight * x``), e*h/t per norm (Qwen3's q/k norms e*(q + kv)/t), the head drops lm_head's input, e*h,
+and the first layer's input norm saves nothing at all (the frozen embedding's output needs no
+gradient): (4h + 4)/t once. The linears' inputs stay saved (each adapter's A reads the same tensor).
+    none        + e*r*(5 + 2/t): each adapter's A output, kept for B's backward (the o/down adapters'
+                A output is reduce-scattered over the sequence first)
+    selective   + e*(7r + (q + 2kv + 2i + 2h)/t): every A output (the o/down ones as partial sums, full
+                sequence) and every B output (o/down: sequence-split)
+Measured on CPU (``tiny-gqa4-*-lora*`` rows, world 1 and tp 2) and on the H200 (1B LoRA rows).
 """
 
 from __future__ import annotations
@@ -69,9 +80,12 @@ class ActivationBytes:
         return {**asdict(self), "retained": self.retained}
 
 
-def _norm(m: ModelShape, t: int, e: int) -> float:
-    """One RMSNorm under sequence parallelism, per token: fp32 input copy, 1/rms, normalized (compute dtype)."""
-    return (4 * m.hidden + 4 + e * m.hidden) / t
+def _norm(m: ModelShape, t: int, e: int, frozen: bool = False) -> float:
+    """One RMSNorm under sequence parallelism, per token: fp32 input copy, 1/rms, normalized (compute dtype).
+
+    With a frozen weight (LoRA) ``weight * x`` saves nothing for the weight's gradient: no normalized copy.
+    """
+    return (4 * m.hidden + 4 + (0 if frozen else e * m.hidden)) / t
 
 
 def kv_width_allgather(m: ModelShape) -> int:
@@ -99,12 +113,15 @@ def attention_none(m: ModelShape, layout: Layout, seq: int, b: int, e: int) -> f
     return b * s * (e * (3 * q + 2 * kv_width_alltoall(m, layout)) + 4 * n) / t + 16 * seq
 
 
-def layer_none(m: ModelShape, layout: Layout, seq: int, b: int, e: int) -> float:
-    """Bytes one decoder layer keeps for backward without checkpointing."""
+def layer_none(m: ModelShape, layout: Layout, seq: int, b: int, e: int, lora_rank: int | None = None) -> float:
+    """Bytes one decoder layer keeps for backward without checkpointing (LoRA: frozen base, 7 adapters)."""
     t, s = layout.tp, seq // layout.cp
-    dense = b * s * (2 * _norm(m, t, e) + 2 * e * m.hidden + 4 * e * m.intermediate / t)
+    frozen = bool(lora_rank)
+    dense = b * s * (2 * _norm(m, t, e, frozen) + 2 * e * m.hidden + 4 * e * m.intermediate / t)
     if m.qk_norm:
-        dense += b * s * ((4 + e) * (m.q_dim + m.kv_dim) + 4 * (m.heads + m.kv_heads)) / t
+        dense += b * s * ((4 + (0 if frozen else e)) * (m.q_dim + m.kv_dim) + 4 * (m.heads + m.kv_heads)) / t
+    if lora_rank:
+        dense += b * s * e * lora_rank * (5 + 2 / t)  # each adapter's A output, kept for B's backward
     return dense + attention_none(m, layout, seq, b, e)
 
 
@@ -128,42 +145,42 @@ def activation_bytes(m: ModelShape, layout: Layout, seq: int, b: int, mode: str,
                      lora_rank: int | None = None) -> ActivationBytes:
     """Activation memory of one rank for a micro-batch of ``b`` rows of ``seq`` tokens."""
     t, s = layout.tp, seq // layout.cp
-    none = layer_none(m, layout, seq, b, e)
-    if lora_rank:
-        # Not measured (peft is not in the measurement runs). Each adapted linear keeps its A output (r wide)
-        # for B's backward; selective checkpointing also caches B's output, as wide as the linear's.
-        none += b * s * 7 * e * lora_rank
+    none = layer_none(m, layout, seq, b, e, lora_rank)
     if mode == "none":
         per_layer, recompute = none, 0.0
     elif mode == "selective":
         per_layer = layer_selective(m, layout, seq, b, e)
-        if lora_rank:
-            widths = (m.q_dim + 2 * m.kv_dim + 2 * m.intermediate) / t + 2 * m.hidden
+        if lora_rank:  # the adapters' A and B outputs are matmul outputs too
+            widths = (m.q_dim + 2 * m.kv_dim + 2 * m.intermediate + 2 * m.hidden) / t
             per_layer += b * s * e * (7 * lora_rank + widths)
         recompute = max(none - per_layer, 0.0)
     else:
         per_layer, recompute = layer_full(m, layout, seq, b, e), none
     embedding = b * s * (2 * e * m.head_dim + 8)
-    head = b * s * (_norm(m, t, e) + e * m.hidden + 8)
+    # final norm, lm_head's input (not saved when lm_head is frozen) and the labels
+    head = b * s * (_norm(m, t, e, bool(lora_rank)) + (0 if lora_rank else e * m.hidden) + 8)
     loss_saved = b * s * (e * m.vocab / t + 14)
-    return ActivationBytes(per_layer=per_layer, layers=m.layers * per_layer, embedding=embedding, head=head,
+    layers = m.layers * per_layer
+    if lora_rank and mode == "none":
+        layers -= b * s * (4 * m.hidden + 4) / t  # the first layer's input norm: nothing needs a gradient
+    return ActivationBytes(per_layer=per_layer, layers=layers, embedding=embedding, head=head,
                            loss_saved=loss_saved, layer_recompute=recompute)
 
 
 def loss_peak(m: ModelShape, layout: Layout, seq: int, b: int, e: int) -> float:
-    """Most bytes the logits and the loss hold at once, per micro-batch (``ndparallel.loss``).
+    """Most bytes the logits and the loss hold at once, per micro-batch (``ndparallel.loss``, eager).
 
     The chunked cross-entropy never makes a full float32 copy or softmax of the (N, V/t) logits (N = b*s
-    tokens of the rank). Its peak is in backward: the logits (saved by the loss and still held by the
-    trainer, e bytes per local logit element), their gradient (e bytes) and the float32 temporaries of
-    the chunk being processed (``CHUNK_ROWS`` rows): the upcast chunk (bf16 only; a no-op in fp32) and the
-    max-shifted one, 4 bytes each, and, from the second chunk on, the previous chunk's result, which its
-    loop variable keeps alive until the next is made; and 18 bytes per token (the saved log-sum-exp,
-    label and masks, and the per-token loss gradient). Forward holds no gradient, so it peaks lower.
+    tokens of the rank). Its peak is in backward, inside ``_chunk_grad`` for a chunk of c = min(N,
+    ``CHUNK_ROWS``) rows: the logits (saved by the loss and still held by the trainer, e bytes per local
+    logit element), their gradient (e bytes), and three float32 temporaries of the chunk at once, the
+    upcast chunk (bf16 only: a no-op in fp32), ``x - lse`` and its ``exp`` (later the scaled and the
+    scattered copies: never more than three at once): 12 bytes per chunk element in bf16, 8 in fp32. Per
+    token: 22 bytes (the saved log-sum-exp, label and two masks, the float32 ``scale`` and
+    ``target_scale``) and 4 per chunk row (the negated ``target_scale`` slice). Forward holds no
+    gradient, so it peaks lower. With ``compiled=True`` the chunk temporaries are fused away; the planner
+    models the eager path.
     """
     n, w = b * (seq // layout.cp), m.vocab / layout.tp
-    per_row = 4 * w * (2 if e < 4 else 1)
-    first = min(n, CHUNK_ROWS)
-    second = min(max(n - CHUNK_ROWS, 0), CHUNK_ROWS)
-    temporaries = max(first * per_row, (4 * w * first + second * per_row) if second else 0.0)
-    return 2 * e * n * w + temporaries + 18 * n
+    c = min(n, CHUNK_ROWS)
+    return 2 * e * n * w + (12 if e < 4 else 8) * c * w + 22 * n + 4 * c

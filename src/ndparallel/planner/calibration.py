@@ -17,14 +17,16 @@ Quantities and the prediction each is compared with:
                            of two measurements with different layer counts) vs ``.per_layer``
     loss_peak              peak of logits + loss through forward and backward (``measure.measure_loss_peak``)
                            vs ``activations.loss_peak``
-    peak_allocated         ``torch.cuda.max_memory_allocated`` over a training step
-                           vs ``estimate_memory(...).allocated``; optional keys: accumulation,
+    peak_allocated         ``torch.cuda.max_memory_allocated`` over training steps (optimizer step
+                           included) vs ``estimate_memory(...).allocated``; optional keys: accumulation,
                            grad_sync, lora_rank
     peak_total             device memory in use including context (e.g. nvidia-smi)
                            vs ``estimate_memory(...).total``; optional key: overhead_gib
 
-The H200 calibration adds peak_allocated rows for the 1B/3B shapes to ``measurements.json``; the unit
-test holds every row to ``TOLERANCE``.
+Any row may carry ``lora_rank`` (LoRA on all seven linears of every layer). GPU rows also say where they
+come from: ``device``, ``torch``, ``transformers``, ``date``, ``source`` (the results file). The H200 rows
+(1B and 3B shapes, world 1) come from ``benchmarks/results/`` through ``benchmarks/planner_measure.py``;
+the unit tests hold every row to ``TOLERANCE``.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from ndparallel.errors import ConfigError
 from ndparallel.layout import Layout
 from ndparallel.planner.activations import activation_bytes, layer_none, loss_peak
 from ndparallel.planner.hardware import Cluster
-from ndparallel.planner.memory import estimate_memory
+from ndparallel.planner.memory import MemoryEstimate, estimate_memory
 from ndparallel.planner.shapes import load_model_shape
 from ndparallel.planner.workload import Workload
 
@@ -64,16 +66,26 @@ def predict(row: dict[str, Any]) -> float:
     if quantity == "layer_retained":
         return activation_bytes(model, layout, seq, b, mode, e, row.get("lora_rank")).per_layer
     if quantity == "layer_saved":
-        return layer_none(model, layout, seq, b, e)
+        return layer_none(model, layout, seq, b, e, row.get("lora_rank"))
     if quantity == "loss_peak":
         return loss_peak(model, layout, seq, b, e)
+    memory = predict_memory(row)
+    return memory.allocated if quantity == "peak_allocated" else memory.total
+
+
+def predict_memory(row: dict[str, Any]) -> MemoryEstimate:
+    """The planner's itemized peak for a ``peak_allocated`` / ``peak_total`` row's configuration."""
+    model = load_model_shape(row["model"])
+    layout = Layout(**row["layout"])
+    seq, b = row["seq_len"], row["micro_batch"]
+    mode = row.get("activation_checkpointing", "none")
     accumulation = row.get("accumulation", 1)
     workload = Workload(seq_len=seq, global_batch_rows=b * accumulation * layout.batch_size, micro_batch_sizes=(b,),
-                        precision=precision, activation_checkpointing=mode, lora_rank=row.get("lora_rank"))
+                        precision=row.get("precision", "bf16"), activation_checkpointing=mode,
+                        lora_rank=row.get("lora_rank"))
     cluster = Cluster(overhead_gib=row.get("overhead_gib", Cluster.overhead_gib))
-    memory = estimate_memory(model, layout, workload, micro_batch=b, activation_checkpointing=mode,
-                             accumulation=accumulation, grad_sync=row.get("grad_sync", "last"), cluster=cluster)
-    return memory.allocated if quantity == "peak_allocated" else memory.total
+    return estimate_memory(model, layout, workload, micro_batch=b, activation_checkpointing=mode,
+                           accumulation=accumulation, grad_sync=row.get("grad_sync", "last"), cluster=cluster)
 
 
 def compare_to_measurements(rows: list[dict[str, Any]]) -> list[tuple[str, float, float, float]]:

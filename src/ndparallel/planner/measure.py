@@ -78,15 +78,18 @@ class _StorageRecorder(TorchDispatchMode):
 
 def measure_activations(shape: ModelShape, layout: dict[str, Any], *, seq_len: int, micro_batch: int,
                         activation_checkpointing: str = "none", precision: str = "bf16",
-                        seed: int = 0) -> dict[str, Any]:
+                        lora_rank: int | None = None, seed: int = 0) -> dict[str, Any]:
     """Activation bytes one rank keeps for a micro-batch of ``micro_batch`` rows of ``seq_len`` tokens.
 
-    ``layout`` holds ParallelismConfig keyword arguments. Returns ``retained``, ``layer_saved`` (mode
-    'none'), ``regions`` (retained bytes by the region that created them) and the layout used.
+    ``layout`` holds ParallelismConfig keyword arguments; ``lora_rank`` adds LoRA adapters of that rank to
+    all seven linears of every layer (base weights frozen), as the trainer does. Returns ``retained``,
+    ``layer_saved`` (mode 'none'), ``regions`` (retained bytes by the region that created them) and the
+    layout used.
     """
     from transformers import AutoModelForCausalLM
 
     import ndparallel as ndp
+    from ndparallel.lora import LoraSpec
 
     topo = ndp.Topology.build(ndp.ParallelismConfig(**layout))
     torch.manual_seed(seed)
@@ -94,7 +97,8 @@ def measure_activations(shape: ModelShape, layout: dict[str, Any], *, seq_len: i
                                              dtype=torch.float32).train()
     options = ndp.ParallelOptions(param_dtype="bfloat16" if precision == "bf16" else None,
                                   activation_checkpointing=activation_checkpointing, reshard_after_forward=False)
-    ndp.parallelize(model, topo, options=options)
+    lora = LoraSpec(r=lora_rank, alpha=2 * lora_rank, target_linear=True) if lora_rank else None
+    ndp.parallelize(model, topo, options=options, lora=lora)
     rows = micro_batch * topo.layout.batch_size
     ids = torch.randint(1, shape.vocab, (rows, seq_len), generator=torch.Generator().manual_seed(seed + 1))
     batch = ndp.prepare_batch(ids, topo)

@@ -1,32 +1,57 @@
-"""Peak memory of one GPU for a layout, itemized, in bytes.
+"""Peak memory of one GPU for a layout, itemized, in bytes, for the eager (not compiled) trainer step.
 
-With P_split the parameters tensor parallelism splits and P_rep the ones it replicates (norms),
-f = dp_shard x cp the FSDP shard group and t = tp, one GPU holds P_local = P_split/(t*f) + P_rep/f of
-every parameter (dp_replicate copies the shards, dividing nothing). With e bytes per compute element:
+Memory is not one sum of everything: gradients appear only during backward, activations are gone by
+the optimizer step. The peak is the largest of five moments of a step (``memory_moments``), each
+itemized the same way. With P_split the parameters tensor parallelism splits and P_rep the ones it
+replicates (norms), f = dp_shard x cp the FSDP shard group and t = tp, one GPU holds P_local =
+P_split/(t*f) + P_rep/f of every parameter (dp_replicate copies the shards, dividing nothing); P_tp =
+P_split/t + P_rep is a tp rank's unsharded share, e bytes per compute element, n = b*seq/cp tokens.
 
-    master_params     4 * P_local           fp32 master weights (LoRA: frozen base in e bytes, adapters fp32)
-    grads             4 * P_local           fp32 sharded gradients (trainable parameters only)
-    optimizer         8 * P_local           AdamW exp_avg and exp_avg_sq, fp32
-    working_params    e * (2*P_layer/t + V*h/t)   gathered weights in flight: the layer running and the
-                      one prefetched (or kept: the last layer is not resharded after forward), and the
-                      vocabulary matrix FSDP keeps gathered from forward to backward (lm_head, or the
-                      tied embedding in the root unit)
-    accumulated_grads 4 * P_trainable/t     only with gradient accumulation that reduces on the last
-                      micro-batch: FSDP keeps every unsharded gradient in fp32 between micro-batches
-    activations       see activations.py: all layers + embedding + head, for one micro-batch
-    transient         the largest of three moments beyond the retained activations:
-                      loss (backward of the chunked cross-entropy): the logits and their gradient,
-                      2e * b*s*V/t, + float32 temporaries of one or two CHUNK_ROWS-row chunks
-                      (activations.loss_peak; no full float32 copy of the logits is ever made);
-                      head backward: the logits (the trainer holds them through backward) and their
-                      gradient, 2e * b*s*V/t, + lm_head's unsharded gradient and its fp32 reduce-scatter
-                      input (e + 4) * V*h/t;
-                      layer backward: what checkpointing recomputes + activation gradients
-                      e*b*s*(2h + 3i/t) + the unit's gradient buffers (e + 4) * P_layer/t + CP buffers
-                      + the logits the trainer still holds, e * b*s*V/t
+Always present (from the first optimizer step on):
+    master_params     4 * P_local           fp32 master weights. Under LoRA the frozen base is fp32 too:
+                      ``models.build.materialize`` fills float32 parameters and nothing casts the frozen
+                      ones (measured: 4.708 GiB after init for the 1B with rank-16 adapters), + 4 * adapters
+    optimizer         8 * T_local           AdamW exp_avg and exp_avg_sq, fp32, of the trainable T (fused
+                      AdamW updates in place: no temporaries)
+    workspace         64 MiB                cuBLAS/cuBLASLt workspaces, allocated through PyTorch's caching
+                      allocator on the first matmul and kept (GPU_WORKSPACE_BYTES, measured)
+Depending on the moment:
+    working_params    the gathered compute-dtype copies. FSDP over one rank (dp_replicate x f = 1) keeps
+                      every unit gathered from forward to backward (``parallel/fsdp.py``): e * P_tp until
+                      each unit's post-backward frees its own. Otherwise the last layer and the vocabulary
+                      unit stay gathered after forward, e * (P_layer/t + V*h/t), and backward holds the
+                      layer running and the one prefetched (+ the tied embedding's root unit).
+    grads             fp32 sharded gradients: none until backward reduces them (the previous step's were
+                      freed by ``zero_grad(set_to_none=True)``), 4 * T_local at the optimizer step; with
+                      accumulation and grad_sync 'every', all of them from the second micro-batch on
+    accumulated_grads only with accumulation that reduces on the last micro-batch: FSDP keeps every
+                      unsharded gradient in fp32 between micro-batches, 4 * T_tp
+    activations       what forward kept (activations.py): all layers + embedding + head
+    transient         what the moment adds on top
+Each unit's gradient reduction (FSDP ``foreach_reduce``) allocates an fp32 reduce-scatter input of the
+unit's unsharded gradient (x elements per tp rank) and an output of x/f; with one rank in the shard group
+the "reduce-scatter" is ``output.copy_(input / divide_factor)``, one more fp32 temporary of x (torch 2.11
+and 2.13 make it even for the factor 1.0 that ``_compat.set_gradient_sum`` sets; later releases may skip
+it): reduce(x) = 4x * (1 + 1/f) (+ 4x when f = 1). The moments:
+    loss              backward of the chunked cross-entropy: the logits, their gradient and the chunk's
+                      float32 temporaries (activations.loss_peak; no full float32 copy is ever made)
+    head backward     the logits (the trainer holds them until ``loss.backward()`` returns) and their
+                      gradient, 2e * n*V/t, + lm_head's unsharded gradient e * V*h/t (or, untied, its
+                      unit's reduction once the gradient of the logits and the unit's copy are freed)
+    layer backward    the first layer processed: what checkpointing recomputes + activation gradients
+                      e*n*(2h + 3i/t) + the unit's gradient e * P_layer/t + CP buffers, or later its
+                      reduction once those are freed; + the logits the trainer holds, + the tied
+                      embedding's unsharded gradient from lm_head (kept until the root unit reduces at the end)
+    end of backward   every other unit's sharded gradient + the logits + the embedding unit's reduction
+                      (its gathered copy is freed first), or the embedding backward just before it
+    optimizer step    gradients, master weights and AdamW states only
     overhead          fixed: CUDA context, NCCL, fragmentation (Cluster.overhead_gib)
 
-``allocated`` (everything but the overhead) is what ``torch.cuda.max_memory_allocated`` measures.
+``allocated`` (everything but the overhead) is what ``torch.cuda.max_memory_allocated`` measures; on the
+H200 it is within 0.01% of every measured world-1 case (1B and 3B, three checkpointing modes, sequences
+of 2k to 128k tokens, LoRA), see ``benchmarks/planner_validation.md``. torch.compile (the trainer's
+``compile`` option and the compiled loss) fuses away elementwise temporaries the model counts: it
+overestimates compiled runs (by 12-18% for the 1B and 3B on the H200).
 """
 
 from __future__ import annotations
@@ -40,9 +65,18 @@ from ndparallel.planner.shapes import ModelShape
 from ndparallel.planner.workload import Workload
 
 
+# cuBLAS and cuBLASLt workspaces (torch allocates them through the caching allocator at the first matmul
+# and keeps them, so torch.cuda.max_memory_allocated counts them). Measured on the H200 (torch 2.11): the
+# first sweep case's memory after init was exactly the fp32 parameters (4.604 GiB for the 1B), every
+# later case's 4.666 GiB, 64 MiB more.
+GPU_WORKSPACE_BYTES = 64 * 2**20
+
+MOMENTS = ("loss", "head backward", "layer backward", "end of backward", "optimizer step")
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Per-GPU peak memory, bytes, by what holds it."""
+    """Per-GPU memory, bytes, by what holds it, at the moment of the step that peaks."""
 
     master_params: float
     working_params: float
@@ -52,14 +86,15 @@ class MemoryEstimate:
     activations: float
     transient: float
     transient_kind: str
-    """Which moment sets the peak: 'loss', 'head backward' or 'layer backward'."""
+    """Which moment sets the peak: one of ``MOMENTS``."""
+    workspace: float
     overhead: float
 
     @property
     def allocated(self) -> float:
         """Peak of what PyTorch allocates (compare with torch.cuda.max_memory_allocated)."""
         return (self.master_params + self.working_params + self.grads + self.accumulated_grads + self.optimizer
-                + self.activations + self.transient)
+                + self.activations + self.transient + self.workspace)
 
     @property
     def total(self) -> float:
@@ -71,7 +106,7 @@ class MemoryEstimate:
 
     def summary(self) -> str:
         parts = [f"{k} {v / GIB:.1f}" for k, v in self.items().items() if v and k not in ("allocated", "total")]
-        return f"{self.total / GIB:.1f} GiB = " + " + ".join(parts)
+        return f"{self.total / GIB:.1f} GiB at {self.transient_kind} = " + " + ".join(parts)
 
 
 def local_params(model: ModelShape, layout: Layout) -> float:
@@ -82,6 +117,12 @@ def local_params(model: ModelShape, layout: Layout) -> float:
 
 def lora_params(model: ModelShape, rank: int | None) -> int:
     return model.layers * model.lora_params_per_layer(rank) if rank else 0
+
+
+def reduce_bytes(x: float, f: int) -> float:
+    """FSDP's buffers to reduce a unit's gradient of ``x`` elements (per tp rank) over an f-rank shard group:
+    the fp32 reduce-scatter input and output, and with f = 1 the temporary of ``input / divide_factor``."""
+    return 4 * x * (1 + 1 / f + (1 if f == 1 else 0))
 
 
 def cp_buffer_bytes(model: ModelShape, layout: Layout, seq: int, b: int, e: int) -> float:
@@ -103,55 +144,89 @@ def cp_buffer_bytes(model: ModelShape, layout: Layout, seq: int, b: int, e: int)
     return 2 * e * b * s * (q + 2 * kv_width_alltoall(model, layout)) / t
 
 
+def memory_moments(model: ModelShape, layout: Layout, workload: Workload, *, micro_batch: int = 1,
+                   activation_checkpointing: str | None = None, accumulation: int = 1, grad_sync: str = "last",
+                   cluster: Cluster | None = None) -> dict[str, MemoryEstimate]:
+    """Memory of one GPU at each moment of a step that can peak (``MOMENTS``; module docstring)."""
+    mode = activation_checkpointing or workload.ac_modes[0]
+    cluster = cluster or Cluster()
+    e, t, f, b = workload.compute_bytes, layout.tp, layout.fsdp_size, micro_batch
+    n = b * (workload.seq_len // layout.cp)
+    h, v, rank = model.hidden, model.vocab, workload.lora_rank
+    single = layout.dp_replicate * f == 1  # parallel/fsdp.py: nothing is resharded after forward
+
+    layer_tp = model.layer_split_params() / t + model.layer_replicated_params()
+    adapter_layer_tp = model.lora_params_per_layer(rank) / t if rank else 0.0
+    vocab_tp = v * h / t
+    all_tp = model.split_params() / t + model.replicated_params() + lora_params(model, rank) / t
+    p_local = local_params(model, layout)
+    if rank:
+        adapters = lora_params(model, rank) / (t * f)
+        master, trainable_local, trainable_tp = 4 * (p_local + adapters), adapters, lora_params(model, rank) / t
+        unit_trainable, embed_trainable = adapter_layer_tp, 0.0
+    else:
+        master, trainable_local = 4 * p_local, p_local
+        trainable_tp = model.split_params() / t + model.replicated_params()
+        unit_trainable = layer_tp
+        # the unit the embedding is in: the root (with the final norm) when tied, its own unit otherwise
+        embed_trainable = vocab_tp + (h if model.tied else 0)
+    head_trainable = 0.0 if rank or model.tied else vocab_tp + h  # untied lm_head's unit (with the final norm)
+    optimizer, grads_all = 8 * trainable_local, 4 * trainable_local
+
+    layer_w, vocab_w = e * (layer_tp + adapter_layer_tp), e * (vocab_tp + h)
+    if single:  # untied: lm_head's unit was freed after its backward
+        w_forward = e * all_tp
+        w_layer = w_forward - (0.0 if model.tied else vocab_w)
+    else:
+        w_forward = layer_w + vocab_w
+        w_layer = 2 * layer_w + (vocab_w if model.tied else 0.0)
+
+    accumulating = accumulation > 1
+    acc = 4 * trainable_tp if accumulating and grad_sync == "last" else 0.0
+    earlier = grads_all if accumulating and grad_sync == "every" else 0.0
+    acts = activation_bytes(model, layout, workload.seq_len, b, mode, e, rank)
+    kept = acts.layers + acts.embedding + acts.head
+    logits = e * n * v / t
+    held_head_grad = e * vocab_tp if model.tied and not rank else 0.0  # lm_head's share of the tied gradient
+
+    layer_backward = (acts.layer_recompute + e * n * (2 * h + 3 * model.intermediate / t) + e * unit_trainable
+                      + cp_buffer_bytes(model, layout, workload.seq_len, b, e))
+    layer_reduce = reduce_bytes(unit_trainable, f) - acts.per_layer - layer_w  # its activations and copy are freed
+    head = 2 * logits + (0.0 if rank else e * vocab_tp)
+    if head_trainable:  # untied lm_head's unit reduces once the logits' gradient is gone, its copy freed first
+        head = max(head, logits + reduce_bytes(head_trainable, f) - vocab_w)
+    if embed_trainable:
+        copies = 3 if model.tied else 2  # gathered weight + lm_head's gradient (tied) + the embedding's own
+        end = logits + max(e * vocab_tp * copies, reduce_bytes(embed_trainable, f))
+    else:
+        end = logits + reduce_bytes(unit_trainable, f)  # the first layer's adapters are the last reduced
+    grads_head = 4 * head_trainable / f
+
+    rows = {  # moment: (working params, grads, accumulated grads, activations, transient)
+        "loss": (w_forward, earlier, acc, kept, loss_peak(model, layout, workload.seq_len, b, e)),
+        "head backward": (w_forward, earlier, acc, kept, head),
+        "layer backward": (w_layer, earlier + grads_head, acc, kept,
+                           logits + held_head_grad + max(layer_backward, layer_reduce)),
+        "end of backward": (0.0, grads_all if earlier else grads_all - 4 * embed_trainable / f, 0.0, 0.0, end),
+        "optimizer step": (0.0, grads_all, 0.0, 0.0, 0.0),
+    }
+    return {
+        kind: MemoryEstimate(master_params=master, working_params=w, grads=g, accumulated_grads=a,
+                             optimizer=optimizer, activations=k, transient=x, transient_kind=kind,
+                             workspace=GPU_WORKSPACE_BYTES, overhead=cluster.overhead_gib * GIB)
+        for kind, (w, g, a, k, x) in rows.items()
+    }
+
+
 def estimate_memory(model: ModelShape, layout: Layout, workload: Workload, *, micro_batch: int = 1,
                     activation_checkpointing: str | None = None, accumulation: int = 1, grad_sync: str = "last",
                     cluster: Cluster | None = None) -> MemoryEstimate:
-    """Peak memory of one GPU training ``model`` on ``layout`` (see the module docstring for each term).
+    """Peak memory of one GPU training ``model`` on ``layout``: the largest of ``memory_moments``.
 
     ``activation_checkpointing`` defaults to the workload's mode ('none' when the workload says 'auto');
     ``accumulation`` micro-batches per step with ``grad_sync`` 'last' keep unsharded fp32 gradients.
     """
-    mode = activation_checkpointing or workload.ac_modes[0]
-    cluster = cluster or Cluster()
-    e, t, seq, b = workload.compute_bytes, layout.tp, workload.seq_len, micro_batch
-    s = seq // layout.cp
-    h, v = model.hidden, model.vocab
-
-    p_local = local_params(model, layout)
-    if workload.lora_rank:
-        adapters = lora_params(model, workload.lora_rank) / (t * layout.fsdp_size)
-        master = e * p_local + 4 * adapters
-        trainable_local, trainable_tp = adapters, lora_params(model, workload.lora_rank) / t
-        unit_grad = model.lora_params_per_layer(workload.lora_rank) / t
-        head_grad = 0.0
-    else:
-        master = 4 * p_local
-        trainable_local, trainable_tp = p_local, model.split_params() / t + model.replicated_params()
-        unit_grad = model.layer_split_params() / t + model.layer_replicated_params()
-        head_grad = v * h / t
-    layer_tp = model.layer_split_params() / t + model.layer_replicated_params()
-    working = e * (2 * layer_tp + v * h / t)
-    reduce_bytes = e + (4 if e != 4 else 0)  # unsharded grad in compute dtype + its fp32 reduce-scatter input
-
-    acts = activation_bytes(model, layout, seq, b, mode, e, workload.lora_rank)
-    kept = acts.layers + acts.embedding + acts.head
-    moments = {
-        "loss": loss_peak(model, layout, seq, b, e),
-        # train.forward_backward keeps ``logits`` referenced until loss.backward() returns.
-        "head backward": 2 * e * b * s * v / t + reduce_bytes * head_grad,
-        "layer backward": (acts.layer_recompute + e * b * s * (2 * h + 3 * model.intermediate / t)
-                           + reduce_bytes * unit_grad + cp_buffer_bytes(model, layout, seq, b, e)
-                           + e * b * s * v / t),
-    }
-    kind = max(moments, key=moments.get)
-    return MemoryEstimate(
-        master_params=master,
-        working_params=working,
-        grads=4 * trainable_local,
-        accumulated_grads=4 * trainable_tp if accumulation > 1 and grad_sync == "last" else 0.0,
-        optimizer=8 * trainable_local,
-        activations=kept,
-        transient=moments[kind],
-        transient_kind=kind,
-        overhead=cluster.overhead_gib * GIB,
-    )
+    moments = memory_moments(model, layout, workload, micro_batch=micro_batch,
+                             activation_checkpointing=activation_checkpointing, accumulation=accumulation,
+                             grad_sync=grad_sync, cluster=cluster)
+    return max(moments.values(), key=lambda m: m.allocated)

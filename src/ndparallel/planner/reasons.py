@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ndparallel.layout import Layout
+from ndparallel.planner.activations import activation_bytes
 from ndparallel.planner.evaluate import PlanRow
 from ndparallel.planner.hardware import GB, GIB, Cluster, groups_cross_nodes
 from ndparallel.planner.shapes import ModelShape
@@ -104,7 +105,8 @@ def axis_reasons(row: PlanRow, model: ModelShape, cluster: Cluster, workload: Wo
     return out
 
 
-def knob_reasons(row: PlanRow, siblings: list[PlanRow], cluster: Cluster) -> list[str]:
+def knob_reasons(row: PlanRow, siblings: list[PlanRow], cluster: Cluster, model: ModelShape,
+                 workload: Workload) -> list[str]:
     """Why this checkpointing mode and micro-batch, from the other candidates of the same layout."""
     out = []
     mode = row.activation_checkpointing
@@ -116,7 +118,10 @@ def knob_reasons(row: PlanRow, siblings: list[PlanRow], cluster: Cluster) -> lis
         out.append(f"activation checkpointing '{mode}': without it this layout needs {_gib(none.memory.total)} "
                    f"and {why}")
     elif mode == "none":
-        out.append(f"no activation checkpointing: activations take {_gib(row.memory.activations)}")
+        # What forward keeps, whichever moment of the step peaks (the optimizer step holds none).
+        acts = activation_bytes(model, row.layout, workload.seq_len, row.micro_batch, mode, workload.compute_bytes,
+                                workload.lora_rank)
+        out.append(f"no activation checkpointing: activations take {_gib(acts.layers + acts.embedding + acts.head)}")
     text = f"micro-batch {row.micro_batch}"
     if row.accumulation > 1:
         text += f" x {row.accumulation} accumulation steps"
@@ -151,4 +156,4 @@ def add_reasons(rows: list[PlanRow], candidates: dict[Layout, list[PlanRow]], mo
         if not row.feasible:
             continue
         row.reasons += axis_reasons(row, model, cluster, workload, context)
-        row.reasons += knob_reasons(row, candidates[row.layout], cluster)
+        row.reasons += knob_reasons(row, candidates[row.layout], cluster, model, workload)
