@@ -137,6 +137,9 @@ def _launch(cfg, args) -> int:
         launcher += ["--standalone"]
     launcher += ["--module", "ndparallel.cli", "train", resolved]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Fewer fragmented blocks in PyTorch's CUDA allocator (reserved memory ran 10-36% above allocated
+    # without it); a user's own setting wins.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     # The elastic agent logs a multi-line report per failed worker; our workers already printed theirs.
     for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
         logging.getLogger(name).setLevel(logging.CRITICAL)

@@ -1,0 +1,42 @@
+"""The benchmark scripts and the library example keep working (tiny shapes on CPU)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(args: list[str], timeout: int = 240) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_bench_train_compares_three_paths_on_cpu():
+    out = _run(["benchmarks/bench_train.py", "--shape", "tiny", "--seq", "64", "--steps", "2", "--warmup", "1",
+                "--device", "cpu"])
+    rows = [line.split()[0] for line in out.splitlines()[-3:]]
+    assert rows == ["ndparallel", "plain", "Accelerate"], out
+
+
+@pytest.mark.slow
+def test_bench_cp_reports_each_method():
+    out = _run(["benchmarks/bench_cp.py", "--seqs", "128", "--cps", "1,2", "--methods", "ring,allgather",
+                "--steps", "2", "--hidden", "64", "--layers", "1"])
+    assert len([line for line in out.splitlines() if line.strip().startswith(("1 ", "2 "))]) == 3, out
+
+
+@pytest.mark.slow
+def test_example_trains_on_a_layout():
+    out = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                "examples/train_any_layout.py", "--dp-shard", "2", "--tp", "2", "--steps", "3", "--seq", "64"])
+    assert "world 4 = dp_replicate 1 x dp_shard 2 x cp 1 x tp 2" in out and "step   2" in out, out
