@@ -77,6 +77,16 @@ def set_gradient_sum(fsdp_module) -> None:
     fsdp_module.set_force_sum_reduction_for_comms(True)
 
 
+# The fused attention kernels whose outputs selective activation checkpointing keeps (they are expensive
+# to recompute): aten's private SDPA ops.
+SDPA_KERNEL_OPS = frozenset({
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+})
+
+
 def scale_tensors_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
     """Multiply many tensors in place by one device scalar in few kernels (the optimizers' foreach op)."""
     if tensors:

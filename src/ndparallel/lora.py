@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from ndparallel import _compat
 from ndparallel.errors import ConfigError
 from ndparallel.models.decoder import decoder_parts
 
@@ -159,7 +160,7 @@ def adapter_state(model: nn.Module, spec: LoraSpec) -> dict[str, torch.Tensor]:
     out = {}
     to_save = set(spec.modules_to_save)
     for name, param in model.named_parameters():
-        clean = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+        clean = _compat.canonical_name(name)
         module_path = clean.rsplit(".", 1)[0]
         is_adapter = ".lora_A." in clean or ".lora_B." in clean
         saved_module = any(module_path == m or module_path.endswith("." + m) for m in to_save)

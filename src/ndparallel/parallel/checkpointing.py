@@ -20,15 +20,7 @@ from ndparallel.models.decoder import DecoderParts
 MODES = ("none", "full", "selective")
 
 _aten = torch.ops.aten
-_SAVE_OPS = {
-    _aten.mm.default,
-    _aten.addmm.default,
-    _aten.bmm.default,
-    _aten._scaled_dot_product_flash_attention.default,
-    _aten._scaled_dot_product_efficient_attention.default,
-    _aten._scaled_dot_product_cudnn_attention.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu.default,
-}
+_SAVE_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, *_compat.SDPA_KERNEL_OPS}
 
 
 def _save_expensive(ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -255,7 +255,4 @@ def apply_context_parallel(model: nn.Module, topology: Topology) -> None:
     name = f"{ATTENTION_NAME}-{group}"
     AttentionInterface.register(name, functools.partial(ndparallel_attention, setup=setup))
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(name)
-    else:  # older transformers
-        model.config._attn_implementation = name
+    model.set_attn_implementation(name)
