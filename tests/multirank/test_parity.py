@@ -56,6 +56,7 @@ CASES = [
     pytest.param(L(tp_size=4, dp_shard_size=1), "llama", False, "pad", 1, {}, id="tp4"),
     pytest.param(L(dp_shard_size=4), "llama", False, "pad", 1, {"reshard_after_forward": 2}, id="fsdp4-reshard2"),
     pytest.param(L(dp_shard_size=2), "llama", True, "pad", 2, {}, id="fsdp2-tied-accum"),
+    pytest.param(L(dp_shard_size=2, tp_size=2), "qwen3", False, "pad", 1, {"cpu_offload": True}, id="fsdp2-tp2-offload"),
     pytest.param(L(dp_replicate_size=2, dp_shard_size=1), "qwen3", False, "pad", 1, {}, id="ddp2"),
     pytest.param(L(tp_size=2, dp_shard_size=1), "mistral", True, "pad", 1, {}, id="tp2-tied"),
     pytest.param(L(dp_shard_size=1), "llama", False, "pad", 2, {"activation_checkpointing": "full"}, id="single-accum"),
