@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -58,7 +59,9 @@ def load_full_model(path: Path, *, dtype: torch.dtype, with_adapters: bool = Fal
     model.to_empty(device="cpu")
     state = {k: v for k, v in model.state_dict().items()}
     try:
-        dcp.load({"model": state}, checkpoint_id=str(path / "model_optim"), no_dist=True)
+        with warnings.catch_warnings():  # "no process group: loading in one process" is exactly the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": state}, checkpoint_id=str(path / "model_optim"), no_dist=True)
     except (Exception, CheckpointException) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"cannot read the model from {str(path / 'model_optim')!r}: {first}") from None
