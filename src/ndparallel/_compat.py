@@ -87,6 +87,14 @@ SDPA_KERNEL_OPS = frozenset({
 })
 
 
+def quiet_redistribute_hints() -> None:
+    """DTensor logs a performance hint from a private module whenever a norm over two mesh dims is reduced
+    in two steps (the gradient clipping does this once per step); users cannot act on it."""
+    import logging
+
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
 def scale_tensors_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
     """Multiply many tensors in place by one device scalar in few kernels (the optimizers' foreach op)."""
     if tensors:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ndparallel import _compat
 from ndparallel import checkpoint as ckpt
 from ndparallel.batching import prepare_batch
 from ndparallel.config import TrainConfig
@@ -74,7 +75,7 @@ def lr_factor(step: int, *, warmup: int, total: int, kind: str) -> float:
 def _quiet_libraries(rank: int) -> None:
     # Messages users cannot act on; ranks other than 0 stay silent unless they fail.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    _compat.quiet_redistribute_hints()
     import transformers
 
     transformers.logging.set_verbosity_error()
