@@ -147,7 +147,7 @@ def attention_forward_with_lse(
             q, k, v, _expand_bias(bias, q, k), True, 0.0, is_causal, scale=scale
         )
         return out, lse[..., : q.shape[-2]].float()
-    return _math_forward(q, k, v, bias=bias, is_causal=is_causal, scale=scale)
+    raise NotImplementedError(f"context-parallel attention runs on CPU or CUDA, not {q.device.type}")
 
 
 def attention_backward(
@@ -184,7 +184,7 @@ def attention_backward(
             scale=scale,
         )
         return dq, dk, dv
-    return _math_backward(grad_out, q, k, v, out, lse, bias=bias, is_causal=is_causal, scale=scale)
+    raise NotImplementedError(f"context-parallel attention runs on CPU or CUDA, not {q.device.type}")
 
 
 def _expand_bias(bias: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
@@ -199,36 +199,3 @@ def _pad_lse(lse: torch.Tensor) -> torch.Tensor:
     # The memory-efficient backward reads lse padded to a multiple of 32 rows.
     pad = (-lse.shape[-1]) % 32
     return torch.nn.functional.pad(lse, (0, pad)) if pad else lse.contiguous()
-
-
-def _math_forward(q, k, v, *, bias, is_causal, scale):
-    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
-    if bias is not None:
-        scores = scores + bias.float()
-    if is_causal:
-        scores = scores.masked_fill(_upper(scores), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1).masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0))
-    return (probs @ v.float()).to(q.dtype), lse
-
-
-def _math_backward(grad_out, q, k, v, out, lse, *, bias, is_causal, scale):
-    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
-    if bias is not None:
-        scores = scores + bias.float()
-    if is_causal:
-        scores = scores.masked_fill(_upper(scores), float("-inf"))
-    probs = torch.exp(scores - lse.unsqueeze(-1))
-    d_out = grad_out.float()
-    dv = probs.transpose(-1, -2) @ d_out
-    dp = d_out @ v.float().transpose(-1, -2)
-    delta = (d_out * out.float()).sum(-1, keepdim=True)
-    ds = probs * (dp - delta) * scale
-    dq = ds @ k.float()
-    dk = ds.transpose(-1, -2) @ q.float()
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-def _upper(scores: torch.Tensor) -> torch.Tensor:
-    lq, lk = scores.shape[-2:]
-    return torch.ones(lq, lk, dtype=torch.bool, device=scores.device).triu(1)

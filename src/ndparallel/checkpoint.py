@@ -173,7 +173,7 @@ def save(output_dir: Path, *, state: TrainState, model, optimizer, scheduler, or
         layout = topology.layout
         trainer_state = {
             "format_version": FORMAT_VERSION, **asdict(state), "data": order.state_dict(),
-            "data_rows_per_batch": order.rows_per_rank * order.batch_ranks if hasattr(order, "batch_ranks") else None,
+            "data_rows_per_batch": order.global_batch_rows,
             "scheduler": scheduler.state_dict(), "world_size": topology.world_size,
             "layout": {"dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "cp": layout.cp,
                        "tp": layout.tp},
@@ -223,8 +223,7 @@ def load(path: Path, *, model, optimizer, scheduler, order, topology: Topology, 
     set_optimizer_state_dict(model, optimizer, states["optimizer"])
     scheduler.load_state_dict(meta["scheduler"])
     rows_before = meta.get("data_rows_per_batch")
-    rows_now = order.rows_per_rank * order.batch_ranks if hasattr(order, "batch_ranks") else None
-    order.load_state_dict(_rescale_data_position(meta["data"], rows_before, rows_now))
+    order.load_state_dict(_rescale_data_position(meta["data"], rows_before, order.global_batch_rows))
     rng_file = path / "rng" / f"rank-{topology.rank}.pt"
     if meta.get("world_size") == topology.world_size and rng_file.is_file():
         rng = torch.load(rng_file, weights_only=True)

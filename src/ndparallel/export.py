@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from ndparallel.checkpoint import _check_complete, checkpoints_dir
 from ndparallel.errors import CheckpointError
+from ndparallel.models.build import restore_buffers
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -66,17 +67,9 @@ def load_full_model(path: Path, *, dtype: torch.dtype, with_adapters: bool = Fal
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"cannot read the model from {str(path / 'model_optim')!r}: {first}") from None
     model.load_state_dict(state, strict=False)
-    _restore_rotary(model)
+    with torch.no_grad():
+        restore_buffers(model, torch.device("cpu"))
     return model.eval(), spec
-
-
-def _restore_rotary(model) -> None:
-    for module in model.modules():
-        buffers = dict(module.named_buffers(recurse=False))
-        if buffers and hasattr(module, "config"):
-            fresh = type(module)(config=module.config)
-            for name, value in fresh.named_buffers(recurse=False):
-                buffers[name].copy_(value)
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, merge_lora: bool = False,

@@ -98,7 +98,7 @@ def materialize(model: nn.Module, device: torch.device, *, weights_dir: str | No
             else:
                 full = _init_tensor(key, owners[name], tuple(param.shape), init_std, seed, device)
             _copy_shard(param, full)
-        _restore_buffers(model, device)
+        restore_buffers(model, device)
     if reader is not None:
         tied = model.get_output_embeddings() is not None and \
             model.get_output_embeddings().weight is model.get_input_embeddings().weight
@@ -134,7 +134,7 @@ def _init_tensor(key: str, owner: nn.Module, shape: tuple, std: float, seed: int
     return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
 
 
-def _restore_buffers(model: nn.Module, device: torch.device) -> None:
+def restore_buffers(model: nn.Module, device: torch.device) -> None:
     """Non-persistent buffers (rotary frequencies) are not in checkpoints and ``to_empty`` left them
     uninitialized: rebuild each such module from its config and copy its buffers."""
     for module in model.modules():

@@ -57,6 +57,16 @@ def _param_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     return [t for p in module.parameters() for t in _plain(p)]
 
 
+def _output_storage_keys(out):
+    """(weak storage reference, bytes) of every plain storage an op's output holds."""
+    for leaf in tree_leaves(out):
+        if isinstance(leaf, torch.Tensor):
+            for t in _plain(leaf):
+                key = _storage_key(t)
+                if key is not None:
+                    yield key
+
+
 class _StorageRecorder(TorchDispatchMode):
     """Records every storage an op returns, with the region (embedding / layer k / head) that made it."""
 
@@ -67,12 +77,9 @@ class _StorageRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
-                for t in _plain(leaf):
-                    key = _storage_key(t)
-                    if key is not None and key[0].cdata not in self.storages:
-                        self.storages[key[0].cdata] = (key[0], key[1], self.region[0])
+        for key in _output_storage_keys(out):
+            if key[0].cdata not in self.storages:
+                self.storages[key[0].cdata] = (key[0], key[1], self.region[0])
         return out
 
 
@@ -171,12 +178,9 @@ class _PeakRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
-                for t in _plain(leaf):
-                    key = _storage_key(t)
-                    if key is not None and key[0].cdata not in self.exclude:
-                        self.live.setdefault(key[0].cdata, key)
+        for key in _output_storage_keys(out):
+            if key[0].cdata not in self.exclude:
+                self.live.setdefault(key[0].cdata, key)
         for cdata in [c for c, (ref, _) in self.live.items() if ref.expired()]:
             del self.live[cdata]
         self.peak = max(self.peak, sum(n for _, n in self.live.values()))
