@@ -22,7 +22,7 @@ from ndparallel.errors import (
     NumericsError,
 )
 from ndparallel.layout import Layout, ParallelismConfig
-from ndparallel.parallel.context import cp_gather, cp_shard
+from ndparallel.parallel.cp_layout import cp_gather, cp_shard
 from ndparallel.parallelize import ParallelOptions, parallelize
 from ndparallel.step import (
     build_optimizer,

@@ -187,6 +187,37 @@ def attention_backward(
     raise NotImplementedError(f"context-parallel attention runs on CPU or CUDA, not {q.device.type}")
 
 
+def flash_varlen_supported(q: torch.Tensor) -> bool:
+    """FlashAttention's variable-length kernel takes q (fp16/bf16, CUDA, head dim a multiple of 8 up to 256)."""
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
+
+
+def _window_right(causal: bool) -> int:
+    return 0 if causal else -1
+
+
+def varlen_attention_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool, window_left: int,
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashAttention over packed sequences: q (Tq, H, D), k/v (Tk, Hkv, D) with grouped heads as they are;
+    ``cu_q``/``cu_k`` int32 cumulative lengths; causal is aligned bottom-right; ``window_left`` -1 for none.
+    Returns out (Tq, H, D) and lse (H, Tq) float32. ``torch.nn.attention.varlen.varlen_attn`` is the public
+    form of this kernel, but its backward cannot take the merged output and lse of several calls."""
+    out, lse, *_ = aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
+        window_size_left=window_left, window_size_right=_window_right(causal))
+    return out, lse
+
+
+def varlen_attention_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool,
+                              window_left: int, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``varlen_attention_forward`` given the MERGED ``out`` and ``lse`` (H, Tq) of the rows."""
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: never read
+    unused = torch.empty(0, device=q.device)
+    return aten._flash_attention_backward(
+        grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused, scale=scale,
+        window_size_left=window_left, window_size_right=_window_right(causal))
+
+
 def _expand_bias(bias: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     # The memory-efficient kernel wants the bias in the query dtype with the full 4-D shape.
     if bias is None:

@@ -19,14 +19,8 @@ from typing import Any
 import torch
 
 from ndparallel.errors import ConfigError
-from ndparallel.parallel.context import (
-    SEGMENTS_HOST_KWARG,
-    SEGMENTS_KWARG,
-    SINGLE_KWARG,
-    cp_shard,
-    segment_ids_from,
-    single_segment,
-)
+from ndparallel.parallel.context import SEGMENTS_HOST_KWARG, SINGLE_KWARG
+from ndparallel.parallel.cp_layout import cp_shard, segment_ids_from, single_segment
 from ndparallel.topology import Topology
 
 IGNORE_INDEX = -100
@@ -39,22 +33,20 @@ class Batch:
     input_ids: torch.Tensor
     labels: torch.Tensor
     position_ids: torch.Tensor
-    segments: torch.Tensor | None
-    """Document id of every token of the whole (padded) rows, (B, S) on the device; None when plain causal
-    attention is exact and no context parallelism needs them."""
     segments_host: torch.Tensor | None
+    """Document id of every token of the whole (padded) rows, (B, S) on the host (attention plans from it
+    once per batch); None when plain causal attention is exact and no context parallelism needs them."""
     single_segment: bool
     num_input_tokens: torch.Tensor
-    """Real (non-padding) input tokens in this rank's part, for throughput."""
+    """Real (non-padding) input tokens in this rank's part, for throughput (a host scalar tensor)."""
 
     def model_inputs(self) -> dict[str, Any]:
         """Keyword arguments for the model's forward."""
         # use_cache=False: training needs no KV cache, and one would grow again when checkpointed layers
         # are recomputed in backward.
         inputs: dict[str, Any] = {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
-        if self.segments is not None:
-            inputs.update({SEGMENTS_KWARG: self.segments, SEGMENTS_HOST_KWARG: self.segments_host,
-                           SINGLE_KWARG: self.single_segment})
+        if self.segments_host is not None:
+            inputs.update({SEGMENTS_HOST_KWARG: self.segments_host, SINGLE_KWARG: self.single_segment})
         return inputs
 
     @property
@@ -127,18 +119,16 @@ def prepare_batch(
     # Decide on the host (the trainer's rows are on the CPU): no device sync in the step.
     segments_host = segments.cpu()
     single = single_segment(segments_host)
-    input_ids, targets, position_ids, segments = (_to_device(t, topology.device)
-                                                  for t in (input_ids, targets, position_ids, segments))
+    input_ids, targets, position_ids = (_to_device(t, topology.device) for t in (input_ids, targets, position_ids))
     needs_segments = layout.cp > 1 or not single
     shard = dict(cp_size=layout.cp, cp_rank=topology.cp_rank)
     return Batch(
         input_ids=cp_shard(input_ids, **shard),
         labels=cp_shard(targets, **shard),
         position_ids=cp_shard(position_ids, **shard),
-        segments=segments if needs_segments else None,
         segments_host=segments_host if needs_segments else None,
         single_segment=single,
-        num_input_tokens=(cp_shard(segments, **shard) != -1).sum(),
+        num_input_tokens=(cp_shard(segments_host, **shard) != -1).sum(),
     )
 
 

@@ -51,7 +51,7 @@ def gather_logits(logits: torch.Tensor, topology: Topology) -> torch.Tensor:
 
     For checks and debugging: it materializes what parallelism avoids materializing. A collective.
     """
-    from ndparallel.parallel.context import cp_gather
+    from ndparallel.parallel.cp_layout import cp_gather
 
     if topology.layout.tp > 1:
         parts = [torch.empty_like(logits) for _ in range(topology.layout.tp)]

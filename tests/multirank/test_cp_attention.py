@@ -65,7 +65,7 @@ def _run_cp(method: str, cp: int) -> dict:
         shard = dict(cp_size=cp, cp_rank=topo.cp_rank, dim=2)
         ql, kl, vl = (ndp.cp_shard(t, **shard).clone().requires_grad_() for t in (q, k, v))
         ctx = build_attention_context(segments, topo)
-        out = context_attention(ql, kl, vl, ctx, scale=D ** -0.5, window=window)
+        out = context_attention(ql, kl, vl, ctx, scale=D ** -0.5, window=window).transpose(1, 2)  # (B, H, L, D)
         out.backward(ndp.cp_shard(grad, **shard))
         results[kind] = [ndp.cp_gather(t.detach(), topo, dim=2) for t in (out, ql.grad, kl.grad, vl.grad)]
     return results

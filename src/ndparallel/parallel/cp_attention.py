@@ -1,56 +1,214 @@
-"""Context parallelism, part 2: attention over a sequence split across the cp group.
+"""Document-aware attention over this rank's tokens: cp = 1 and the three context-parallel methods.
 
-Shapes: q (B, H, L, D) and k, v (B, Hkv, L, D) hold this rank's L = S/cp tokens (two chunks of
-n = S/(2cp), see ``context.py``); the output has q's shape. Three ways to exchange keys and values:
+transformers gives q (B, H, L, D) and k, v (B, Hkv, L, D); under CP, L = S/cp local tokens (two chunks of
+n = S/(2cp), see ``cp_layout.py``). Work is token-major, (B*L, H, D); the output is (B, L, H, D), the
+layout transformers wants back. Which keys each query sees is planned once per batch as fused
+variable-length calls (``attention_plan.py``), run by ``varlen_attention.py``:
 
-- ``allgather``: all-gather k/v over cp (GQA keeps this cheap: Hkv << H), attend each local query chunk
-  to the keys it can see in few fused calls (its whole prefix at once, then its own chunk causally),
-  merged by log-sum-exp; backward reduce-scatters dk/dv. Memory O(S) for k/v, no (L, S) mask.
-- ``ring``: pass k/v blocks around the ring peer to peer; the transfer of the next block overlaps the
-  current block's compute; partial results are merged with their log-sum-exp; a custom backward sends
-  dk/dv accumulators around the ring after the blocks. Memory O(S/cp).
-- ``alltoall`` (Ulysses): all-to-all trades the sequence split for a head split, attention runs on the
-  full row for H/cp heads, and a second all-to-all trades back. Needs H divisible by cp (x tp).
+- cp = 1: one causal call over the whole rows (one sequence per document);
+- ``allgather``: all-gather k/v over cp (GQA keeps this cheap: Hkv << H); each local query chunk is one
+  causal call against its whole prefix (documents' keys up to the query); backward reduce-scatters dk/dv.
+  Memory O(S) for k/v, no (L, S) mask;
+- ``ring``: k/v blocks travel the ring peer to peer; the transfer of the next block overlaps the current
+  block's calls (the diagonal block is causal; an earlier block is at most one rectangle per row);
+  partial results merge by log-sum-exp; in backward dk/dv accumulators travel the ring after the blocks.
+  Memory O(S/cp);
+- ``alltoall`` (Ulysses): all-to-all trades the sequence split for a head split; attention runs on whole
+  rows for H/cp heads (as cp = 1), and a second all-to-all trades back. Needs H divisible by cp (x tp).
 
-All three are exact for causal masks, GQA, padding and packed documents (masks from ``AttentionContext``).
+Backward gives every call the MERGED output and log-sum-exp of its rows (as flash attention's own
+backward does), so each call's gradients are exact on their own. Attention sinks (``s_aux``: a learned
+logit per head for a key with value 0) merge as one more block of lse = sink, and get their gradient
+-sum(p_sink * rowsum(dO * O)).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from ndparallel.parallel.context import AttentionContext, chunk_ids, natural_order_index
-from ndparallel.parallel.cp_blocks import Block, backward_block, cached_plan, classify, expand_heads, forward_block, merge
+from ndparallel.parallel.attention_plan import Side, block_pieces, cached_plan, make_calls
+from ndparallel.parallel.cp_layout import chunk_ids, natural_order_index
+from ndparallel.parallel.varlen_attention import call_backward, call_forward, select_rows
 
 
-def context_attention(q, k, v, ctx: AttentionContext, *, scale: float, window: int | None) -> torch.Tensor:
+def context_attention(q, k, v, ctx, *, scale: float, window: int | None, sinks: torch.Tensor | None = None):
+    """Attention of this rank's queries, exact for packed/padded rows and CP; returns (B, L, H, D)."""
+    b, h, local_len, d = q.shape
+    if ctx.method == "alltoall" and ctx.cp_size > 1:
+        return _ulysses_attention(q, k, v, ctx, scale, window, sinks)
+    qt, kt, vt = (_tokens(t) for t in (q, k, v))
     if ctx.cp_size == 1:
-        index = torch.arange(ctx.seq_len, device=q.device)
-        mask = None if ctx.is_plain(window) else ctx.allowed(index, index, window)
-        return _sdpa(q, k, v, mask, scale)
-    if ctx.method == "allgather":
-        return _AllGatherAttention.apply(q, k, v, ctx, scale, window)
-    if ctx.method == "ring":
-        return _RingAttention.apply(q, k, v, ctx, scale, window)
-    return _ulysses_attention(q, k, v, ctx, scale, window)
+        calls = _local_plan(ctx, window, q.device)
+        out = _LocalAttention.apply(qt, kt, vt, calls, scale, sinks)
+    elif ctx.method == "allgather":
+        out = _AllGatherAttention.apply(qt, kt, vt, ctx, scale, window, sinks)
+    else:
+        out = _RingAttention.apply(qt, kt, vt, ctx, scale, window, sinks)
+    return out.view(b, local_len, h, d)
 
 
-def _sdpa(q, k, v, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """Public SDPA. ``mask=None`` means causal with aligned q/k; else a boolean (B, 1, Lq, Lk) mask."""
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
-    # Masked kernels do not all take grouped heads: expand k/v to the query heads.
-    k, v = expand_heads(k, q.shape[1]), expand_heads(v, q.shape[1])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+def _tokens(x: torch.Tensor) -> torch.Tensor:
+    """(B, h, L, D) -> (B*L, h, D); free when x is a transposed view of (B, L, h, D), as transformers' are."""
+    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
 
 
-def _cp_peers(ctx: AttentionContext) -> tuple[int, int]:
-    """Global ranks of the next and previous cp rank on the ring."""
-    nxt = dist.get_global_rank(ctx.cp_group, (ctx.cp_rank + 1) % ctx.cp_size)
-    prv = dist.get_global_rank(ctx.cp_group, (ctx.cp_rank - 1) % ctx.cp_size)
-    return nxt, prv
+# ------------------------------------------------------------------------------------------------
+# Plans (cached per batch)
+# ------------------------------------------------------------------------------------------------
+
+
+def _local_plan(ctx, window, device):
+    """cp = 1 (or after Ulysses' exchange): the whole rows, one causal call per window."""
+    seq = ctx.seq_len
+    whole = Side(lo=0, hi=seq, stride=seq, base=0)
+    keys = ctx.batch_size * seq
+    return cached_plan(ctx.segment_ids_host, ("local", window, device),
+                       lambda docs: make_calls(block_pieces(docs, whole, whole, window), causal=True,
+                                               num_keys=keys, device=device))
+
+
+def _query_side(ctx, slot: int, chunk: int) -> Side:
+    n = ctx.chunk_len
+    return Side(lo=chunk * n, hi=(chunk + 1) * n, stride=2 * n, base=slot * n)
+
+
+def _allgather_plan(ctx, window, device):
+    """Per local query chunk: one causal call against its prefix in the gathered, row-ordered k/v."""
+    def build(docs):
+        calls = []
+        for slot, chunk in enumerate(chunk_ids(ctx.cp_rank, ctx.cp_size)):
+            q = _query_side(ctx, slot, chunk)
+            prefix = Side(lo=0, hi=q.hi, stride=ctx.seq_len, base=0)
+            calls += make_calls(block_pieces(docs, q, prefix, window), causal=True,
+                                num_keys=ctx.batch_size * ctx.seq_len, device=device)
+        return calls
+
+    return cached_plan(ctx.segment_ids_host, ("allgather", ctx.cp_size, ctx.cp_rank, window, device), build)
+
+
+def _ring_plan(ctx, window, device):
+    """For ring step s (holding the two chunks of cp rank ``cp_rank - s``): its calls."""
+    def build(docs):
+        plan = []
+        for step in range(ctx.cp_size):
+            source = (ctx.cp_rank - step) % ctx.cp_size
+            calls = []
+            for q_slot, q_chunk in enumerate(chunk_ids(ctx.cp_rank, ctx.cp_size)):
+                for k_slot, k_chunk in enumerate(chunk_ids(source, ctx.cp_size)):
+                    if k_chunk <= q_chunk:
+                        calls += make_calls(
+                            block_pieces(docs, _query_side(ctx, q_slot, q_chunk), _query_side(ctx, k_slot, k_chunk),
+                                         window),
+                            causal=k_chunk == q_chunk, num_keys=ctx.batch_size * 2 * ctx.chunk_len, device=device)
+            plan.append(calls)
+        return plan
+
+    return cached_plan(ctx.segment_ids_host, ("ring", ctx.cp_size, ctx.cp_rank, window, device), build)
+
+
+# ------------------------------------------------------------------------------------------------
+# Running calls, merging, sinks
+# ------------------------------------------------------------------------------------------------
+
+
+def _new_accumulator(q):
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def _merge(acc_out, acc_lse, rows, out, lse) -> None:
+    """Fold one call's (out, lse) into the running (out, lse) of ``rows``, by log-sum-exp."""
+    o = acc_out[rows] if isinstance(rows, slice) else acc_out.index_select(0, rows)
+    l = acc_lse[rows] if isinstance(rows, slice) else acc_lse.index_select(0, rows)
+    new = torch.logaddexp(l, lse)
+    safe = new.masked_fill(torch.isinf(new), 0.0)
+    merged = o * torch.exp(l - safe).unsqueeze(-1) + out.float() * torch.exp(lse - safe).unsqueeze(-1)
+    if isinstance(rows, slice):
+        acc_out[rows], acc_lse[rows] = merged, new
+    else:
+        acc_out.index_copy_(0, rows, merged)
+        acc_lse.index_copy_(0, rows, new)
+
+
+def _forward_calls(q, k, v, calls, scale, acc) -> None:
+    for call in calls:
+        out, lse = call_forward(select_rows(q, call.q_rows), k, v, call, scale)
+        _merge(*acc, call.q_rows, out, lse)
+
+
+def _add_rows(acc: torch.Tensor, rows, value: torch.Tensor) -> None:
+    if isinstance(rows, slice):
+        acc[rows] += value
+    else:
+        acc.index_add_(0, rows, value.float())
+
+
+def _backward_calls(grad_out, q, k, v, out, lse, calls, scale, dq, dk, dv) -> None:
+    """Accumulate every call's gradients (float32) into dq (query rows) and dk/dv (key rows)."""
+    for call in calls:
+        rows = call.q_rows
+        g_dq, g_dk, g_dv = call_backward(select_rows(grad_out, rows), select_rows(q, rows), k, v,
+                                         select_rows(out, rows), select_rows(lse, rows), call, scale)
+        _add_rows(dq, rows, g_dq.float())
+        dk += g_dk
+        dv += g_dv
+
+
+def _with_sinks(out, lse, sinks):
+    """Merge a key of value 0 and logit ``sinks`` (H,) into every row: out (T, H, D) f32, lse (T, H)."""
+    if sinks is None:
+        return out, lse
+    sink = sinks.detach().float()[None, :]
+    new = torch.logaddexp(lse, sink)
+    return out * torch.exp(lse - new).unsqueeze(-1), new
+
+
+def _sink_grad(grad_out, out, lse, sinks):
+    """d loss / d sink_h = -sum over rows of p_sink * rowsum(dO * O), with the final out and lse."""
+    if sinks is None:
+        return None
+    p_sink = torch.exp(sinks.detach().float()[None, :] - lse)
+    delta = (grad_out.float() * out.float()).sum(-1)
+    return (-(p_sink * delta).sum(0)).to(sinks.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# cp = 1 (and the attention part of Ulysses)
+# ------------------------------------------------------------------------------------------------
+
+
+class _LocalAttention(torch.autograd.Function):
+    """q (T, H, D), k/v (T, Hkv, D) of whole rows; ``calls`` from ``_local_plan``."""
+
+    @staticmethod
+    def forward(fctx, q, k, v, calls, scale, sinks):
+        whole = len(calls) == 1 and calls[0].q_rows == slice(0, q.shape[0])
+        if whole and sinks is None:  # one call covers every row: nothing to merge
+            out, lse = call_forward(q, k, v, calls[0], scale)
+        else:
+            acc = _new_accumulator(q)
+            _forward_calls(q, k, v, calls, scale, acc)
+            out, lse = _with_sinks(*acc, sinks)
+            out = out.to(q.dtype)
+        fctx.save_for_backward(q, k, v, out, lse, sinks)
+        fctx.calls, fctx.scale = calls, scale
+        return out
+
+    @staticmethod
+    def backward(fctx, grad_out):
+        q, k, v, out, lse, sinks = fctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        if len(fctx.calls) == 1 and fctx.calls[0].q_rows == slice(0, q.shape[0]):
+            dq, dk, dv = call_backward(grad_out, q, k, v, out, lse, fctx.calls[0], fctx.scale)
+        else:
+            dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+            dv = torch.zeros_like(dk)
+            _backward_calls(grad_out, q, k, v, out, lse, fctx.calls, fctx.scale, dq, dk, dv)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None,
+                _sink_grad(grad_out, out, lse, sinks))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -58,73 +216,114 @@ def _cp_peers(ctx: AttentionContext) -> tuple[int, int]:
 # ------------------------------------------------------------------------------------------------
 
 
-def _allgather_plan(ctx: AttentionContext, window: int | None) -> list[Block]:
-    """Blocks of each local query chunk against the whole row, consecutive 'full' chunks fused into one."""
-    n = ctx.chunk_len
-
-    def build():
-        blocks = []
-        for qi, gq in enumerate(chunk_ids(ctx.cp_rank, ctx.cp_size)):
-            for g in range(gq + 1):
-                kind = classify(ctx, gq, g, window)
-                if kind is None:
-                    continue
-                last = blocks[-1] if blocks else None
-                if kind[0] == "full" and last and last.q_slot == qi and last.kind == "full" and last.k_end == g * n:
-                    blocks[-1] = Block(qi, last.k_start, (g + 1) * n, "full")
-                else:
-                    blocks.append(Block(qi, g * n, (g + 1) * n, kind[0], kind[1]))
-        return blocks
-
-    return cached_plan(ctx, "allgather", window, build)
+def _gather_kv(k, v, ctx):
+    """All-gather local k/v (B*L, Hkv, D) over cp -> (B*S, 2*Hkv, D) in row order, and the order used."""
+    hkv, d, local_len = k.shape[1], k.shape[2], 2 * ctx.chunk_len
+    gathered = k.new_empty((ctx.cp_size * k.shape[0], 2 * hkv, d))
+    dist.all_gather_into_tensor(gathered, torch.cat([k, v], dim=1), group=ctx.cp_group)
+    b = ctx.batch_size
+    kv = gathered.view(ctx.cp_size, b, local_len, 2 * hkv, d).transpose(0, 1).reshape(b, -1, 2 * hkv, d)
+    order = natural_order_index(ctx.cp_size, ctx.chunk_len, k.device)
+    return kv.index_select(1, order).reshape(-1, 2 * hkv, d), order
 
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, q, k, v, ctx, scale, window):
-        b, h, local_len, d = q.shape
-        hkv, n, cp = k.shape[1], ctx.chunk_len, ctx.cp_size
-        gathered = q.new_empty((cp * b, 2 * hkv, local_len, d))
-        dist.all_gather_into_tensor(gathered, torch.cat([k, v], dim=1).contiguous(), group=ctx.cp_group)
-        kv = gathered.view(cp, b, 2 * hkv, local_len, d).permute(1, 2, 0, 3, 4).reshape(b, 2 * hkv, cp * local_len, d)
-        order = natural_order_index(cp, n, q.device)
-        kv = kv.index_select(2, order)                                    # (B, 2Hkv, S, D) in row order
-        plan = _allgather_plan(ctx, window)
-        out = torch.zeros(b, h, local_len, d, dtype=torch.float32, device=q.device)
-        lse = torch.full((b, h, local_len), float("-inf"), dtype=torch.float32, device=q.device)
-        for block in plan:
-            rows = slice(block.q_slot * n, (block.q_slot + 1) * n)
-            keys = kv[:, :, block.k_start:block.k_end]
-            o, l = forward_block(q[:, :, rows], keys[:, :hkv], keys[:, hkv:], block, scale)
-            merge(out[:, :, rows], lse[:, :, rows], o, l)
+    def forward(fctx, q, k, v, ctx, scale, window, sinks):
+        hkv = k.shape[1]
+        kv, order = _gather_kv(k, v, ctx)
+        calls = _allgather_plan(ctx, window, q.device)
+        acc = _new_accumulator(q)
+        _forward_calls(q, kv[:, :hkv], kv[:, hkv:], calls, scale, acc)
+        out, lse = _with_sinks(*acc, sinks)
         out = out.to(q.dtype)
-        fctx.save_for_backward(q, kv, out, lse, order)
-        fctx.plan, fctx.ctx, fctx.scale, fctx.hkv = plan, ctx, scale, hkv
+        fctx.save_for_backward(q, kv, out, lse, order, sinks)
+        fctx.calls, fctx.ctx, fctx.scale = calls, ctx, scale
         return out
 
     @staticmethod
     def backward(fctx, grad_out):
-        q, kv, out, lse, order = fctx.saved_tensors
-        ctx, hkv, n, cp = fctx.ctx, fctx.hkv, fctx.ctx.chunk_len, fctx.ctx.cp_size
-        b, _, local_len, d = q.shape
+        q, kv, out, lse, order, sinks = fctx.saved_tensors
+        ctx, hkv, d = fctx.ctx, kv.shape[1] // 2, kv.shape[2]
         grad_out = grad_out.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-        for block in fctx.plan:
-            rows, keys = slice(block.q_slot * n, (block.q_slot + 1) * n), slice(block.k_start, block.k_end)
-            k_blk, v_blk = kv[:, :hkv, keys], kv[:, hkv:, keys]
-            dq_b, dk_b, dv_b = backward_block(grad_out[:, :, rows], q[:, :, rows], k_blk, v_blk, out[:, :, rows],
-                                              lse[:, :, rows], block, fctx.scale)
-            dq[:, :, rows] += dq_b.float()
-            dkv[:, :hkv, keys] += dk_b.float()
-            dkv[:, hkv:, keys] += dv_b.float()
-        # Back to rank-major order, then each rank receives the sum of its own chunks' gradients.
-        dkv = dkv.index_select(2, torch.argsort(order)).view(b, 2 * hkv, cp, local_len, d)
-        dkv = dkv.permute(2, 0, 1, 3, 4).reshape(cp * b, 2 * hkv, local_len, d).contiguous()
-        mine = dkv.new_empty((b, 2 * hkv, local_len, d))
-        dist.reduce_scatter_tensor(mine, dkv, group=ctx.cp_group)
+        dk = torch.zeros((kv.shape[0], hkv, d), dtype=torch.float32, device=q.device)
+        dv = torch.zeros_like(dk)
+        _backward_calls(grad_out, q, kv[:, :hkv], kv[:, hkv:], out, lse, fctx.calls, fctx.scale, dq, dk, dv)
+        # Back to rank-major order; each rank receives the sum of its own tokens' gradients.
+        b, cp, local_len = ctx.batch_size, ctx.cp_size, 2 * ctx.chunk_len
+        dkv = torch.cat([dk, dv], dim=1).view(b, -1, 2 * hkv, d).index_select(1, torch.argsort(order))
+        dkv = dkv.view(b, cp, local_len, 2 * hkv, d).transpose(0, 1).reshape(cp * b * local_len, 2 * hkv, d)
+        mine = dkv.new_empty((b * local_len, 2 * hkv, d))
+        dist.reduce_scatter_tensor(mine, dkv.contiguous(), group=ctx.cp_group)
         dk, dv = mine.split(hkv, dim=1)
-        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), None, None, None
+        return (dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), None, None, None,
+                _sink_grad(grad_out, out, lse, sinks))
+
+
+# ------------------------------------------------------------------------------------------------
+# ring
+# ------------------------------------------------------------------------------------------------
+
+
+def _exchange(tensor: torch.Tensor, ctx):
+    """Send ``tensor`` to the next cp rank and receive the previous rank's; returns (requests, received)."""
+    nxt = dist.get_global_rank(ctx.cp_group, (ctx.cp_rank + 1) % ctx.cp_size)
+    prv = dist.get_global_rank(ctx.cp_group, (ctx.cp_rank - 1) % ctx.cp_size)
+    received = torch.empty_like(tensor)
+    ops = [dist.P2POp(dist.isend, tensor, nxt, ctx.cp_group), dist.P2POp(dist.irecv, received, prv, ctx.cp_group)]
+    return dist.batch_isend_irecv(ops), received
+
+
+def _wait(requests) -> None:
+    for request in requests:
+        request.wait()
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, q, k, v, ctx, scale, window, sinks):
+        hkv = k.shape[1]
+        plan = _ring_plan(ctx, window, q.device)
+        acc = _new_accumulator(q)
+        kv = torch.cat([k, v], dim=1)
+        for step, calls in enumerate(plan):
+            pending = _exchange(kv, ctx) if step < ctx.cp_size - 1 else None  # overlaps this step's calls
+            _forward_calls(q, kv[:, :hkv], kv[:, hkv:], calls, scale, acc)
+            if pending is not None:
+                _wait(pending[0])
+                kv = pending[1]
+        out, lse = _with_sinks(*acc, sinks)
+        out = out.to(q.dtype)
+        fctx.save_for_backward(q, k, v, out, lse, sinks)
+        fctx.plan, fctx.ctx, fctx.scale = plan, ctx, scale
+        return out
+
+    @staticmethod
+    def backward(fctx, grad_out):
+        q, k, v, out, lse, sinks = fctx.saved_tensors
+        ctx, hkv = fctx.ctx, k.shape[1]
+        grad_out = grad_out.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.cat([k, v], dim=1)
+        dkv_pending = None
+        for step, calls in enumerate(fctx.plan):
+            kv_pending = _exchange(kv, ctx) if step < ctx.cp_size - 1 else None
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            dk, dv = dkv[:, :hkv], dkv[:, hkv:]
+            _backward_calls(grad_out, q, kv[:, :hkv], kv[:, hkv:], out, lse, calls, fctx.scale, dq, dk, dv)
+            if dkv_pending is not None:
+                # Add what the block's earlier holders accumulated, then pass it on with ours.
+                _wait(dkv_pending[0])
+                dkv += dkv_pending[1]
+            dkv_pending = _exchange(dkv, ctx)
+            if kv_pending is not None:
+                _wait(kv_pending[0])
+                kv = kv_pending[1]
+        _wait(dkv_pending[0])  # the last hop brings our own block's gradient home
+        dk, dv = dkv_pending[1].split(hkv, dim=1)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None,
+                _sink_grad(grad_out, out, lse, sinks))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -150,126 +349,35 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _heads_to_sequence(x, ctx, order):
-    """(B, h, L, D) with the local tokens -> (B, h/cp, S, D) with the whole row, in row order."""
+    """(B, h, L, D) with the local tokens -> (B*S, h/cp, D): the whole rows, in row order, token-major."""
     b, h, local_len, d = x.shape
     cp = ctx.cp_size
     x = x.reshape(b, cp, h // cp, local_len, d).transpose(0, 1)
     x = _AllToAll.apply(x, ctx.cp_group)                       # (cp_src, B, h/cp, L, D)
-    x = x.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * local_len, d)
-    return x.index_select(2, order)
+    x = x.permute(1, 0, 3, 2, 4).reshape(b, cp * local_len, h // cp, d)
+    return x.index_select(1, order).reshape(-1, h // cp, d)
 
 
-def _sequence_to_heads(x, ctx, inverse_order):
-    """Inverse of ``_heads_to_sequence``."""
-    b, hg, seq, d = x.shape
+def _sequence_to_heads(x, ctx, inverse_order, batch):
+    """(B*S, h/cp, D) whole rows -> (B, L, h, D) with this rank's tokens and all heads."""
+    _, hg, d = x.shape
     cp = ctx.cp_size
-    x = x.index_select(2, inverse_order).reshape(b, hg, cp, seq // cp, d).permute(2, 0, 1, 3, 4)
-    x = _AllToAll.apply(x, ctx.cp_group)                       # (head group, B, h/cp, L, D)
-    return x.transpose(0, 1).reshape(b, cp * hg, seq // cp, d)
+    x = x.view(batch, -1, hg, d).index_select(1, inverse_order)
+    x = x.view(batch, cp, -1, hg, d).transpose(0, 1)           # (destination rank, B, L, h/cp, D)
+    x = _AllToAll.apply(x, ctx.cp_group)                       # (head group, B, L, h/cp, D)
+    return x.permute(1, 2, 0, 3, 4).reshape(batch, x.shape[2], cp * hg, d)
 
 
-def _ulysses_attention(q, k, v, ctx, scale, window):
-    heads = q.shape[1]
+def _ulysses_attention(q, k, v, ctx, scale, window, sinks):
+    heads, batch = q.shape[1], q.shape[0]
     if k.shape[1] % ctx.cp_size:
         # Too few key/value heads to split over cp: give every query head its own copy first.
-        k, v = expand_heads(k, heads), expand_heads(v, heads)
+        k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
     order = natural_order_index(ctx.cp_size, ctx.chunk_len, q.device)
-    inverse = torch.argsort(order)
     qs, ks, vs = (_heads_to_sequence(t, ctx, order) for t in (q, k, v))
-    index = torch.arange(ctx.seq_len, device=q.device)
-    mask = None if ctx.is_plain(window) else ctx.allowed(index, index, window)
-    return _sequence_to_heads(_sdpa(qs, ks, vs, mask, scale), ctx, inverse)
-
-
-# ------------------------------------------------------------------------------------------------
-# ring
-# ------------------------------------------------------------------------------------------------
-
-
-def _ring_plan(ctx: AttentionContext, window: int | None) -> list[list[Block]]:
-    """For ring step s (holding the k/v of cp rank ``cp_rank - s``, two chunks): the blocks to compute,
-    with key ranges into the held (B, Hkv, 2n, D) k/v."""
-    n = ctx.chunk_len
-
-    def build():
-        plan = []
-        for step in range(ctx.cp_size):
-            src = (ctx.cp_rank - step) % ctx.cp_size
-            blocks = []
-            for qi, gq in enumerate(chunk_ids(ctx.cp_rank, ctx.cp_size)):
-                for kj, gk in enumerate(chunk_ids(src, ctx.cp_size)):
-                    kind = classify(ctx, gq, gk, window)
-                    if kind is not None:
-                        blocks.append(Block(qi, kj * n, (kj + 1) * n, kind[0], kind[1]))
-            plan.append(blocks)
-        return plan
-
-    return cached_plan(ctx, "ring", window, build)
-
-
-def _exchange(tensor: torch.Tensor, ctx: AttentionContext):
-    """Send ``tensor`` to the next cp rank and receive the previous rank's; returns (requests, received)."""
-    nxt, prv = _cp_peers(ctx)
-    received = torch.empty_like(tensor)
-    ops = [dist.P2POp(dist.isend, tensor, nxt, ctx.cp_group), dist.P2POp(dist.irecv, received, prv, ctx.cp_group)]
-    return dist.batch_isend_irecv(ops), received
-
-
-def _wait(requests) -> None:
-    for request in requests:
-        request.wait()
-
-
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(fctx, q, k, v, ctx, scale, window):
-        b, h, local_len, d = q.shape
-        hkv, n = k.shape[1], ctx.chunk_len
-        plan = _ring_plan(ctx, window)
-        out = torch.zeros(b, h, local_len, d, dtype=torch.float32, device=q.device)
-        lse = torch.full((b, h, local_len), float("-inf"), dtype=torch.float32, device=q.device)
-        kv = torch.cat([k, v], dim=1).contiguous()
-        for step, blocks in enumerate(plan):
-            pending = _exchange(kv, ctx) if step < ctx.cp_size - 1 else None  # overlaps this step's compute
-            for block in blocks:
-                rows, keys = slice(block.q_slot * n, (block.q_slot + 1) * n), slice(block.k_start, block.k_end)
-                o, l = forward_block(q[:, :, rows], kv[:, :hkv, keys], kv[:, hkv:, keys], block, scale)
-                merge(out[:, :, rows], lse[:, :, rows], o, l)
-            if pending is not None:
-                _wait(pending[0])
-                kv = pending[1]
-        out = out.to(q.dtype)
-        fctx.save_for_backward(q, k, v, out, lse)
-        fctx.plan, fctx.ctx, fctx.scale = plan, ctx, scale
-        return out
-
-    @staticmethod
-    def backward(fctx, grad_out):
-        q, k, v, out, lse = fctx.saved_tensors
-        plan, ctx, scale = fctx.plan, fctx.ctx, fctx.scale
-        hkv, n = k.shape[1], ctx.chunk_len
-        grad_out = grad_out.contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.cat([k, v], dim=1).contiguous()
-        dkv_pending = None
-        for step, blocks in enumerate(plan):
-            kv_pending = _exchange(kv, ctx) if step < ctx.cp_size - 1 else None
-            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            for block in blocks:
-                rows, keys = slice(block.q_slot * n, (block.q_slot + 1) * n), slice(block.k_start, block.k_end)
-                dq_b, dk_b, dv_b = backward_block(grad_out[:, :, rows], q[:, :, rows], kv[:, :hkv, keys],
-                                                  kv[:, hkv:, keys], out[:, :, rows], lse[:, :, rows], block, scale)
-                dq[:, :, rows] += dq_b.float()
-                dkv[:, :hkv, keys] += dk_b.float()
-                dkv[:, hkv:, keys] += dv_b.float()
-            if dkv_pending is not None:
-                # Add what the block's earlier holders accumulated, then pass it on with ours.
-                _wait(dkv_pending[0])
-                dkv += dkv_pending[1]
-            dkv_pending = _exchange(dkv, ctx)
-            if kv_pending is not None:
-                _wait(kv_pending[0])
-                kv = kv_pending[1]
-        _wait(dkv_pending[0])  # the last hop brings our own block's gradient home
-        dk, dv = dkv_pending[1].split(hkv, dim=1)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+    if sinks is not None:  # this rank's head group
+        group = heads // ctx.cp_size
+        sinks = sinks[ctx.cp_rank * group:(ctx.cp_rank + 1) * group]
+    calls = _local_plan(ctx, window, q.device)
+    out = _LocalAttention.apply(qs, ks, vs, calls, scale, sinks)
+    return _sequence_to_heads(out, ctx, torch.argsort(order), batch)
