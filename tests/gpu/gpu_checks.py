@@ -18,6 +18,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import ndparallel as ndp  # noqa: E402
 from ndparallel import _compat  # noqa: E402
+from cp_simulation import whole_rows  # noqa: E402
+from ndparallel.parallel.cp_layout import segment_ids_from  # noqa: E402
 from scenarios import make_batches, make_model, max_rel_diff, train_parallel, train_reference  # noqa: E402
 
 FAILURES: list[str] = []
@@ -67,6 +69,72 @@ def check_kernels(device: torch.device) -> None:
             o.backward(grad.double())
             for name, got, want in (("dq", dq, qd.grad), ("dk", dk, kd.grad), ("dv", dv, vd.grad)):
                 report(f"kernel bwd {dtype} {kind} {name}", float((got.double() - want).norm() / want.norm()), bound)
+
+
+def _document_rows(kind: str, batch: int, seq: int, g: torch.Generator):
+    """Position ids and padding of rows for the document-attention checks."""
+    pos = torch.empty(batch, seq, dtype=torch.long)
+    padding = torch.zeros(batch, seq, dtype=torch.bool)
+    for row in range(batch):
+        if kind == "short-docs":      # many documents of 1-40 tokens, several of length 1
+            lengths = torch.randint(1, 41, (seq,), generator=g).tolist()
+        elif kind == "long-docs":     # documents longer than a CP chunk (seq / 8 at cp 4)
+            lengths = [seq * 5 // 8 + 3 * row, seq]
+        else:                         # "padded" and "window": documents of 50-400 tokens
+            lengths = torch.randint(50, 401, (seq,), generator=g).tolist()
+        start = 0
+        for n in lengths:
+            end = min(seq, start + n)
+            pos[row, start:end] = torch.arange(end - start)
+            start = end
+            if start == seq:
+                break
+        if kind == "padded":
+            padding[row, seq - 77 - 100 * row:] = True
+    return segment_ids_from(pos, padding)
+
+
+def _reference_attention(q, k, v, grad, segments, window, scale):
+    """float64 attention over whole rows (B, S, h, D) with the document / padding / window rule."""
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    rep = q.shape[2] // k.shape[2]
+    kk, vv = kd.repeat_interleave(rep, 2), vd.repeat_interleave(rep, 2)
+    i = torch.arange(q.shape[1], device=q.device)
+    seg = segments.to(q.device)
+    allowed = (seg[:, :, None] == seg[:, None, :]) & (i[:, None] >= i[None, :])
+    if window is not None:
+        allowed &= (i[:, None] - i[None, :]) < window
+    scores = torch.einsum("bqhd,bkhd->bhqk", qd, kk) * scale
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores.masked_fill(~allowed[:, None], float("-inf")), -1), vv)
+    out.backward(grad.double())
+    return out.detach(), qd.grad, kd.grad, vd.grad
+
+
+def check_document_attention(device: torch.device) -> None:
+    """The planned variable-length attention of every method (one process; each cp rank's share with its
+    communication replaced by local tensors) against float64: packed rows with many short documents,
+    documents longer than a chunk, padding, a sliding window; grouped heads; head dims 8 and 128."""
+    batch, seq = 2, 1024
+    for dtype, bound in ((torch.bfloat16, 2e-2), (torch.float32, 1e-4)):
+        for heads, kv_heads, head_dim in ((8, 2, 8), (8, 2, 128), (4, 4, 64)):
+            for kind in ("short-docs", "long-docs", "padded", "window"):
+                g = torch.Generator().manual_seed(0)
+                segments = _document_rows(kind, batch, seq, g)
+                window = 100 if kind == "window" else None
+                q, grad = (torch.randn(batch, seq, heads, head_dim, generator=g).to(device, dtype) for _ in range(2))
+                k, v = (torch.randn(batch, seq, kv_heads, head_dim, generator=g).to(device, dtype) for _ in range(2))
+                scale = head_dim ** -0.5
+                want = _reference_attention(q, k, v, grad, segments, window, scale)
+                real = (segments != -1).to(device)[:, :, None, None]  # padding rows' outputs are never read
+                for method, cps in (("allgather", (1, 2, 4)), ("ring", (2, 4)), ("alltoall", (2,))):
+                    for cp in cps:
+                        got = whole_rows(q, k, v, grad, segments, cp=cp, method=method, scale=scale, window=window)
+                        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+                            if name in ("out", "dq"):
+                                a, b = a * real, b * real
+                            err = float((a.double() - b).norm() / b.norm())
+                            report(f"doc attention {dtype} h{heads}/{kv_heads}x{head_dim} {kind} {method} cp{cp} {name}",
+                                   err, bound)
 
 
 def check_world1_parity() -> None:
@@ -137,6 +205,7 @@ def main() -> int:
         return 1 if FAILURES else 0
     if not args.skip_kernels:
         check_kernels(torch.device("cuda"))
+        check_document_attention(torch.device("cuda"))
     check_world1_parity()
     print(f"{len(FAILURES)} failure(s)", flush=True)
     return 1 if FAILURES else 0
