@@ -196,6 +196,13 @@ def _window_right(causal: bool) -> int:
     return 0 if causal else -1
 
 
+def _flash_max_k(max_q: int, max_k: int, causal: bool) -> int:
+    # FlashAttention stands in max_seqlen_k for an unbounded right window: key j is visible to query i only
+    # if j <= i + (Lk - Lq) + max_k. A windowed rectangle with more queries than keys needs max_k >= max_q
+    # (measured: NaN rows otherwise). A larger bound costs only early-exiting blocks.
+    return max_k if causal else max(max_k, max_q)
+
+
 def varlen_attention_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool, window_left: int,
                              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention over packed sequences: q (Tq, H, D), k/v (Tk, Hkv, D) with grouped heads as they are;
@@ -203,7 +210,7 @@ def varlen_attention_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, cau
     Returns out (Tq, H, D) and lse (H, Tq) float32. ``torch.nn.attention.varlen.varlen_attn`` is the public
     form of this kernel, but its backward cannot take the merged output and lse of several calls."""
     out, lse, *_ = aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
+        q, k, v, cu_q, cu_k, max_q, _flash_max_k(max_q, max_k, causal), 0.0, causal, False, scale=scale,
         window_size_left=window_left, window_size_right=_window_right(causal))
     return out, lse
 
@@ -214,7 +221,8 @@ def varlen_attention_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q: in
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: never read
     unused = torch.empty(0, device=q.device)
     return aten._flash_attention_backward(
-        grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused, scale=scale,
+        grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, _flash_max_k(max_q, max_k, causal), 0.0, causal, rng_state,
+        unused, scale=scale,
         window_size_left=window_left, window_size_right=_window_right(causal))
 
 

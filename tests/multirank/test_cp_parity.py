@@ -53,6 +53,13 @@ CASES = [
     pytest.param(L(2, 2, 2, 1, "allgather"), "mistral", "pad", 1, {}, id="hsdp2x2-cp2-allgather-mistral"),
     pytest.param(L(1, 1, 4, 2, "ring"), "llama", "packed", 1, {}, id="cp4-tp2-ring-llama"),
     pytest.param(L(1, 1, 4, 2, "alltoall"), "qwen3", "pad", 1, {}, id="cp4-tp2-alltoall-qwen3"),
+    # the other ordered factorizations of 8 ranks with cp > 1, two of them with sliding windows (ring, alltoall)
+    pytest.param(L(2, 1, 4, 1, "ring"), "mistral", "packed", 1, {"sliding_window": 24}, id="ddp2-cp4-ring-mistral-window"),
+    pytest.param(L(1, 2, 4, 1, "alltoall"), "mistral", "mixed", 1, {"sliding_window": 20},
+                 id="fsdp2-cp4-alltoall-mistral-window"),
+    pytest.param(L(4, 1, 2, 1, "allgather"), "qwen3", "pad", 1, {}, id="ddp4-cp2-allgather-qwen3"),
+    pytest.param(L(1, 4, 2, 1, "ring"), "llama", "packed", 1, {}, id="fsdp4-cp2-ring-llama"),
+    pytest.param(L(1, 1, 2, 4, "allgather"), "llama", "mixed", 1, {}, id="cp2-tp4-allgather-llama"),
 ]
 
 

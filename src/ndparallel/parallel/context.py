@@ -13,8 +13,8 @@ passes through to the attention function: no globals, no patching, and nothing p
 tensor (``attention_plan.cached_plan``) and goes away with the batch.
 
 transformers builds no attention mask for our batches: the mask function registered for our attention
-returns None unless the caller passed its own padding mask (a plain call, handled as transformers'
-SDPA would).
+returns None unless the caller passed its own padding mask or decodes with a KV cache (plain calls,
+handled exactly as transformers' SDPA would).
 """
 
 from __future__ import annotations
@@ -143,8 +143,9 @@ def ndparallel_attention(
         if setup.cp_size > 1:
             raise ConfigError("the model is context-parallel: call it with the inputs of ndparallel.prepare_batch "
                               "(batch.model_inputs()), which carry this rank's sequence chunks and their segments")
-        if attention_mask is not None:
-            # A plain call with the caller's own padding mask: exactly transformers' SDPA path.
+        if attention_mask is not None or query.shape[2] != key.shape[2]:
+            # A plain call with the caller's own padding mask, or decoding with a KV cache: exactly
+            # transformers' SDPA path (with the mask transformers built for it).
             return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling,
                                                    dropout=dropout, **kwargs)
         segments_host = _segments_of_plain_call(kwargs.get("position_ids"), query)
@@ -183,9 +184,11 @@ def _context_attention(query, key, value, context, scale, window, sinks):
 
 
 def _mask_unless_padding(**kwargs):
-    """transformers' mask for our attention: none for ndparallel batches (no 2-D padding mask given); the
-    SDPA mask when a plain call passes its own padding mask."""
-    if kwargs.get("attention_mask") is None:
+    """transformers' mask for our attention: none for a batch of whole rows without a 2-D padding mask
+    (ndparallel's batches: the attention plans from their segment ids); transformers' SDPA mask when a plain
+    call passes its own padding mask or decodes with a KV cache."""
+    square = kwargs.get("q_length") == kwargs.get("kv_length") and not kwargs.get("kv_offset")
+    if kwargs.get("attention_mask") is None and square:
         return None
     return ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](**kwargs)
 
