@@ -21,8 +21,9 @@ from ndparallel.errors import (
     NdParallelError,
     NumericsError,
 )
-from ndparallel.layout import Layout, ParallelismConfig
+from ndparallel.layout import Layout
 from ndparallel.parallel.context import cp_gather, cp_shard
+from ndparallel.parallelism_config import ParallelismConfig, TorchContextParallelConfig, TorchTensorParallelConfig
 from ndparallel.parallelize import ParallelOptions, parallelize
 from ndparallel.step import (
     build_optimizer,
@@ -40,7 +41,7 @@ __version__ = "0.1.0"
 __all__ = [
     "IGNORE_INDEX", "Batch", "prepare_batch", "shift_labels",
     "CheckpointError", "ConfigError", "DataError", "LayoutError", "ModelError", "NdParallelError", "NumericsError",
-    "Layout", "ParallelismConfig", "cp_gather", "cp_shard", "ParallelOptions", "parallelize",
+    "Layout", "ParallelismConfig", "TorchContextParallelConfig", "TorchTensorParallelConfig", "cp_gather", "cp_shard", "ParallelOptions", "parallelize",
     "build_optimizer", "clip_grad_norm_", "count_tokens", "gather_logits", "reduce_loss", "set_gradient_sync", "token_loss",
     "Topology", "init_distributed",
 ]
