@@ -17,6 +17,7 @@ import dataclasses
 import os
 import warnings
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -29,13 +30,14 @@ from ndparallel.topology import Topology
 ENV_PREFIX = "PARALLELISM_CONFIG_"
 
 
-def _env(name: str) -> str | None:
-    raw = os.environ.get(ENV_PREFIX + name)
+def _env(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    raw = (os.environ if environ is None else environ).get(ENV_PREFIX + name)
     return None if raw is None or raw == "" else raw
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = _env(name)
+def env_size(name: str, default: int | None, *, environ: Mapping[str, str] | None = None) -> int | None:
+    """``PARALLELISM_CONFIG_<name>`` as an integer, or ``default`` when it is unset or empty."""
+    raw = _env(name, environ)
     if raw is None:
         return default
     try:
@@ -143,7 +145,7 @@ class ParallelismConfig:
         defaults = {"dp_replicate_size": 1, "dp_shard_size": -1, "tp_size": 1, "cp_size": 1, "sp_size": 1}
         for name, default in defaults.items():
             if getattr(self, name) is None:
-                setattr(self, name, _env_int(name.upper(), default))
+                setattr(self, name, env_size(name.upper(), default))
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 if name == "dp_shard_size" and value == -1:
