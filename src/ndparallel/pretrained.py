@@ -108,9 +108,11 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, topology: Topo
     if lora is not None and not merge_lora:
         save_peft_adapter(model, lora, partial, base_model=base_model, write=topology.is_main)
     else:
-        state = _gathered_state(model, on_rank0=topology.is_main)
+        torch_dtype = as_dtype(dtype, setting="dtype")
+        # Merging adapters is done in float32 (then cast); otherwise gather straight in the export dtype.
+        state = _gathered_state(model, on_rank0=topology.is_main, dtype=torch.float32 if lora else torch_dtype)
         if topology.is_main:
-            _write_hf(model.config, state, partial, dtype=as_dtype(dtype, setting="dtype"), max_shard_size=max_shard_size,
+            _write_hf(model.config, state, partial, dtype=torch_dtype, max_shard_size=max_shard_size,
                       lora=lora if merge_lora else None)
     if topology.is_main:
         if tokenizer is not None:
@@ -122,15 +124,17 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, topology: Topo
     return out
 
 
-def _gathered_state(model: nn.Module, *, on_rank0: bool) -> dict[str, torch.Tensor]:
-    """Full float32 CPU tensors under transformers' names, on rank 0 (one parameter in flight at a time)."""
+def _gathered_state(model: nn.Module, *, on_rank0: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Full CPU tensors of ``dtype`` under transformers' names, on rank 0 (one parameter in flight at a time).
+
+    Rank 0's host memory holds the whole model in ``dtype`` (what ``save_pretrained`` writes anyway)."""
     state = {}
     tied_head = _tied_head_key(model)
     for name, value in model.state_dict().items():
         key = _compat.canonical_name(name)
         full = value.full_tensor() if isinstance(value, DTensor) else value
         if on_rank0 and key != tied_head:
-            state[key] = full.detach().to("cpu", torch.float32, copy=True)
+            state[key] = full.detach().to("cpu", dtype, copy=True)
     return state
 
 
@@ -145,7 +149,7 @@ def _write_hf(config, state: dict[str, torch.Tensor], directory: Path, *, dtype:
               lora: LoraSpec | None) -> None:
     """Rank 0: a CPU model of ``config`` holding ``state`` (adapters merged if ``lora``), saved by transformers."""
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=next(iter(state.values())).dtype)
     if lora is not None:
         attach_lora(skeleton, lora, tp_mesh=None)
     skeleton.to_empty(device="cpu")
