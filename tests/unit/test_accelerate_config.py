@@ -137,3 +137,28 @@ def test_a_missing_accelerate_file_is_one_line(tmp_path, capsys):
     run.write_text(yaml.safe_dump(RUN))
     assert main(["validate", str(run), "--accelerate-config", str(tmp_path / "nope.yaml")]) == 2
     assert "--accelerate-config" in capsys.readouterr().err
+
+
+def test_train_launches_what_the_accelerate_file_says(tmp_path, monkeypatch):
+    from ndparallel import cli
+
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    run, accelerate = tmp_path / "run.yaml", tmp_path / "accelerate.yaml"
+    run.write_text(yaml.safe_dump(RUN))
+    accelerate.write_text(yaml.safe_dump({**HSDP_TP, "num_processes": 16, "num_machines": 2, "machine_rank": 1,
+                                          "main_process_ip": "head", "main_process_port": 29400}))
+    launched = {}
+    monkeypatch.setattr(cli, "_launch", lambda cfg, args: launched.update(cfg=cfg, args=args) or 0)
+    assert main(["train", str(run), "--accelerate-config", str(accelerate), "--node-rank", "0"]) == 0
+    cfg, args = launched["cfg"], launched["args"]
+    assert (cfg.dp_replicate_size, cfg.dp_shard_size, cfg.tensor_parallel_size, cfg.context_parallel_size) == (2, 2, 2, 1)
+    assert (cfg.bf16, cfg.ac_mode, cfg.reshard_after_forward) == (True, "full", False)
+    assert (args.nproc_per_node, args.nnodes, args.rdzv_endpoint) == (8, 2, "head:29400")
+    assert args.node_rank == 0  # the command line's own flag wins
+    # The workers read the resolved config the launcher writes: environment variables no longer change it.
+    resolved = tmp_path / "resolved.yaml"
+    resolved.write_text(yaml.safe_dump(cfg.model_dump(mode="json", by_alias=False)))
+    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "8")
+    again = parse_config(cli._load_raw(str(resolved), [])[0])
+    assert again.tensor_parallel_size == 2
