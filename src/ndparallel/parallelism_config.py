@@ -167,6 +167,10 @@ class ParallelismConfig:
             raise LayoutError(f"sp_size={self.sp_size} asks for DeepSpeed's ALST/Ulysses sequence parallelism, which "
                               f"ndparallel does not run; use cp_size={self.sp_size} with cp_comm_strategy='alltoall' "
                               f"(the same Ulysses head exchange) and set sp_size=1")
+        for axis in ("tp", "cp", "sp"):  # as Accelerate warns when its Accelerator starts
+            if getattr(self, f"{axis}_size") == 1 and getattr(self, f"{axis}_handler") is not None:
+                warnings.warn(f"{axis}_handler is set but {axis}_size is 1; the handler is ignored", UserWarning,
+                              stacklevel=3)
         self.tp_handler = _as_handler(self.tp_handler, TorchTensorParallelConfig, "tp_handler")
         if self.tp_size > 1 and self.tp_handler is None:
             self.tp_handler = TorchTensorParallelConfig()

@@ -146,10 +146,13 @@ def test_a_handler_of_another_kind_is_refused():
         ndp.ParallelismConfig(cp_size=2, cp_handler=acc_utils.TorchTensorParallelConfig())
 
 
-def test_sequence_parallel_handler_is_kept_while_sp_is_off():
+def test_a_handler_for_an_axis_that_is_off_is_kept_and_ignored_with_a_warning():
     handler = acc_utils.DeepSpeedSequenceParallelConfig()
     assert handler.sp_seq_length_is_variable is True
-    assert ndp.ParallelismConfig(sp_handler=handler).sp_handler is handler
+    with pytest.warns(UserWarning, match="sp_handler is set but sp_size is 1; the handler is ignored"):
+        assert ndp.ParallelismConfig(sp_handler=handler).sp_handler is handler
+    with pytest.warns(UserWarning, match="cp_handler is set but cp_size is 1"):
+        ndp.ParallelismConfig(cp_handler={"cp_comm_strategy": "ring"})
 
 
 @pytest.mark.parametrize("sizes, message", [
