@@ -134,13 +134,10 @@ def _parallelism(block: dict, out: AccelerateSettings) -> None:
         arguments[name] = value
     sp_only = {k: arguments.pop(k) for k in ("sp_seq_length", "sp_seq_length_is_variable", "sp_attn_implementation")
                if k in arguments}
-    if int(arguments.get("cp_size", 1) or 1) <= 1:
+    cp = arguments.get("cp_size")
+    if cp is None or (isinstance(cp, int) and cp <= 1):
         arguments.pop("cp_comm_strategy", None)  # accelerate launch exports it only when cp is on
-    try:  # the class's own checks, messages included (e.g. sp_size > 1 is refused)
-        config = ParallelismConfig(**{k: v for k, v in arguments.items() if k != "cp_comm_strategy"},
-                                   cp_comm_strategy=arguments.get("cp_comm_strategy"))
-    except TypeError as exc:
-        raise ConfigError(f"parallelism_config: {exc}") from None
+    config = ParallelismConfig(**arguments)  # the class's own checks and messages (e.g. sp_size > 1 is refused)
     for name, targets in SIZE_FIELDS.items():
         if name in arguments:
             out.fields[targets[0]] = getattr(config, name)
@@ -155,9 +152,9 @@ def _fsdp(block: dict, out: AccelerateSettings) -> None:
         name = key.removeprefix("fsdp_")
         text = str(value).lower()
         if name == "version":
-            if int(value) not in (1, 2):
+            if str(value) not in ("1", "2"):
                 raise ConfigError(f"fsdp_version: {value} is not a version; use 2")
-            if int(value) == 1:
+            if str(value) == "1":
                 out.not_used.append("fsdp_version: 1 (FSDP2 shards the same way)")
         elif name == "activation_checkpointing":
             if _bool(key, value):
@@ -224,15 +221,24 @@ _TRANSLATORS = {
 _LAUNCH_KEYS = {"num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port"}
 
 
+def _count(accelerate: dict, key: str, default: int) -> int:
+    value = accelerate.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key}: {value!r} must be a whole number")
+    return value
+
+
 def _launch_settings(accelerate: dict, out: AccelerateSettings) -> None:
-    machines = int(accelerate.get("num_machines", 1) or 1)
-    processes = accelerate.get("num_processes")
-    if processes is not None and int(processes) > 0:
-        if int(processes) % machines:
+    machines = max(1, _count(accelerate, "num_machines", 1))
+    processes = _count(accelerate, "num_processes", -1)  # -1: Accelerate's "given on the command line"
+    if processes > 0:
+        if processes % machines:
             raise ConfigError(f"num_processes: {processes} does not split evenly over num_machines: {machines}")
-        out.launch.update(world_size=int(processes), nproc_per_node=int(processes) // machines)
+        out.launch.update(world_size=processes, nproc_per_node=processes // machines)
     if machines > 1:
-        out.launch.update(nnodes=machines, node_rank=int(accelerate.get("machine_rank", 0) or 0))
+        out.launch.update(nnodes=machines, node_rank=_count(accelerate, "machine_rank", 0))
         if accelerate.get("main_process_ip"):
             out.launch["rdzv_endpoint"] = f"{accelerate['main_process_ip']}:{accelerate.get('main_process_port', 29500)}"
 

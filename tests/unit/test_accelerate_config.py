@@ -76,6 +76,10 @@ def test_plain_data_parallel_means_no_sharding():
     ({"distributed_type": "FSDP", "fsdp_config": {"fsdp_ignored_modules": "x"}}, "'fsdp_ignored_modules' is not supp"),
     ({"distributed_type": "FSDP", "num_processes": 6, "num_machines": 4}, "does not split evenly over num_machines"),
     ({"distributed_type": "FSDP", "fsdp_config": {"fsdp_offload_params": "maybe"}}, "must be true or false"),
+    ({"distributed_type": "FSDP", "parallelism_config": {"parallelism_config_cp_size": "two"}},
+     "cp_size='two' must be a whole number"),
+    ({"distributed_type": "FSDP", "num_processes": "eight"}, "num_processes: 'eight' must be a whole number"),
+    ({"distributed_type": "FSDP", "fsdp_version": "two"}, "fsdp_version: two is not a version"),
     ({"distributed_type": "FSDP", "learning_rate": 1}, "'learning_rate' is not a setting of an Accelerate config"),
 ])
 def test_what_cannot_be_honoured_is_one_line_naming_it(accelerate, message):
