@@ -89,3 +89,15 @@ def test_an_accelerate_script_runs_unchanged():
     sizes = dict(dp_replicate_size=1, dp_shard_size=2, tp_size=2, cp_size=2)
     for theirs, ours in run_ranks(8, _both_scripts, sizes):
         assert ours == theirs
+
+
+def _all_sizes_one() -> tuple:
+    theirs = acc_pc.ParallelismConfig(dp_shard_size=1).build_device_mesh("cpu")
+    ours = ndp.ParallelismConfig(dp_shard_size=1).build_device_mesh("cpu")
+    return theirs, tuple(ours.shape), tuple(ours.mesh_dim_names), _ranks(ours["dp_cp"])
+
+
+def test_difference_a_mesh_even_when_every_size_is_one():
+    theirs, shape, names, loss_ranks = run_ranks(1, _all_sizes_one)[0]
+    assert theirs is None                       # Accelerate: no mesh at all
+    assert shape == (1, 1, 1, 1) and names == AXES and loss_ranks == [0]
