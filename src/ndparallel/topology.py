@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -28,9 +28,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ndparallel import _compat
 from ndparallel.errors import LayoutError
 from ndparallel.layout import AXES, VIEWS, Layout
-
-if TYPE_CHECKING:
-    from ndparallel.parallelism_config import ParallelismConfig
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -65,6 +62,12 @@ def init_distributed(*, device_type: str | None = None, timeout_s: float = DEFAU
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
+class Sizes(Protocol):
+    """What a topology is built from: a ``ParallelismConfig`` or a resolved ``Layout``."""
+
+    def resolve(self, world_size: int) -> Layout: ...
+
+
 @dataclass(frozen=True)
 class Topology:
     """The resolved layout, this rank's place in it, and the mesh views. Build with ``Topology.build``."""
@@ -80,7 +83,7 @@ class Topology:
     @classmethod
     def build(
         cls,
-        config: "ParallelismConfig | Layout",
+        config: Sizes,
         *,
         device_type: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
