@@ -142,6 +142,18 @@ class ParallelismConfig:
 
     # -- construction ------------------------------------------------------------------------------
     def __post_init__(self) -> None:
+        self._settle_sizes()
+        self._settle_backends()
+        for axis in ("tp", "cp", "sp"):  # as Accelerate warns when its Accelerator starts
+            if getattr(self, f"{axis}_size") == 1 and getattr(self, f"{axis}_handler") is not None:
+                warnings.warn(f"{axis}_handler is set but {axis}_size is 1; the handler is ignored", UserWarning,
+                              stacklevel=3)
+        self.tp_handler = _as_handler(self.tp_handler, TorchTensorParallelConfig, "tp_handler")
+        if self.tp_size > 1 and self.tp_handler is None:
+            self.tp_handler = TorchTensorParallelConfig()
+        self._settle_cp_method()
+
+    def _settle_sizes(self) -> None:
         defaults = {"dp_replicate_size": 1, "dp_shard_size": -1, "tp_size": 1, "cp_size": 1, "sp_size": 1}
         for name, default in defaults.items():
             if getattr(self, name) is None:
@@ -154,6 +166,8 @@ class ParallelismConfig:
                     raise LayoutError(f"dp_shard_size={value!r} must be >= 1, or -1 to fill the ranks the other "
                                       f"sizes leave")
                 raise LayoutError(f"{name}={value!r} must be a whole number >= 1; use 1 to switch that axis off")
+
+    def _settle_backends(self) -> None:
         if self.cp_backend is None:
             self.cp_backend = _env("CP_BACKEND") or "torch"
         if self.cp_backend != "torch":
@@ -167,14 +181,6 @@ class ParallelismConfig:
             raise LayoutError(f"sp_size={self.sp_size} asks for DeepSpeed's ALST/Ulysses sequence parallelism, which "
                               f"ndparallel does not run; use cp_size={self.sp_size} with cp_comm_strategy='alltoall' "
                               f"(the same Ulysses head exchange) and set sp_size=1")
-        for axis in ("tp", "cp", "sp"):  # as Accelerate warns when its Accelerator starts
-            if getattr(self, f"{axis}_size") == 1 and getattr(self, f"{axis}_handler") is not None:
-                warnings.warn(f"{axis}_handler is set but {axis}_size is 1; the handler is ignored", UserWarning,
-                              stacklevel=3)
-        self.tp_handler = _as_handler(self.tp_handler, TorchTensorParallelConfig, "tp_handler")
-        if self.tp_size > 1 and self.tp_handler is None:
-            self.tp_handler = TorchTensorParallelConfig()
-        self._settle_cp_method()
 
     def _settle_cp_method(self) -> None:
         """One CP method from ``cp_comm_strategy``, ``cp_handler`` and the environment (read only when cp > 1,
