@@ -31,11 +31,20 @@ def _default_config_text() -> str:
     return resources.files("ndparallel").joinpath("defaults/stdlib_default.yaml").read_text(encoding="utf-8")
 
 
-def _load_raw(config_path: str | None, overrides: list[str]) -> dict:
+def _load_raw(config_path: str | None, overrides: list[str], accelerate_config: str | None = None):
+    """The raw config: the YAML (or the built-in default), ``--set`` overrides, then the Accelerate settings
+    (``--accelerate-config`` or the YAML's own Accelerate blocks) and ``PARALLELISM_CONFIG_*`` sizes merged in.
+    Returns (raw, AccelerateSettings)."""
+    from ndparallel.accelerate_config import merge
     from ndparallel.config import apply_overrides, load_yaml
 
     raw = load_yaml(config_path) if config_path else yaml.safe_load(_default_config_text())
-    return apply_overrides(raw, overrides or [])
+    return merge(apply_overrides(raw, overrides or []), accelerate_config)
+
+
+def _report_not_used(settings) -> None:
+    if settings.not_used and int(os.environ.get("RANK", "0")) == 0:
+        print(f"ndparallel: not used from the Accelerate config: {'; '.join(settings.not_used)}", flush=True)
 
 
 def _under_launcher() -> bool:
@@ -55,7 +64,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from ndparallel.config import parse_config
 
     try:
-        raw = _load_raw(args.config, args.set)
+        raw, accelerate = _load_raw(args.config, args.set, args.accelerate_config)
         if args.resume:
             raw["resume_from_checkpoint"] = args.resume
         cfg = parse_config(raw)
@@ -63,8 +72,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             _print_error(str(exc))
         return EXIT_USER_ERROR
+    _report_not_used(accelerate)
     if _under_launcher():
         return _train_worker(cfg)
+    for name, value in accelerate.launch.items():  # the command line's own flags win
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    args.nnodes, args.node_rank = args.nnodes or 1, args.node_rank or 0
     return _launch(cfg, args)
 
 
@@ -172,10 +186,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
         print(field_docs())
         return 0
     try:
-        raw = _load_raw(args.config, args.set)
+        raw, accelerate = _load_raw(args.config, args.set, args.accelerate_config)
     except NdParallelError as exc:
         _print_error(str(exc))
         return EXIT_USER_ERROR
+    _report_not_used(accelerate)
     errors = config_errors(raw)
     if errors:
         print(f"{len(errors)} problem(s) in the config:", file=sys.stderr)
@@ -183,7 +198,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             print(f"  - {line}", file=sys.stderr)
         return EXIT_USER_ERROR
     cfg = TrainConfig.model_validate(raw)
-    problems, plan = run_errors(cfg, world_size=args.world_size)
+    problems, plan = run_errors(cfg, world_size=args.world_size or accelerate.launch.get("world_size"))
     if problems:
         print(f"{len(problems)} problem(s):", file=sys.stderr)
         for line in problems:
@@ -219,9 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
     train.add_argument("--resume", metavar="latest|PATH", help="resume from a checkpoint (resume_from_checkpoint)")
     train.add_argument("--nproc-per-node", type=int, help="processes on this node (default: from the layout)")
-    train.add_argument("--nnodes", type=int, default=1)
-    train.add_argument("--node-rank", type=int, default=0)
+    train.add_argument("--nnodes", type=int, help="number of nodes (default 1, or num_machines of --accelerate-config)")
+    train.add_argument("--node-rank", type=int)
     train.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0, for several nodes")
+    train.add_argument("--accelerate-config", metavar="FILE",
+                       help="an `accelerate config` file: sizes, CP method, FSDP options, mixed precision, processes")
     train.set_defaults(func=cmd_train)
 
     val = sub.add_parser("validate", help="check a config and print the layout, without starting processes")
@@ -229,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     val.add_argument("--world-size", type=int, help="number of processes to plan for (default: from the layout)")
     val.add_argument("--help-fields", action="store_true", help="list every setting with its meaning")
+    val.add_argument("--accelerate-config", metavar="FILE",
+                     help="an `accelerate config` file: sizes, CP method, FSDP options, mixed precision, processes")
     val.set_defaults(func=cmd_validate)
 
     exp = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint (one process)")

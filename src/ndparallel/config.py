@@ -15,7 +15,7 @@ import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ndparallel.errors import ConfigError
-from ndparallel.layout import ParallelismConfig
+from ndparallel.parallelism_config import ParallelismConfig
 
 
 class DatasetConfig(BaseModel):

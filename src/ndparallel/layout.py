@@ -1,133 +1,121 @@
 """Parallel sizes -> a validated layout. Pure arithmetic: no processes, no devices.
 
-The mesh is always four dims, outer to inner ``(dp_replicate, dp_shard, cp, tp)``; a rank's global
-index is ``((r * dp_shard + s) * cp + c) * tp + t``. TP is innermost so its heavy per-layer traffic
-stays between neighbouring ranks (the GPUs of one node); replicas are outermost so their once-per-step
-gradient all-reduce is what crosses nodes.
+The mesh is always four dims, outer to inner ``(dp_replicate, dp_shard, cp, tp)`` (Accelerate's order);
+a rank's global index is ``((r * dp_shard + s) * cp + c) * tp + t``. TP is innermost so its heavy
+per-layer traffic stays between neighbouring ranks (the GPUs of one node); replicas are outermost so
+their once-per-step gradient all-reduce is what crosses nodes.
+
+``AXES`` and ``VIEWS`` are the two tables everything else is derived from: a new axis (e.g. expert
+parallelism) is a new entry in ``AXES`` (a field of ``Layout`` of the same name) and, if it joins other
+axes, an entry in ``VIEWS``. ``ParallelismConfig`` (the user-facing sizes, with Accelerate's names and
+environment variables) lives in ``parallelism_config.py``.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from ndparallel.errors import LayoutError
 
 AXES = ("dp_replicate", "dp_shard", "cp", "tp")
+"""The mesh dims, outer to inner."""
+
+VIEWS: dict[str, tuple[str, ...]] = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
+"""Flattened views of the mesh, under Accelerate's names, and the axes each joins (outer to inner):
+
+- ``dp``: ranks that read different rows of the global batch (``Topology.batch``); cp and tp peers
+  read the same rows.
+- ``dp_shard_cp``: ranks a parameter is sharded over (``Topology.fsdp``): CP ranks hold the same weights.
+- ``dp_cp``: ranks whose token-loss sums and token counts are reduced together (``Topology.loss``).
+"""
+
 CP_METHODS = ("allgather", "ring", "alltoall")
-_ENV_PREFIX = "PARALLELISM_CONFIG_"
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(_ENV_PREFIX + name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise LayoutError(f"environment variable {_ENV_PREFIX}{name}={raw!r} is not an integer; set it to a size such as 2") from None
+def resolve(world_size: int, *, dp_replicate: int, dp_shard: int, cp: int, tp: int,
+            cp_comm_strategy: str = "allgather") -> "Layout":
+    """The concrete layout for ``world_size`` ranks.
 
-
-@dataclass
-class ParallelismConfig:
-    """The four parallel sizes, with Accelerate's names.
-
-    A field left at ``None`` is read from ``PARALLELISM_CONFIG_<FIELD>`` (Accelerate's variables), else
-    takes its default. ``dp_shard_size=-1`` (the default) gives FSDP all ranks the other sizes leave.
+    ``dp_shard=-1`` gives FSDP the ranks the other sizes leave. Sizes that are all 1 on several ranks
+    mean plain data parallelism over all of them (``dp_replicate = world_size``), as in Accelerate.
     """
-
-    dp_replicate_size: int | None = None
-    """Full model replicas; each reads other data and gradients are all-reduced across them (HSDP/DDP)."""
-    dp_shard_size: int | None = None
-    """FSDP2 sharding of parameters, gradients and optimizer state; -1 fills the remaining ranks."""
-    tp_size: int | None = None
-    """Tensor parallel: attention heads, MLP columns and the vocabulary split for good (within a node)."""
-    cp_size: int | None = None
-    """Context parallel: the sequence split over ranks; attention exchanges keys and values."""
-    cp_comm_strategy: str | None = None
-    """How CP attention exchanges keys/values: 'allgather' (default), 'ring' or 'alltoall' (Ulysses)."""
-
-    def __post_init__(self) -> None:
-        if self.dp_replicate_size is None:
-            self.dp_replicate_size = _env_int("DP_REPLICATE_SIZE", 1)
-        if self.dp_shard_size is None:
-            self.dp_shard_size = _env_int("DP_SHARD_SIZE", -1)
-        if self.tp_size is None:
-            self.tp_size = _env_int("TP_SIZE", 1)
-        if self.cp_size is None:
-            self.cp_size = _env_int("CP_SIZE", 1)
-        if self.cp_comm_strategy is None:
-            self.cp_comm_strategy = os.environ.get(_ENV_PREFIX + "CP_COMM_STRATEGY", "allgather")
-        for name in ("dp_replicate_size", "tp_size", "cp_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise LayoutError(f"{name}={value!r} must be a whole number >= 1; use 1 to switch that axis off")
-        shard = self.dp_shard_size
-        if isinstance(shard, bool) or not isinstance(shard, int) or (shard < 1 and shard != -1):
-            raise LayoutError(f"dp_shard_size={shard!r} must be >= 1, or -1 to fill the ranks the other sizes leave")
-        if self.cp_comm_strategy not in CP_METHODS:
+    if world_size < 1:
+        raise LayoutError(f"world size {world_size} must be >= 1")
+    r, s, c, t = dp_replicate, dp_shard, cp, tp
+    fixed = r * t * c
+    if s == -1:
+        if world_size % fixed:
             raise LayoutError(
-                f"cp_comm_strategy={self.cp_comm_strategy!r} is not a method; choose one of {', '.join(CP_METHODS)}"
+                f"dp_replicate_size={r} x cp_size={c} x tp_size={t} = {fixed} does not divide the world size "
+                f"{world_size}, so dp_shard_size=-1 cannot fill the rest; choose sizes whose product divides "
+                f"{world_size} or launch {fixed * max(1, world_size // fixed)} processes"
             )
-
-    def resolve(self, world_size: int) -> "Layout":
-        """The concrete layout for ``world_size`` ranks (fills ``dp_shard_size=-1``)."""
-        if world_size < 1:
-            raise LayoutError(f"world size {world_size} must be >= 1")
-        r, t, c = self.dp_replicate_size, self.tp_size, self.cp_size
-        s = self.dp_shard_size
-        fixed = r * t * c
-        if s == -1:
-            if world_size % fixed:
-                raise LayoutError(
-                    f"dp_replicate_size={r} x cp_size={c} x tp_size={t} = {fixed} does not divide the world size "
-                    f"{world_size}, so dp_shard_size=-1 cannot fill the rest; choose sizes whose product divides "
-                    f"{world_size} or launch {fixed * max(1, world_size // fixed)} processes"
-                )
-            s = world_size // fixed
-        if r * s * c * t != world_size:
-            raise LayoutError(
-                f"dp_replicate_size={r} x dp_shard_size={s} x cp_size={c} x tp_size={t} = {r * s * c * t}, "
-                f"but {world_size} processes were started; make the product equal the number of processes "
-                f"(or set dp_shard_size=-1 to fill it)"
-            )
-        return Layout(dp_replicate=r, dp_shard=s, cp=c, tp=t, cp_comm_strategy=self.cp_comm_strategy)
+        s = world_size // fixed
+    if r * s * c * t == 1 and world_size > 1:
+        r = world_size
+    if r * s * c * t != world_size:
+        raise LayoutError(
+            f"dp_replicate_size={r} x dp_shard_size={s} x cp_size={c} x tp_size={t} = {r * s * c * t}, "
+            f"but {world_size} processes were started; make the product equal the number of processes "
+            f"(or set dp_shard_size=-1 to fill it)"
+        )
+    return Layout(dp_replicate=r, dp_shard=s, cp=c, tp=t, cp_comm_strategy=cp_comm_strategy)
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Resolved sizes of the four axes, and what follows from them."""
+    """Resolved sizes of the mesh axes, and what follows from them."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
     cp_comm_strategy: str = "allgather"
-    shape: tuple[int, int, int, int] = field(init=False)
+    shape: tuple[int, ...] = field(init=False)
+    """The sizes in ``AXES`` order."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", (self.dp_replicate, self.dp_shard, self.cp, self.tp))
+        object.__setattr__(self, "shape", tuple(getattr(self, axis) for axis in AXES))
+
+    def resolve(self, world_size: int) -> "Layout":
+        """This layout, if it has ``world_size`` ranks (so a Layout can stand where sizes are resolved)."""
+        if world_size != self.world_size:
+            raise LayoutError(
+                f"the layout {self.shape} needs {self.world_size} processes but {world_size} were started; "
+                f"launch {self.world_size} or change the sizes"
+            )
+        return self
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.cp * self.tp
+        return math.prod(self.shape)
+
+    def size(self, name: str) -> int:
+        """Ranks along an axis of ``AXES`` or a view of ``VIEWS``."""
+        axes = VIEWS.get(name, (name,))
+        return math.prod(getattr(self, axis) for axis in axes)
 
     @property
     def batch_size(self) -> int:
-        """Ranks that read different data (dp_replicate x dp_shard)."""
-        return self.dp_replicate * self.dp_shard
+        """Ranks that read different data (``dp`` = dp_replicate x dp_shard)."""
+        return self.size("dp")
 
     @property
     def fsdp_size(self) -> int:
-        """Ranks a parameter is sharded over (dp_shard x cp: CP ranks hold the same weights)."""
-        return self.dp_shard * self.cp
+        """Ranks a parameter is sharded over (``dp_shard_cp``: CP ranks hold the same weights)."""
+        return self.size("dp_shard_cp")
 
     @property
     def loss_size(self) -> int:
-        """Ranks whose token losses are summed (everything but tp)."""
-        return self.dp_replicate * self.dp_shard * self.cp
+        """Ranks whose token losses are summed (``dp_cp``: everything but tp)."""
+        return self.size("dp_cp")
 
     @property
     def seq_multiple(self) -> int:
@@ -142,15 +130,29 @@ class Layout:
             rank //= size
         return {axis: coords[axis] for axis in AXES}
 
-    def rank_of(self, dp_replicate: int, dp_shard: int, cp: int, tp: int) -> int:
-        return ((dp_replicate * self.dp_shard + dp_shard) * self.cp + cp) * self.tp + tp
+    def rank_of(self, **coords: int) -> int:
+        """Global rank at the given position on every axis (row-major over ``AXES``)."""
+        rank = 0
+        for axis, size in zip(AXES, self.shape):
+            rank = rank * size + coords[axis]
+        return rank
 
     def batch_index(self, rank: int) -> int:
-        c = self.coordinates(rank)
-        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+        """Which slice of the global batch ``rank`` reads: its position on the ``dp`` view."""
+        return self.view_index(rank, "dp")
 
-    def groups(self, axes: tuple[str, ...]) -> list[list[int]]:
-        """Rank groups that vary along ``axes`` (the others fixed), in mesh order."""
+    def view_index(self, rank: int, name: str) -> int:
+        """Position of ``rank`` along a view (or axis): its index in its group, row-major over the axes."""
+        c = self.coordinates(rank)
+        index = 0
+        for axis in VIEWS.get(name, (name,)):
+            index = index * getattr(self, axis) + c[axis]
+        return index
+
+    def groups(self, axes: tuple[str, ...] | str) -> list[list[int]]:
+        """Rank groups that vary along ``axes`` (or a view name), the others fixed, in mesh order."""
+        if isinstance(axes, str):
+            axes = VIEWS.get(axes, (axes,))
         fixed = [a for a in AXES if a not in axes]
         sizes = dict(zip(AXES, self.shape))
         groups = []
@@ -204,22 +206,16 @@ class Layout:
             + (f" (cp method: {self.cp_comm_strategy})" if c > 1 else ""),
             f"  data: {self.batch_size} data-parallel groups read different rows; cp and tp peers read the same rows",
             f"  parameters: each weight split {t}-way by tp, then sharded {self.fsdp_size}-way by FSDP "
-            f"(dp_shard x cp)" + (f", replicated {r}x" if r > 1 else ""),
+            f"(dp_shard_cp)" + (f", replicated {r}x" if r > 1 else ""),
         ]
         if c > 1:
             lines.append(
                 f"  sequence: {2 * c} chunks; cp rank i holds chunks i and {2 * c - 1}-i (load-balanced causal work)"
             )
-        views = {
-            "batch (dp_replicate x dp_shard)": ("dp_replicate", "dp_shard"),
-            "fsdp (dp_shard x cp)": ("dp_shard", "cp"),
-            "loss (dp_replicate x dp_shard x cp)": ("dp_replicate", "dp_shard", "cp"),
-            "dp_replicate": ("dp_replicate",),
-            "cp": ("cp",),
-            "tp": ("tp",),
-        }
         lines.append("  groups:")
-        for label, axes in views.items():
+        labels = {f"{name} ({' x '.join(axes)})": axes for name, axes in VIEWS.items()}
+        labels.update({axis: (axis,) for axis in AXES if axis != "dp_shard"})
+        for label, axes in labels.items():
             groups = self.groups(axes)
             if len(groups[0]) > 1:
                 lines.append(f"    {label}: {_fmt_groups(groups)}")

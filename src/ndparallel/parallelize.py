@@ -84,7 +84,7 @@ def parallelize(model: nn.Module, topology: Topology, *, options: ParallelOption
         apply_compile(parts)
     apply_fsdp(
         parts,
-        topology.dp,
+        topology.fully_shard_mesh,
         param_dtype=as_dtype(options.param_dtype, setting="param_dtype"),
         reduce_dtype=as_dtype(options.reduce_dtype, setting="reduce_dtype"),
         wrap=options.fsdp_wrap,

@@ -2,13 +2,16 @@
 
 ``Topology.build(config)`` starts (or joins) the process group, resolves the sizes for the world it
 finds, and builds ONE mesh with dims ``(dp_replicate, dp_shard, cp, tp)``, every dim kept even at size 1
-so code never branches on which axes exist. The views below are created once, here, and passed around:
+so code never branches on which axes exist. The flattened views are created once, here, under
+Accelerate's names, so ``topology.mesh["dp_cp"]`` works as in an Accelerate script (see ``layout.VIEWS``):
 
-- ``batch``  = dp_replicate x dp_shard: ranks that read different rows of the global batch.
-- ``fsdp``   = dp_shard x cp: ranks a parameter is sharded over (CP ranks hold the same weights).
-- ``loss``   = dp_replicate x dp_shard x cp: where token-loss sums and token counts are reduced.
-- ``cp``, ``tp``: the context- and tensor-parallel groups.
-- ``dp``     : the mesh FSDP2 shards on: (dp_replicate, fsdp) for HSDP, else fsdp alone.
+- ``dp``          (``topology.batch``) = dp_replicate x dp_shard: ranks that read different rows.
+- ``dp_shard_cp`` (``topology.fsdp``)  = dp_shard x cp: ranks a parameter is sharded over.
+- ``dp_cp``       (``topology.loss``)  = dp_replicate x dp_shard x cp: where token-loss sums and counts
+  are reduced.
+- ``topology.cp``, ``topology.tp``: the context- and tensor-parallel groups.
+- ``topology.fully_shard_mesh``: the mesh FSDP2 shards on: (dp_replicate, dp_shard_cp) for HSDP, else
+  dp_shard_cp alone (Accelerate's ``fsdp_dim_names``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -23,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ndparallel import _compat
 from ndparallel.errors import LayoutError
-from ndparallel.layout import AXES, Layout, ParallelismConfig
+from ndparallel.layout import AXES, VIEWS, Layout
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -58,6 +62,12 @@ def init_distributed(*, device_type: str | None = None, timeout_s: float = DEFAU
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
+class Sizes(Protocol):
+    """What a topology is built from: a ``ParallelismConfig`` or a resolved ``Layout``."""
+
+    def resolve(self, world_size: int) -> Layout: ...
+
+
 @dataclass(frozen=True)
 class Topology:
     """The resolved layout, this rank's place in it, and the mesh views. Build with ``Topology.build``."""
@@ -65,44 +75,64 @@ class Topology:
     layout: Layout
     device: torch.device
     mesh: DeviceMesh
-    batch: DeviceMesh
-    fsdp: DeviceMesh
-    loss: DeviceMesh
-    dp: DeviceMesh
+    views: dict[str, DeviceMesh]
+    """The flattened views by Accelerate's name (``layout.VIEWS``): the objects ``_flatten`` returned."""
+    fully_shard_mesh: DeviceMesh
     rank: int
 
     @classmethod
     def build(
         cls,
-        config: ParallelismConfig | Layout | None = None,
+        config: Sizes,
         *,
         device_type: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> "Topology":
+        """The topology of ``config`` (a ``ParallelismConfig``, or a resolved ``Layout``) on this world.
+
+        A ``ParallelismConfig`` keeps the topology built from it: building again returns the same one
+        (one mesh per config, as ``ParallelismConfig.get_device_mesh`` promises).
+        """
+        existing = getattr(config, "topology", None)
+        if existing is not None:
+            if device_type is not None and existing.device.type != device_type:
+                raise LayoutError(f"this ParallelismConfig's mesh was built for {existing.device.type!r}, not "
+                                  f"{device_type!r}; build a new ParallelismConfig for another device type")
+            return existing
         device_type = device_type or default_device_type()
         init_distributed(device_type=device_type, timeout_s=timeout_s)
-        world = dist.get_world_size()
-        config = config if config is not None else ParallelismConfig()
-        layout = config.resolve(world) if isinstance(config, ParallelismConfig) else config
-        if layout.world_size != world:
-            raise LayoutError(
-                f"the layout {layout.shape} needs {layout.world_size} processes but {world} were started; "
-                f"launch {layout.world_size} or change the sizes"
-            )
+        layout = config.resolve(dist.get_world_size())
         mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=AXES)
-        batch = _compat.flatten_mesh(mesh["dp_replicate", "dp_shard"], "batch")
-        fsdp = _compat.flatten_mesh(mesh["dp_shard", "cp"], "fsdp")
-        loss = _compat.flatten_mesh(mesh["dp_replicate", "dp_shard", "cp"], "loss")
+        views = {name: _compat.flatten_mesh(mesh[axes], name) for name, axes in VIEWS.items()}
         if layout.dp_replicate > 1:
-            dp = _compat.concatenate_meshes(mesh, [mesh["dp_replicate"], fsdp])
+            fully_shard_mesh = _compat.concatenate_meshes(mesh, [mesh["dp_replicate"], views["dp_shard_cp"]])
         else:
-            dp = fsdp
+            fully_shard_mesh = views["dp_shard_cp"]
         if device_type == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             device = torch.device(device_type)
-        return cls(layout=layout, device=device, mesh=mesh, batch=batch, fsdp=fsdp, loss=loss, dp=dp,
-                   rank=dist.get_rank())
+        topology = cls(layout=layout, device=device, mesh=mesh, views=views, fully_shard_mesh=fully_shard_mesh,
+                       rank=dist.get_rank())
+        if hasattr(config, "topology"):  # a ParallelismConfig remembers its one mesh
+            config.topology = topology
+        return topology
+
+    # -- the flattened views under our names ------------------------------------------------------
+    @property
+    def batch(self) -> DeviceMesh:
+        """``dp``: ranks that read different rows of the global batch."""
+        return self.views["dp"]
+
+    @property
+    def fsdp(self) -> DeviceMesh:
+        """``dp_shard_cp``: ranks a parameter is sharded over."""
+        return self.views["dp_shard_cp"]
+
+    @property
+    def loss(self) -> DeviceMesh:
+        """``dp_cp``: ranks whose token losses and counts are summed."""
+        return self.views["dp_cp"]
 
     # -- views on single axes ------------------------------------------------------------------
     @property

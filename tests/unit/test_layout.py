@@ -99,6 +99,6 @@ def test_rank_coordinates_and_groups_follow_mesh_order():
 def test_describe_names_groups_and_what_each_rank_holds():
     text = Layout(dp_shard=2, cp=2, tp=2, cp_comm_strategy="ring").describe()
     assert text.splitlines()[0] == "world 8 = dp_replicate 1 x dp_shard 2 x cp 2 x tp 2 (cp method: ring)"
-    assert "fsdp (dp_shard x cp): [0,2,4,6] [1,3,5,7]" in text
+    assert "dp_shard_cp (dp_shard x cp): [0,2,4,6] [1,3,5,7]" in text
     assert "tp: [0,1] [2,3] [4,5] [6,7]" in text
     assert "rank 3: (r0, s0, c1, t1) data rows 0/2, seq chunks 1,2, tp slice 1/2" in text
