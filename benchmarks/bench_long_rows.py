@@ -2,6 +2,7 @@
 
     python benchmarks/bench_long_rows.py --out long_rows.jsonl                     # 1B, full AC, 16k-128k
     python benchmarks/bench_long_rows.py --shape tiny --lengths 1024,4096 --device cpu --out x.jsonl
+    torchrun --nproc-per-node 2 benchmarks/bench_long_rows.py --cp 2 --device cpu --shape tiny ...  # cp 2
 
 For every row length L the same model trains (the trainer's ``forward_backward`` through
 ``prepare_batch``, then clip and AdamW) on four kinds of batch with the same number of tokens:
@@ -9,7 +10,8 @@ one row holding one document; one row packed with 4,096-token documents; one row
 documents; and L/4096 rows of 4,096 tokens. Packed rows do the attention work of short rows, so their
 throughput should match the short rows' (the target: >= 90%) while a single document's work grows with
 L squared; their peak memory should not exceed the single document's. ``--longest`` tries longer packed
-rows until one does not fit.
+rows until one does not fit. Under ``--cp N`` (torchrun with N processes) each rank reports its wall
+and CPU (process) time: on a shared CPU the process time is the steadier measure of the work.
 """
 
 from __future__ import annotations
@@ -41,11 +43,11 @@ def _rows(kind: str, length: int, vocab: int, step: int) -> dict:
 
 def _measure(model, opt, topo, kind, length, vocab, steps, device) -> dict:
     torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
-    times = []
+    times, cpu_times = [], []
     for step in range(steps + 1):  # the first step warms up
         data = _rows(kind, length, vocab, step)
         _sync(device)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         batch = ndp.prepare_batch(topology=topo, **data)
         forward_backward(model, [batch], topo)
         ndp.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
@@ -53,11 +55,13 @@ def _measure(model, opt, topo, kind, length, vocab, steps, device) -> dict:
         opt.zero_grad(set_to_none=True)
         _sync(device)
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
     step_s = statistics.median(times[1:])
     tokens = data["input_ids"].numel()
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     return {"kind": kind, "length": length, "tokens": tokens, "step_s": round(step_s, 4),
-            "tokens_per_s": round(tokens / step_s, 1), "peak_gib": None if peak is None else round(peak, 2)}
+            "tokens_per_s": round(tokens / step_s, 1), "cpu_s": round(statistics.median(cpu_times[1:]), 4),
+            "peak_gib": None if peak is None else round(peak, 2)}
 
 
 def _sync(device):
@@ -74,10 +78,16 @@ def main() -> int:
     p.add_argument("--ac", default="full")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--cp-method", default="ring")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     device_type = args.device
-    topo = ndp.Topology.build(ndp.ParallelismConfig(dp_shard_size=1), device_type=device_type)
+    if device_type == "cpu":
+        torch.set_num_threads(1)
+    ndp.init_distributed(device_type=device_type)
+    topo = ndp.Topology.build(ndp.ParallelismConfig(dp_shard_size=1, cp_size=args.cp, cp_comm_strategy=args.cp_method),
+                              device_type=device_type)
     device = topo.device
     lengths = [int(x) for x in args.lengths.split(",")]
     longest = [int(x) for x in args.longest.split(",") if x]
@@ -89,7 +99,8 @@ def main() -> int:
     materialize(model, device, weights_dir=None, seed=0)
     model.train()
     opt = ndp.build_optimizer(model, lr=1e-5, weight_decay=0.1)
-    meta = {"shape": args.shape, "ac": args.ac, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+    meta = {"shape": args.shape, "ac": args.ac, "cp": args.cp, "cp_method": args.cp_method if args.cp > 1 else None,
+            "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     cases = [(kind, length) for length in lengths for kind in args.kinds.split(",")]
     cases += [("packed-4096", length) for length in longest]
@@ -104,9 +115,10 @@ def main() -> int:
             opt.zero_grad(set_to_none=True)
             record = {"kind": kind, "length": length, "status": "oom"}
         record.update(meta)
-        print(json.dumps(record), flush=True)
-        with open(args.out, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        if topo.rank == 0:
+            print(json.dumps(record), flush=True)
+            with open(args.out, "a") as f:
+                f.write(json.dumps(record) + "\n")
         if record["status"] == "oom" and (kind, length) in cases[len(cases) - len(longest):]:
             break
     return 0

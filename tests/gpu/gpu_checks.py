@@ -173,19 +173,48 @@ def _layouts_for(world: int) -> list[dict]:
     return out
 
 
-def check_layouts() -> None:
-    """Every layout that fits the GPUs against one GPU on the same data (each rank computes the reference)."""
+# bf16 unit roundoff (8 significand bits): the bounds of a bf16 run against the fp32 reference are set in
+# units of it. The weight check compares the UPDATE (final - initial weights): a run that does not train
+# has update error 1 and fails every bound below.
+BF16_U = 2.0 ** -8
+BOUNDS = {"float32": {"loss": 1e-5, "grad_norm": 1e-5, "update": 1e-4},
+          "bfloat16": {"loss": 2 * BF16_U, "grad_norm": 5 * BF16_U, "update": 25 * BF16_U}}
+
+
+def _update_error(got: dict, ref: dict, init: dict) -> tuple[float, str]:
+    """Largest over tensors of |(got - init) - (ref - init)| / |ref - init| (Frobenius)."""
+    worst, where = 0.0, ""
+    for name, r in ref.items():
+        step = r.double() - init[name].double()
+        err = float((got[name].to(r.device).double() - r.double()).norm() / step.norm().clamp(min=1e-30))
+        if err > worst:
+            worst, where = err, name
+    return worst, where
+
+
+def check_layouts(families=("llama", "qwen3", "mistral")) -> None:
+    """Every layout that fits the GPUs against one GPU on the same data (each rank computes the reference):
+    losses, gradient norms and the weight update, in fp32 and bf16, padded and packed rows."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    for data in ("pad", "packed"):
-        batches = make_batches(steps=5, micro=1, rows=8, seq=128, pad=data == "pad", packed=data == "packed")
-        batches = [[{k: t.cuda() for k, t in mb.items()} for mb in step] for step in batches]
-        ref = train_reference(make_model("qwen3").cuda(), batches)  # one GPU, fp32, plain PyTorch
-        for dtype, bound in (("float32", 1e-5), ("bfloat16", 1e-3)):
-            options = {"param_dtype": None if dtype == "float32" else "bfloat16"}
-            for layout in _layouts_for(world):
-                got = train_parallel("qwen3", layout, batches, options=options)
-                name = ",".join(f"{k.split('_')[0]}{v}" for k, v in layout.items())
-                report(f"{world} GPUs {name} {data} {dtype} loss", max_rel_diff(got["losses"], ref["losses"]), bound)
+    rank = int(os.environ.get("RANK", "0"))
+    for family in families:
+        for data in ("pad", "packed"):
+            batches = make_batches(steps=5, micro=1, rows=8, seq=128, pad=data == "pad", packed=data == "packed")
+            batches = [[{k: t.cuda() for k, t in mb.items()} for mb in step] for step in batches]
+            model = make_model(family).cuda()
+            init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            ref = train_reference(model, batches)  # one GPU, fp32, plain PyTorch
+            for dtype, bound in BOUNDS.items():
+                options = {"param_dtype": None if dtype == "float32" else "bfloat16"}
+                for layout in _layouts_for(world):
+                    got = train_parallel(family, layout, batches, options=options)
+                    sizes = ",".join(f"{key.split('_')[0]}{value}" for key, value in layout.items())
+                    name = f"{world} GPUs {sizes} {family} {data} {dtype}"
+                    report(f"{name} loss", max_rel_diff(got["losses"], ref["losses"]), bound["loss"])
+                    report(f"{name} grad norm", max_rel_diff(got["grad_norms"], ref["grad_norms"]), bound["grad_norm"])
+                    if rank == 0:
+                        err, where = _update_error(got["weights"], ref["weights"], init)
+                        report(f"{name} update ({where})", err, bound["update"])
 
 
 def main() -> int:
