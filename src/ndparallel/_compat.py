@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils import _python_dispatch, _pytree
 
 aten = torch.ops.aten
 
@@ -99,6 +100,15 @@ def scale_tensors_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
     """Multiply many tensors in place by one device scalar in few kernels (the optimizers' foreach op)."""
     if tensors:
         torch._foreach_mul_(tensors, factor.to(tensors[0].device))
+
+
+# ---------------------------------------------------------------------------------------------
+# Watching every op and its outputs: the memory measurements in tests/planner_memory (no public
+# equivalents of the dispatch-mode base class or of pytree's leaf walk).
+# ---------------------------------------------------------------------------------------------
+
+TorchDispatchMode = _python_dispatch.TorchDispatchMode
+tree_leaves = _pytree.tree_leaves
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,16 +11,14 @@ Modules, in the order a plan is made:
     hardware.py     Cluster (GPUs, memory, links, FLOP/s) and which axes cross nodes
     workload.py     Workload (sequence, batch, precision, checkpointing, LoRA)
     candidates.py   every valid layout of a world size; per-layout knobs
-    activations.py  activation bytes as this implementation keeps them (measured on CPU: measure.py)
+    activations.py  activation bytes as this implementation keeps them (measured: tests/planner_memory)
     memory.py       itemized per-GPU peak memory
     comm.py         bytes per step per axis; perf.py: compute and step time
     evaluate.py     one candidate estimated (PlanRow); plan.py: ranking, best_layout; reasons.py; report.py
-    calibration.py  measured peaks against predictions (measurements.json)
     cli.py          ``ndparallel plan``
 """
 
 from ndparallel.planner.activations import ActivationBytes, activation_bytes
-from ndparallel.planner.calibration import compare_to_measurements, load_measurements
 from ndparallel.planner.candidates import valid_layouts
 from ndparallel.planner.cli import add_plan_arguments, run_plan
 from ndparallel.planner.comm import AxisComm, comm_per_step
@@ -33,7 +31,7 @@ from ndparallel.planner.shapes import PRESETS, ModelShape, load_model_shape
 from ndparallel.planner.workload import Workload
 
 __all__ = [
-    "ActivationBytes", "activation_bytes", "compare_to_measurements", "load_measurements", "valid_layouts",
+    "ActivationBytes", "activation_bytes", "valid_layouts",
     "add_plan_arguments", "run_plan", "AxisComm", "comm_per_step", "PlanRow", "Cluster", "MemoryEstimate",
     "estimate_memory", "LayoutChoice", "best_layout", "plan", "format_table", "to_json", "PRESETS", "ModelShape",
     "load_model_shape", "Workload",

@@ -1,7 +1,7 @@
 """Bytes of activations one GPU keeps for backward, as this implementation saves them.
 
 Every coefficient below was read off what autograd (and activation checkpointing) actually keeps on one
-rank, counted storage by storage for tiny models with ``ndparallel.planner.measure`` (world 1 and TP/CP
+rank, counted storage by storage for tiny models with ``tests/planner_memory/measure.py`` (world 1 and TP/CP
 layouts); ``benchmarks/planner_validation.md`` has the measured-vs-predicted table. Notation: b rows per
 micro-batch, s = seq/cp tokens held by the rank, S = seq, t = tp, e = bytes per compute element
 (2 for bf16, 4 for fp32), h hidden, q = heads*head_dim, kv = kv_heads*head_dim, n = heads, i

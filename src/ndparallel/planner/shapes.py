@@ -19,6 +19,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from ndparallel.errors import ConfigError
+from ndparallel.models import presets
 
 # Linear layers LoRA adapts ("all-linear"): each gets A (r x in) and B (out x r).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -191,23 +192,16 @@ class ModelShape:
         return LlamaConfig(**common, attention_bias=False)
 
 
-PRESETS: dict[str, ModelShape] = {
-    # Llama-3.2-1B
-    "llama-1b": ModelShape(vocab=128256, hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8,
-                           head_dim=64, tied=True, name="llama-1b"),
-    # Llama-3.2-3B
-    "llama-3b": ModelShape(vocab=128256, hidden=3072, intermediate=8192, layers=28, heads=24, kv_heads=8,
-                           head_dim=128, tied=True, name="llama-3b"),
-    # Llama-3.1-8B
-    "llama-8b": ModelShape(vocab=128256, hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
-                           head_dim=128, tied=False, name="llama-8b"),
-    # Llama-3.1-70B
-    "llama-70b": ModelShape(vocab=128256, hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8,
-                            head_dim=128, tied=False, name="llama-70b"),
-    # The test suite's model (tests/scenarios.py): small enough to measure on a CPU.
-    "tiny": ModelShape(vocab=256, hidden=64, intermediate=128, layers=2, heads=8, kv_heads=8, head_dim=8,
-                       tied=False, name="tiny"),
-}
+def preset_shape(name: str) -> ModelShape | None:
+    """The shape of a preset of ``models/presets.py`` ('8b' or 'llama-8b'), or None."""
+    key = presets.canonical_name(name)
+    if key is None:
+        return None
+    return ModelShape.from_hf_config(presets.PRESETS[key], name=presets.display_name(key))
+
+
+# Every preset by the name the planner prints (llama-1b ... llama-405b, tiny, byte-tiny); both spellings load.
+PRESETS: dict[str, ModelShape] = {presets.display_name(key): preset_shape(key) for key in presets.PRESETS}
 
 
 def load_model_shape(spec: "str | dict | ModelShape | Any") -> ModelShape:
@@ -220,8 +214,9 @@ def load_model_shape(spec: "str | dict | ModelShape | Any") -> ModelShape:
     if not isinstance(spec, str):
         return ModelShape.from_hf_config(spec)
     text = spec.strip()
-    if text in PRESETS:
-        return PRESETS[text]
+    shape = preset_shape(text)
+    if shape is not None:
+        return shape
     if text.startswith("{"):
         try:
             return ModelShape.from_dict(json.loads(text), name="inline")
@@ -240,6 +235,6 @@ def load_model_shape(spec: "str | dict | ModelShape | Any") -> ModelShape:
                 ) from None
         return ModelShape.from_hf_config(data, name=os.path.basename(os.path.dirname(os.path.abspath(path))))
     raise ConfigError(
-        f"model={spec!r} is not a preset ({', '.join(PRESETS)}), a directory with config.json, a config file "
+        f"model={spec!r} is not a preset ({presets.choices()}), a directory with config.json, a config file "
         f"or inline JSON; pass one of those"
     )

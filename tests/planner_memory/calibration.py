@@ -1,4 +1,4 @@
-"""Measured memory against the planner's predictions.
+"""Measured memory against the planner's predictions (test and benchmark code, outside the library).
 
 A measurement row (a dict, as stored in ``measurements.json``) names the case and the quantity measured:
 
