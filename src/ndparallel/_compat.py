@@ -111,6 +111,13 @@ TorchDispatchMode = _python_dispatch.TorchDispatchMode
 tree_leaves = _pytree.tree_leaves
 
 
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """A float8 matrix product with per-tensor scales (what torchao's float8 linears run); the planner's
+    ``--measure`` times it. ``b`` column-major, as cuBLASLt wants."""
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # Fused attention kernels that return the log-sum-exp of each query row.
 #

@@ -85,7 +85,7 @@ def predict_memory(row: dict[str, Any]) -> MemoryEstimate:
                         lora_rank=row.get("lora_rank"))
     cluster = Cluster(overhead_gib=row.get("overhead_gib", Cluster.overhead_gib))
     return estimate_memory(model, layout, workload, micro_batch=b, activation_checkpointing=mode,
-                           accumulation=accumulation, grad_sync=row.get("grad_sync", "last"), cluster=cluster)
+                           accumulation=accumulation, grad_sync=row.get("grad_sync", "sharded"), cluster=cluster)
 
 
 def compare_to_measurements(rows: list[dict[str, Any]]) -> list[tuple[str, float, float, float]]:

@@ -6,12 +6,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ndparallel.layout import Layout
-from ndparallel.planner.activations import activation_bytes
 from ndparallel.planner.candidates import Knobs
 from ndparallel.planner.comm import AxisComm, comm_per_step
 from ndparallel.planner.hardware import Cluster
 from ndparallel.planner.memory import MemoryEstimate, estimate_memory
-from ndparallel.planner.perf import StepTime, memory_bound_bytes, step_time
+from ndparallel.planner.perf import StepTime, step_time
 from ndparallel.planner.shapes import ModelShape
 from ndparallel.planner.workload import Workload
 
@@ -52,8 +51,7 @@ class PlanRow:
             "memory_bytes": {**asdict(self.memory), "allocated": self.memory.allocated, "total": self.memory.total},
             "comm": {axis: c.to_dict() for axis, c in self.comm.items()},
             "compute_s": self.time.compute_s,
-            "attention_s": self.time.attention_s,
-            "memory_bound_s": self.time.memory_bound_s,
+            "parts_s": dict(self.time.parts),
             "exposed_comm_s": dict(self.time.exposed_comm_s),
             "step_s": self.step_s,
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
@@ -70,8 +68,7 @@ class PlanRow:
             activation_checkpointing=d["activation_checkpointing"], grad_sync=d["grad_sync"],
             memory=MemoryEstimate(**mem),
             comm={axis: AxisComm(**c) for axis, c in d["comm"].items()},
-            time=StepTime(compute_s=d["compute_s"], attention_s=d["attention_s"], memory_bound_s=d["memory_bound_s"],
-                          exposed_comm_s=dict(d["exposed_comm_s"])),
+            time=StepTime(parts=dict(d["parts_s"]), exposed_comm_s=dict(d["exposed_comm_s"])),
             tokens_per_s_per_gpu=d["tokens_per_s_per_gpu"], fits=d["fits"], feasible=d["feasible"],
             reasons=list(d["reasons"]),
         )
@@ -85,11 +82,8 @@ def evaluate(model: ModelShape, layout: Layout, workload: Workload, cluster: Clu
                              accumulation=knobs.accumulation, grad_sync=knobs.grad_sync, cluster=cluster)
     comm = comm_per_step(model, layout, workload, cluster, micro_batch=knobs.micro_batch,
                          accumulation=knobs.accumulation, activation_checkpointing=mode, grad_sync=knobs.grad_sync)
-    acts = activation_bytes(model, layout, workload.seq_len, knobs.micro_batch, mode, workload.compute_bytes,
-                            workload.lora_rank)
-    hbm = memory_bound_bytes(model, layout, workload, micro_batch=knobs.micro_batch, accumulation=knobs.accumulation,
-                             layer_recompute=acts.layer_recompute)
-    time = step_time(model, layout, workload, cluster, comm, mode, hbm)
+    time = step_time(model, layout, workload, cluster, comm, micro_batch=knobs.micro_batch,
+                     accumulation=knobs.accumulation, activation_checkpointing=mode, grad_sync=knobs.grad_sync)
     throughput = workload.tokens / time.step_s / layout.world_size
     return PlanRow(layout=layout, micro_batch=knobs.micro_batch, accumulation=knobs.accumulation,
                    activation_checkpointing=mode, grad_sync=knobs.grad_sync, memory=memory, comm=comm, time=time,

@@ -16,7 +16,7 @@ import math
 from typing import Any, NamedTuple
 
 from ndparallel.errors import ConfigError
-from ndparallel.layout import CP_METHODS, Layout
+from ndparallel.layout import AXES, CP_METHODS, Layout
 from ndparallel.planner.candidates import Knobs, knob_choices, valid_layouts
 from ndparallel.planner.evaluate import PlanRow, evaluate
 from ndparallel.planner.hardware import GIB, Cluster
@@ -24,7 +24,6 @@ from ndparallel.planner.reasons import add_reasons
 from ndparallel.planner.shapes import ModelShape, load_model_shape
 from ndparallel.planner.workload import Workload
 
-_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 AXIS_PENALTY = 0.01
 
 
@@ -51,8 +50,8 @@ def plan(model: ModelShape | str | Any, cluster: Cluster, workload: Workload, *,
     model = load_model_shape(model)
     layouts = valid_layouts(model, cluster.world_size, workload.seq_len, workload.cp_methods)
     for axis, size in (constraints or {}).items():
-        if axis not in _AXES:
-            raise ConfigError(f"constraint {axis!r} is not an axis; use {', '.join(_AXES)}")
+        if axis not in AXES:
+            raise ConfigError(f"constraint {axis!r} is not an axis; use {', '.join(AXES)}")
         layouts = [lay for lay in layouts if getattr(lay, axis) == size]
     if not layouts:
         raise ConfigError(
@@ -64,10 +63,10 @@ def plan(model: ModelShape | str | Any, cluster: Cluster, workload: Workload, *,
     for layout in layouts:
         feasible = workload.rows % layout.batch_size == 0
         knobs = knob_choices(workload.rows // layout.batch_size, workload.micro_batch_sizes, workload.ac_modes,
-                             workload.grad_sync) if feasible else []
+                             workload.grad_sync_modes) if feasible else []
         if not knobs:
             feasible = False
-            knobs = [Knobs(1, 1, mode, "last") for mode in workload.ac_modes]
+            knobs = [Knobs(1, 1, mode, workload.grad_sync_modes[0]) for mode in workload.ac_modes]
         candidates[layout] = [evaluate(model, layout, workload, cluster, k, feasible=feasible) for k in knobs]
     rows = sorted((_pick(xs) for xs in candidates.values()), key=_order)
     add_reasons(rows, candidates, model, cluster, workload)
