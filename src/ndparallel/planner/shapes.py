@@ -12,6 +12,7 @@ Parameter counts, with h hidden, q = heads x head_dim, kv = kv_heads x head_dim,
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import asdict, dataclass, fields
@@ -68,6 +69,7 @@ class ModelShape:
         """Width of the key (and of the value) projection: kv_heads x head_dim."""
         return self.kv_heads * self.head_dim
 
+    @functools.cache  # noqa: B019 (shapes are few, immutable and hashable)
     def layer_split_params(self) -> int:
         """Parameters of one layer that tensor parallelism splits (all linears and q/k/v biases)."""
         h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
@@ -76,6 +78,7 @@ class ModelShape:
             n += q + 2 * kv
         return n
 
+    @functools.cache  # noqa: B019 (shapes are few, immutable and hashable)
     def layer_replicated_params(self) -> int:
         """Parameters of one layer every tp rank holds whole (norm weights)."""
         return 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
@@ -97,14 +100,17 @@ class ModelShape:
         """All parameters."""
         return self.layers * self.layer_params() + self.embedding_params + self.head_params + self.hidden
 
+    @functools.cache  # noqa: B019 (shapes are few, immutable and hashable)
     def split_params(self) -> int:
         """Parameters tensor parallelism splits: layer linears, embedding (vocab-parallel), lm_head."""
         return self.layers * self.layer_split_params() + self.embedding_params + self.head_params
 
+    @functools.cache  # noqa: B019 (shapes are few, immutable and hashable)
     def replicated_params(self) -> int:
         """Parameters held whole by every tp rank: the norms."""
         return self.layers * self.layer_replicated_params() + self.hidden
 
+    @functools.cache  # noqa: B019 (shapes are few, immutable and hashable)
     def matmul_params(self) -> int:
         """Weights used in matrix products per token: layer linears and the output projection (tied or not).
 
