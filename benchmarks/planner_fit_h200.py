@@ -15,6 +15,11 @@ Only measurements made on our H200 are used (``benchmarks/results/``), never pub
   matmul fraction comes from the one float8 measurement (platform-facts: 3B, seq 8192, plain FSDP2 +
   compile, bf16 20,178 vs tensorwise float8 21,754 tokens/s), as the ratio of the two.
 
+When ``results/h200_planner_probe.json`` exists (``planner_selfcheck.py``'s ``planner_probe.json``, the
+kernels timed by ``ndparallel plan --measure`` on the H200), its attention rates are used as measured: the
+head_dim-128 SDPA rates replace the inferred multiple, and the context-parallel block kernel gets its own
+(``block_attention``; without the file it is assumed as fast as SDPA's).
+
 Minimises the mean squared log error by a coordinate search (no SciPy on the machines).
 """
 
@@ -38,6 +43,19 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 PEAK = 989.0
 PROFILE = {"matmul": 736.0 / PEAK, "fwd64": 384.0 / PEAK, "bwd64": 265.0 / PEAK, "rows": 4096, "stream": 0.73}
 FP8_RATIO = 21754 / 20178  # 3B, seq 8192, compiled: float8 tensorwise over bf16
+PROBE = os.path.join(RESULTS, "h200_planner_probe.json")
+
+
+def probed() -> tuple[dict, dict]:
+    """(SDPA, block kernel) long-row rates by head_dim from the H200 probe file, or two empty dicts."""
+    if not os.path.isfile(PROBE):
+        return {}, {}
+    sdpa, blocks = {}, {}
+    for entry in json.load(open(PROBE)).values():
+        eff = Efficiency.from_dict(entry["efficiency"])
+        sdpa.update(eff.attention)
+        blocks.update(eff.block_attention or {})
+    return sdpa, blocks
 
 
 def h200_rows() -> list[dict]:
@@ -75,11 +93,13 @@ def predict(key: tuple, eff: Efficiency, *, fp8: bool = False) -> float:
 def efficiency(params: dict[str, float]) -> Efficiency:
     k = (PROFILE["rows"] + params["half_rows"]) / PROFILE["rows"]  # long-row rate from the rate at 4096 rows
     fwd, bwd = PROFILE["fwd64"] * k, PROFILE["bwd64"] * k
+    sdpa, blocks = probed()
+    attention = {64: (round(fwd, 3), round(bwd, 3)),
+                 128: sdpa.get(128, (round(fwd * params["d128"], 3), round(bwd * params["d128"], 3)))}
     return dataclasses.replace(
         H200_EFFICIENCY, matmul=PROFILE["matmul"], stream=PROFILE["stream"], attention_half_rows=params["half_rows"],
-        attention={64: (round(fwd, 3), round(bwd, 3)),
-                   128: (round(fwd * params["d128"], 3), round(bwd * params["d128"], 3))},
-        pointwise_eager=params["pointwise"], compiled_pointwise=params["compiled"], matmul_fp8=params["fp8"])
+        attention=attention, block_attention=blocks or None, pointwise_eager=params["pointwise"],
+        compiled_pointwise=params["compiled"], matmul_fp8=params["fp8"])
 
 
 def loss(params: dict[str, float], rows: list[dict]) -> float:
@@ -111,7 +131,8 @@ def coordinate_search(params: dict[str, float], objective, names: list[str], ste
 def main() -> int:
     rows = h200_rows()
     params = {"half_rows": 600.0, "d128": 1.3, "pointwise": 0.37, "compiled": 0.43, "fp8": 0.5}
-    params = coordinate_search(params, lambda p: loss(p, rows), ["half_rows", "d128", "pointwise", "compiled"])
+    free = ["half_rows", "pointwise", "compiled"] + ([] if 128 in probed()[0] else ["d128"])
+    params = coordinate_search(params, lambda p: loss(p, rows), free)
     params = coordinate_search(params, fp8_loss, ["fp8"])
     eff = efficiency(params)
     print("fitted:", {k: round(v, 3) for k, v in params.items()})

@@ -67,7 +67,7 @@ def test_packed_documents_cp_and_compile():
     ring = attention_s(mb(layout=Layout(cp=2, cp_comm_strategy="ring")), H100)
     assert ring < whole                                                      # each rank: half the pairs
     eager, compiled = (Workload(seq_len=4096, global_batch_rows=1, compile=c) for c in (False, True))
-    assert pointwise_s(mb(compiled), H100) == pytest.approx(pointwise_s(mb(eager), H100) * 0.496, rel=0.05)
+    assert pointwise_s(mb(compiled), H100) == pytest.approx(pointwise_s(mb(eager), H100) * 0.5, rel=0.05)
     assert loss_s(mb(compiled), H100) == pytest.approx(loss_s(mb(eager), H100) * 10 / 78)
     assert layer_pointwise_bytes(M, 1, 2) == (2 * 32 + 12) * 256 + 10 * 2 * 384 + 4 * 256 + 10 * 1024
 

@@ -84,12 +84,12 @@ class Efficiency:
 H200_EFFICIENCY = Efficiency(
     matmul=0.744,
     matmul_fp8=0.515,
-    attention={64: (0.471, 0.325), 128: (0.805, 0.556)},
+    attention={64: (0.471, 0.325), 128: (0.843, 0.582)},
     attention_half_rows=868.0,
     block_attention=None,  # not timed on the H200 yet: assumed as fast as SDPA's kernel until --measure runs there
     stream=0.73,
-    pointwise_eager=0.416,
-    compiled_pointwise=0.496,
+    pointwise_eager=0.413,
+    compiled_pointwise=0.5,
     source="H200 measurements (benchmarks/planner_fit_h200.py)",
 )
 
