@@ -121,8 +121,9 @@ def cluster_for(row: Published) -> Cluster:
 
 def workload_for(row: Published) -> Workload:
     data_ranks = row.layout[0] * row.layout[1]
-    return Workload(seq_len=row.seq, global_batch_rows=row.local_batch * data_ranks, micro_batch_sizes=(row.local_batch,),
-                    activation_checkpointing=row.ac, compile=row.compile, fp8=row.fp8, cp_methods=(row.cp_method,))
+    return Workload(seq_len=row.seq, global_batch_rows=row.local_batch * data_ranks,
+                    micro_batch_sizes=(row.local_batch,), activation_checkpointing=row.ac, compile=row.compile,
+                    fp8=row.fp8, cp_methods=(row.cp_method,))
 
 
 def evaluate(row: Published) -> dict:

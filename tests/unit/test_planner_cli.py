@@ -47,7 +47,7 @@ def test_compile_fp8_and_sync_modes_change_the_estimate(capsys):
         return json.loads(out)[0]
     plain, compiled, fp8 = best(), best("--compile"), best("--compile", "--fp8")
     assert plain["tokens_per_s_per_gpu"] < compiled["tokens_per_s_per_gpu"] < fp8["tokens_per_s_per_gpu"]
-    sharded, unsharded = best("--grad-sync", "sharded"), best("--grad-sync", "unsharded")
+    sharded, unsharded = best("--gradient-sync", "every_micro_batch"), best("--gradient-sync", "last_micro_batch")
     assert sharded["accumulation"] == unsharded["accumulation"] == 4
     assert unsharded["memory_bytes"]["accumulated_grads"] > 0 == sharded["memory_bytes"]["accumulated_grads"]
     assert sharded["comm"]["fsdp"]["bytes"] > unsharded["comm"]["fsdp"]["bytes"]    # reduce-scatter x 4
@@ -73,7 +73,8 @@ def test_nothing_fits_exits_1(capsys):
     (["--model", "tiny", "--seq-len", "0"], "seq_len=0 must be"),
     (["--model", "{\"hidden\": 64", "--seq-len", "64"], "inline JSON does not parse"),
     (["--model", "tiny", "--seq-len", "64", "--memory-gib", "-1"], "memory_gib=-1.0 must be > 0"),
-    (["--model", "tiny", "--seq-len", "64", "--layout", "1,2,1,1"], "--layout 1,2,1,1 uses 2 GPUs but the cluster has 8"),
+    (["--model", "tiny", "--seq-len", "64", "--layout", "1,2,1,1"],
+     "--layout 1,2,1,1 uses 2 GPUs but the cluster has 8"),
     (["--model", "tiny", "--seq-len", "64", "--gpu", "a100-80gb", "--fp8"], "has no fp8 tensor cores"),
     (["--model", "tiny", "--seq-len", "64", "--precision", "fp32", "--fp8"], "fp8 matmuls need precision='bf16'"),
 ])

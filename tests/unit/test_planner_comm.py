@@ -16,9 +16,9 @@ WORK = Workload(seq_len=1000, global_batch_rows=8)
 CLUSTER = Cluster(nodes=1, gpus_per_node=8)
 
 
-def comm(layout, mode="none", m=1, sync="sharded", b=1):
+def comm(layout, mode="none", m=1, sync="every_micro_batch", b=1):
     return comm_per_step(M, layout, WORK, CLUSTER, micro_batch=b, accumulation=m, activation_checkpointing=mode,
-                         grad_sync=sync)
+                         gradient_sync=sync)
 
 
 def test_model_counts():
@@ -33,16 +33,16 @@ def test_fsdp_and_hsdp_by_hand():
     assert not c.crosses_nodes
     # NVLink 450 GB/s at the collective efficiency (0.8), 15 us per collective
     assert c.seconds == pytest.approx(c.bytes / (0.8 * 450e9) + c.collectives * 15e-6)
-    # two micro-batches reduce-scattered each ('sharded'): both terms double; 'unsharded': only the gathers,
-    # and the one reduction is sent in the last micro-batch
+    # two micro-batches reduce-scattered each ('every_micro_batch'): both terms double; 'last_micro_batch': only
+    # the gathers, and the one reduction is sent in the last micro-batch
     sharded = comm(Layout(dp_shard=4), m=2)["fsdp"]
-    unsharded = comm(Layout(dp_shard=4), m=2, sync="unsharded")["fsdp"]
+    unsharded = comm(Layout(dp_shard=4), m=2, sync="last_micro_batch")["fsdp"]
     assert sharded.bytes == pytest.approx(2 * c.bytes) and sharded.last_only_s == 0
     assert unsharded.bytes == pytest.approx(2 * c.bytes - 4 * 500_500 * 0.75)
     assert unsharded.last_only_s == pytest.approx(4 * 500_500 * 0.75 / (0.8 * 450e9) + 5 * 15e-6)
     hsdp = comm(Layout(dp_replicate=2, dp_shard=4))["dp_replicate"]
     assert hsdp.bytes == pytest.approx(4 * 500_500 / 4 * 2 * 0.5)   # all-reduce of the fp32 shard
-    for sync in ("sharded", "unsharded"):   # replicas all-reduce once per step, on the last micro-batch
+    for sync in ("every_micro_batch", "last_micro_batch"):   # replicas all-reduce once per step, on the last one
         rep = comm(Layout(dp_replicate=2, dp_shard=4), m=4, sync=sync)["dp_replicate"]
         assert rep.bytes == pytest.approx(hsdp.bytes) and rep.last_only_s == pytest.approx(rep.seconds)
 

@@ -85,9 +85,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     work.add_argument("--micro-batch-sizes", type=_int_list, default=(1, 2, 4, 8),
                       help="rows per forward to consider, comma-separated (default 1,2,4,8); the rest of a data "
                            "rank's rows are gradient accumulation")
-    work.add_argument("--grad-sync", choices=GRAD_SYNC, default="auto",
-                      help="with accumulation: sharded (reduce-scatter every micro-batch; the trainer's default), "
-                           "unsharded (reduce on the last; full fp32 gradients kept), auto (both)")
+    work.add_argument("--gradient-sync", choices=GRAD_SYNC, default="auto",
+                      help="with accumulation, the trainer's gradient_sync: every_micro_batch (reduce-scatter each; "
+                           "the default), last_micro_batch (full fp32 gradients kept until the last), auto (both)")
     work.add_argument("--precision", choices=PRECISIONS, default="bf16",
                       help="bf16: bf16 compute, fp32 master weights/gradients/AdamW (default); fp32")
     work.add_argument("--compile", action="store_true", help="torch.compile each layer and the loss")
@@ -130,7 +130,7 @@ def run_plan(args: argparse.Namespace) -> int:
         workload = Workload(seq_len=args.seq_len, global_batch_rows=args.global_batch,
                             global_batch_tokens=args.global_batch_tokens, micro_batch_sizes=args.micro_batch_sizes,
                             precision=args.precision, activation_checkpointing=args.activation_checkpointing,
-                            lora_rank=args.lora_rank, cp_methods=args.cp_methods, grad_sync=args.grad_sync,
+                            lora_rank=args.lora_rank, cp_methods=args.cp_methods, gradient_sync=args.gradient_sync,
                             compile=args.compile, fp8=args.fp8, doc_len=args.doc_len)
         cluster = cluster_from_args(args, model, workload)
         constraints = dict(zip(AXES, args.layout)) if args.layout else None

@@ -8,8 +8,8 @@ ones (P_t, or the LoRA adapters):
 
 fsdp (dp_shard x cp)   all-gather e*P_t per micro-batch in forward, again in backward for the units
                        resharded after forward (all layers but the last, the untied embedding);
-                       reduce-scatter of fp32 gradients 4*T_t: every micro-batch (grad_sync 'sharded')
-                       or once, on the last micro-batch ('unsharded')
+                       reduce-scatter of fp32 gradients 4*T_t: every micro-batch (gradient_sync 'every_micro_batch')
+                       or once, on the last micro-batch ('last_micro_batch')
 dp_replicate (HSDP)    all-reduce of the fp32 gradient shard 4*T_t/f, once per step on the last
                        micro-batch in both modes
 tp (sequence parallel) per layer and micro-batch: all-gather + reduce-scatter of e*b*s*h before/after
@@ -77,7 +77,7 @@ class StepShape:
     micro_batch: int
     accumulation: int
     activation_checkpointing: str
-    grad_sync: str
+    gradient_sync: str
 
     @property
     def recompute(self) -> bool:
@@ -126,7 +126,7 @@ def fsdp_traffic(model: ModelShape, layout: Layout, step: StepShape) -> Traffic 
     gather = e * (_tp_params(model, layout) + regather) * _ring(f)
     scatter = 4 * _trainable_tp(model, layout, step.workload) * _ring(f)
     units = _units(model)
-    if step.grad_sync == "sharded" or step.accumulation == 1:
+    if step.gradient_sync == "every_micro_batch" or step.accumulation == 1:
         return Traffic(gather + scatter, units + L + units)
     return Traffic(gather, units + L, scatter, units)
 
@@ -178,9 +178,9 @@ AXIS_TRAFFIC: dict[str, Callable[[ModelShape, Layout, StepShape], Traffic | None
 
 def comm_per_step(model: ModelShape, layout: Layout, workload: Workload, cluster: Cluster, *, micro_batch: int,
                   accumulation: int, activation_checkpointing: str,
-                  grad_sync: str = "sharded") -> dict[str, AxisComm]:
+                  gradient_sync: str = "every_micro_batch") -> dict[str, AxisComm]:
     """Per-axis traffic of one optimizer step; axes of size 1 are left out."""
-    step = StepShape(workload, micro_batch, accumulation, activation_checkpointing, grad_sync)
+    step = StepShape(workload, micro_batch, accumulation, activation_checkpointing, gradient_sync)
     placement = group_placement(layout, cluster.gpus_per_node)
     out: dict[str, AxisComm] = {}
     for axis, traffic_of in AXIS_TRAFFIC.items():

@@ -23,7 +23,7 @@ class PlanRow:
     micro_batch: int
     accumulation: int
     activation_checkpointing: str
-    grad_sync: str
+    gradient_sync: str
     memory: MemoryEstimate
     comm: dict[str, AxisComm]
     time: StepTime
@@ -45,7 +45,7 @@ class PlanRow:
             "micro_batch": self.micro_batch,
             "accumulation": self.accumulation,
             "activation_checkpointing": self.activation_checkpointing,
-            "grad_sync": self.grad_sync,
+            "gradient_sync": self.gradient_sync,
             "fits": self.fits,
             "feasible": self.feasible,
             "memory_bytes": {**asdict(self.memory), "allocated": self.memory.allocated, "total": self.memory.total},
@@ -65,7 +65,7 @@ class PlanRow:
         return cls(
             layout=Layout(**d["layout"]),
             micro_batch=d["micro_batch"], accumulation=d["accumulation"],
-            activation_checkpointing=d["activation_checkpointing"], grad_sync=d["grad_sync"],
+            activation_checkpointing=d["activation_checkpointing"], gradient_sync=d["gradient_sync"],
             memory=MemoryEstimate(**mem),
             comm={axis: AxisComm(**c) for axis, c in d["comm"].items()},
             time=StepTime(parts=dict(d["parts_s"]), exposed_comm_s=dict(d["exposed_comm_s"])),
@@ -79,13 +79,15 @@ def evaluate(model: ModelShape, layout: Layout, workload: Workload, cluster: Clu
     """Estimate one candidate (no reasons yet)."""
     mode = knobs.activation_checkpointing
     memory = estimate_memory(model, layout, workload, micro_batch=knobs.micro_batch, activation_checkpointing=mode,
-                             accumulation=knobs.accumulation, grad_sync=knobs.grad_sync, cluster=cluster)
+                             accumulation=knobs.accumulation, gradient_sync=knobs.gradient_sync, cluster=cluster)
     comm = comm_per_step(model, layout, workload, cluster, micro_batch=knobs.micro_batch,
-                         accumulation=knobs.accumulation, activation_checkpointing=mode, grad_sync=knobs.grad_sync)
+                         accumulation=knobs.accumulation, activation_checkpointing=mode,
+                         gradient_sync=knobs.gradient_sync)
     time = step_time(model, layout, workload, cluster, comm, micro_batch=knobs.micro_batch,
-                     accumulation=knobs.accumulation, activation_checkpointing=mode, grad_sync=knobs.grad_sync)
+                     accumulation=knobs.accumulation, activation_checkpointing=mode, gradient_sync=knobs.gradient_sync)
     throughput = workload.tokens / time.step_s / layout.world_size
     return PlanRow(layout=layout, micro_batch=knobs.micro_batch, accumulation=knobs.accumulation,
-                   activation_checkpointing=mode, grad_sync=knobs.grad_sync, memory=memory, comm=comm, time=time,
+                   activation_checkpointing=mode, gradient_sync=knobs.gradient_sync, memory=memory, comm=comm,
+                   time=time,
                    tokens_per_s_per_gpu=throughput, fits=feasible and memory.total <= cluster.usable_bytes,
                    feasible=feasible)

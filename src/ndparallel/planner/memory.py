@@ -23,9 +23,9 @@ Depending on the moment:
                       layer running and the one prefetched (+ the tied embedding's root unit).
     grads             fp32 sharded gradients: none until backward reduces them (the previous step's were
                       freed by ``zero_grad(set_to_none=True)``), 4 * T_local at the optimizer step; with
-                      accumulation and grad_sync 'sharded' (the default: reduce-scatter every
+                      accumulation and gradient_sync 'every_micro_batch' (the default: reduce-scatter every
                       micro-batch), all of them from the second micro-batch on
-    accumulated_grads only with accumulation and grad_sync 'unsharded' (nothing reduced before the last
+    accumulated_grads only with accumulation and gradient_sync 'last_micro_batch' (nothing reduced before the last
                       micro-batch): every FSDP unit keeps its unsharded fp32 gradient, 4 * T_tp
     activations       what forward kept (activations.py): all layers + embedding + head
     transient         what the moment adds on top
@@ -145,7 +145,8 @@ def cp_buffer_bytes(model: ModelShape, layout: Layout, seq: int, b: int, e: int)
 
 
 def memory_moments(model: ModelShape, layout: Layout, workload: Workload, *, micro_batch: int = 1,
-                   activation_checkpointing: str | None = None, accumulation: int = 1, grad_sync: str = "sharded",
+                   activation_checkpointing: str | None = None, accumulation: int = 1,
+                   gradient_sync: str = "every_micro_batch",
                    cluster: Cluster | None = None) -> dict[str, MemoryEstimate]:
     """Memory of one GPU at each moment of a step that can peak (``MOMENTS``; module docstring)."""
     mode = activation_checkpointing or workload.ac_modes[0]
@@ -182,8 +183,8 @@ def memory_moments(model: ModelShape, layout: Layout, workload: Workload, *, mic
         w_layer = 2 * layer_w + (vocab_w if model.tied else 0.0)
 
     accumulating = accumulation > 1
-    acc = 4 * trainable_tp if accumulating and grad_sync == "unsharded" else 0.0
-    earlier = grads_all if accumulating and grad_sync == "sharded" else 0.0
+    acc = 4 * trainable_tp if accumulating and gradient_sync == "last_micro_batch" else 0.0
+    earlier = grads_all if accumulating and gradient_sync == "every_micro_batch" else 0.0
     acts = activation_bytes(model, layout, workload.seq_len, b, mode, e, rank, workload.compile)
     kept = acts.layers + acts.embedding + acts.head
     logits = e * n * v / t
@@ -219,14 +220,14 @@ def memory_moments(model: ModelShape, layout: Layout, workload: Workload, *, mic
 
 
 def estimate_memory(model: ModelShape, layout: Layout, workload: Workload, *, micro_batch: int = 1,
-                    activation_checkpointing: str | None = None, accumulation: int = 1, grad_sync: str = "sharded",
-                    cluster: Cluster | None = None) -> MemoryEstimate:
+                    activation_checkpointing: str | None = None, accumulation: int = 1,
+                    gradient_sync: str = "every_micro_batch", cluster: Cluster | None = None) -> MemoryEstimate:
     """Peak memory of one GPU training ``model`` on ``layout``: the largest of ``memory_moments``.
 
     ``activation_checkpointing`` defaults to the workload's mode ('none' when the workload says 'auto');
-    ``accumulation`` micro-batches per step with ``grad_sync`` 'unsharded' keep unsharded fp32 gradients.
+    ``accumulation`` micro-batches per step with ``gradient_sync`` 'last_micro_batch' keep unsharded fp32 gradients.
     """
     moments = memory_moments(model, layout, workload, micro_batch=micro_batch,
                              activation_checkpointing=activation_checkpointing, accumulation=accumulation,
-                             grad_sync=grad_sync, cluster=cluster)
+                             gradient_sync=gradient_sync, cluster=cluster)
     return max(moments.values(), key=lambda m: m.allocated)

@@ -12,7 +12,7 @@ What is exposed (the overlap is stated, not measured: no multi-GPU machine was l
   attention: max(0, ring traffic - attention time).
 - fsdp and dp_replicate run on side streams while the micro-batch computes: per micro-batch,
   max(first gather + last reduction of one unit each, traffic issued in it - ``Cluster.overlap`` x C).
-  Reductions deferred to the last micro-batch (grad_sync 'unsharded', and the replicas' all-reduce in
+  Reductions deferred to the last micro-batch (gradient_sync 'last_micro_batch', and the replicas' all-reduce in
   both modes) are issued in the last micro-batch only, so they hide behind its compute alone.
 """
 
@@ -80,13 +80,13 @@ def _background(comm: dict[str, AxisComm], compute: float, m: int, units: int, o
 
 def step_time(model: ModelShape, layout: Layout, workload: Workload, cluster: Cluster, comm: dict[str, AxisComm], *,
               micro_batch: int, accumulation: int, activation_checkpointing: str,
-              grad_sync: str = "sharded") -> StepTime:
+              gradient_sync: str = "every_micro_batch") -> StepTime:
     """One optimizer step of ``accumulation`` micro-batches of ``micro_batch`` rows on one GPU."""
     rates, m = cluster.rates, accumulation
     mb = MicroBatch(model, layout, workload, micro_batch, activation_checkpointing)
     per_mb = micro_batch_parts(mb, rates)
     resharded = layout.dp_replicate * layout.fsdp_size > 1  # parallel/fsdp.py: one rank keeps units gathered
-    reductions = m if grad_sync == "sharded" else 1
+    reductions = m if gradient_sync == "every_micro_batch" else 1
     parts = {kind: m * seconds for kind, seconds in per_mb.items()}
     parts["fsdp_copies"] = fsdp_copy_s(model, layout, workload, rates, gathers=m * (2 if resharded else 1),
                                        reductions=reductions)

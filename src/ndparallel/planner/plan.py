@@ -64,10 +64,10 @@ def plan(model: ModelShape | str | Any, cluster: Cluster, workload: Workload, *,
     for layout in layouts:
         feasible = workload.rows % layout.batch_size == 0
         knobs = knob_choices(workload.rows // layout.batch_size, workload.micro_batch_sizes, workload.ac_modes,
-                             workload.grad_sync_modes) if feasible else []
+                             workload.gradient_sync_modes) if feasible else []
         if not knobs:
             feasible = False
-            knobs = [Knobs(1, 1, mode, workload.grad_sync_modes[0]) for mode in workload.ac_modes]
+            knobs = [Knobs(1, 1, mode, workload.gradient_sync_modes[0]) for mode in workload.ac_modes]
         candidates[layout] = [evaluate(model, layout, workload, cluster, k, feasible=feasible) for k in knobs]
     rows = sorted((_pick(xs) for xs in candidates.values()), key=_order)
     add_reasons(rows, candidates, model, cluster, workload)
@@ -94,7 +94,7 @@ def local_gpu() -> GpuSpec:
 def best_layout(model: ModelShape | str | Any, world_size: int, seq_len: int, *, gpus_per_node: int | None = None,
                 device_memory_gib: float | None = None, gpu: GpuSpec | str | None = None, micro_batch_size: int = 1,
                 global_batch_rows: int | None = None, precision: str = "bf16", activation_checkpointing: str = "auto",
-                lora_rank: int | None = None, compile: bool = False, grad_sync: str = "sharded",
+                lora_rank: int | None = None, compile: bool = False, gradient_sync: str = "every_micro_batch",
                 cp_methods: tuple[str, ...] = CP_METHODS, cp_comm_strategy: str | None = None,
                 constraints: dict[str, int] | None = None) -> LayoutChoice:
     """The layout to train on ``world_size`` GPUs (for ``dp_shard_size: auto``), and a one-line reason.
@@ -121,7 +121,7 @@ def best_layout(model: ModelShape | str | Any, world_size: int, seq_len: int, *,
     workload = Workload(seq_len=seq_len, global_batch_rows=global_batch_rows or micro_batch_size * world_size,
                         micro_batch_sizes=(micro_batch_size,), precision=precision,
                         activation_checkpointing=activation_checkpointing, lora_rank=lora_rank, cp_methods=cp_methods,
-                        compile=compile, grad_sync=grad_sync)
+                        compile=compile, gradient_sync=gradient_sync)
     rows = plan(model, cluster, workload, constraints=constraints)
     best = rows[0]
     lay = best.layout

@@ -117,7 +117,7 @@ def knob_reasons(row: PlanRow, siblings: list[PlanRow], cluster: Cluster, model:
     """Why this checkpointing mode and micro-batch, from the other candidates of the same layout."""
     out = []
     mode = row.activation_checkpointing
-    same_b = [x for x in siblings if x.micro_batch == row.micro_batch and x.grad_sync == row.grad_sync]
+    same_b = [x for x in siblings if x.micro_batch == row.micro_batch and x.gradient_sync == row.gradient_sync]
     lighter = {x.activation_checkpointing: x for x in same_b}
     if mode != "none" and "none" in lighter:
         none = lighter["none"]
@@ -132,7 +132,7 @@ def knob_reasons(row: PlanRow, siblings: list[PlanRow], cluster: Cluster, model:
     text = f"micro-batch {row.micro_batch}"
     if row.accumulation > 1:
         text += f" x {row.accumulation} accumulation steps"
-        if row.grad_sync == "unsharded":
+        if row.gradient_sync == "last_micro_batch":
             text += (f"; gradients reduced on the last micro-batch only, so FSDP keeps "
                      f"{_gib(row.memory.accumulated_grads)} of unsharded fp32 gradients between micro-batches")
         elif row.layout.fsdp_size > 1:

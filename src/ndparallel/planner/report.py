@@ -22,7 +22,7 @@ def _cells(i: int, row: PlanRow) -> list[str]:
         str(i), str(lay.dp_replicate), str(lay.dp_shard), str(lay.cp), str(lay.tp),
         lay.cp_comm_strategy if lay.cp > 1 else "-",
         f"{row.micro_batch} x {row.accumulation}", row.activation_checkpointing,
-        row.grad_sync if row.accumulation > 1 else "-",
+        row.gradient_sync.split("_")[0] if row.accumulation > 1 else "-",  # every / last
         f"{row.memory.total / GIB:.1f}", fits, f"{row.step_s:.2f}", f"{row.tokens_per_s_per_gpu:,.0f}",
         f"{exposed:.2f}",
     ]
@@ -43,7 +43,8 @@ def header(model: ModelShape, cluster: Cluster, workload: Workload, *, gpu_given
     if cluster.measured:
         lines.append(f"kernel speeds: {cluster.efficiency.source}")
     else:
-        lines.append(f"kernel speeds: fractions of the datasheet peaks measured on our H200 ({cluster.efficiency.source})")
+        lines.append("kernel speeds: fractions of the datasheet peaks measured on our H200 "
+                     f"({cluster.efficiency.source})")
         if not gpu_given:
             lines.append(f"no --gpu given: assuming {DEFAULT_GPU} ({GPUS_NOTE}); name yours with --gpu or --measure")
         if gpu.arch != "hopper":

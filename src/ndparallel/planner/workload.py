@@ -9,11 +9,11 @@ from ndparallel.layout import CP_METHODS
 from ndparallel.parallel.checkpointing import MODES as AC_MODES
 
 PRECISIONS = ("bf16", "fp32")
-# Gradient sync under accumulation. 'sharded' (the trainer's default): FSDP reduce-scatters every micro-batch
-# and keeps only its fp32 shard; replicas (dp_replicate) all-reduce once, on the last micro-batch.
-# 'unsharded': nothing is reduced until the last micro-batch; every FSDP unit keeps its full unsharded fp32
-# gradient in between. 'auto' lets the planner try both.
-GRAD_SYNC_MODES = ("sharded", "unsharded")
+# Gradient sync under accumulation, named as the trainer's ``gradient_sync`` setting. 'every_micro_batch' (the
+# default): FSDP reduce-scatters every micro-batch and keeps only its fp32 shard; replicas (dp_replicate)
+# all-reduce once, on the last micro-batch. 'last_micro_batch': nothing is reduced until the last micro-batch;
+# every FSDP unit keeps its full unsharded fp32 gradient in between. 'auto' lets the planner try both.
+GRAD_SYNC_MODES = ("every_micro_batch", "last_micro_batch")
 GRAD_SYNC = ("auto", *GRAD_SYNC_MODES)
 
 
@@ -40,9 +40,9 @@ class Workload:
     optimizer state), adapters on all seven linears of each layer."""
     cp_methods: tuple[str, ...] = CP_METHODS
     """CP methods to consider when cp > 1."""
-    grad_sync: str = "auto"
-    """With gradient accumulation: 'sharded' (reduce-scatter every micro-batch, replicas all-reduce on the
-    last), 'unsharded' (reduce on the last micro-batch only; full fp32 gradients kept), 'auto' tries both."""
+    gradient_sync: str = "auto"
+    """With gradient accumulation: 'every_micro_batch' (reduce-scatter every micro-batch, replicas all-reduce on the
+    last), 'last_micro_batch' (reduce on the last micro-batch only; full fp32 gradients kept), 'auto' tries both."""
     compile: bool = False
     """torch.compile of each decoder layer and of the loss (the trainer's ``compile`` option)."""
     fp8: bool = False
@@ -72,8 +72,8 @@ class Workload:
         bad = [m for m in self.cp_methods if m not in CP_METHODS]
         if bad or not self.cp_methods:
             raise ConfigError(f"cp_methods={self.cp_methods!r} must be a non-empty subset of {', '.join(CP_METHODS)}")
-        if self.grad_sync not in GRAD_SYNC:
-            raise ConfigError(f"grad_sync={self.grad_sync!r} must be one of {', '.join(GRAD_SYNC)}")
+        if self.gradient_sync not in GRAD_SYNC:
+            raise ConfigError(f"gradient_sync={self.gradient_sync!r} must be one of {', '.join(GRAD_SYNC)}")
         if self.fp8 and self.precision != "bf16":
             raise ConfigError("fp8 matmuls need precision='bf16' (mixed precision); drop --fp8 or use bf16")
 
@@ -99,8 +99,8 @@ class Workload:
         return min(self.doc_len, self.seq_len) if self.doc_len else self.seq_len
 
     @property
-    def grad_sync_modes(self) -> tuple[str, ...]:
-        return GRAD_SYNC_MODES if self.grad_sync == "auto" else (self.grad_sync,)
+    def gradient_sync_modes(self) -> tuple[str, ...]:
+        return GRAD_SYNC_MODES if self.gradient_sync == "auto" else (self.gradient_sync,)
 
     @property
     def ac_modes(self) -> tuple[str, ...]:
