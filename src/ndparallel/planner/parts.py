@@ -29,7 +29,8 @@ fsdp_copies FSDP2 copies into and out of its collective buffers, even on one ran
             (6/f + 4) bytes per gathered parameter (fp32 shard cast into the bf16 input, output copied out),
             per reduction (6 + 8/f) per trainable one (bf16 gradient into the fp32 input, the output
             divided/accumulated); gathered once per micro-batch, twice when units are resharded after
-            forward.
+            forward. With gradient_sync 'last_micro_batch' each micro-batch but the last adds its bf16
+            gradient into the unsharded fp32 one instead of reducing it: 10 bytes per trainable parameter.
 optimizer   fused AdamW (28 bytes per local trainable parameter: read p, g, m, v, write p, m, v) and the
             gradient clipping (12: a norm read, a scale read and write), once per step.
 """
@@ -188,13 +189,14 @@ def micro_batch_parts(mb: MicroBatch, rates: Rates) -> dict[str, float]:
 
 
 def fsdp_copy_s(model: ModelShape, layout: Layout, workload: Workload, rates: Rates, *,
-                gathers: float, reductions: float) -> float:
-    """FSDP2's copies into and out of its buffers for ``gathers`` all-gathers and ``reductions`` reductions of
-    every unit (module docstring)."""
+                gathers: float, reductions: float, accumulations: float = 0) -> float:
+    """FSDP2's copies into and out of its buffers for ``gathers`` all-gathers, ``reductions`` reductions and
+    ``accumulations`` unsharded accumulations of every unit (module docstring)."""
     f, t = layout.fsdp_size, layout.tp
     gathered = model.split_params() / t + model.replicated_params() + lora_params(model, workload.lora_rank) / t
     trainable = lora_params(model, workload.lora_rank) / t if workload.lora_rank else gathered
-    return rates.stream_s(gathers * gathered * (6 / f + 4) + reductions * trainable * (6 + 8 / f))
+    moved = gathers * gathered * (6 / f + 4) + reductions * trainable * (6 + 8 / f) + accumulations * trainable * 10
+    return rates.stream_s(moved)
 
 
 def optimizer_s(model: ModelShape, layout: Layout, workload: Workload, rates: Rates) -> float:

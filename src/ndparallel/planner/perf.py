@@ -89,7 +89,7 @@ def step_time(model: ModelShape, layout: Layout, workload: Workload, cluster: Cl
     reductions = m if gradient_sync == "every_micro_batch" else 1
     parts = {kind: m * seconds for kind, seconds in per_mb.items()}
     parts["fsdp_copies"] = fsdp_copy_s(model, layout, workload, rates, gathers=m * (2 if resharded else 1),
-                                       reductions=reductions)
+                                       reductions=reductions, accumulations=m - reductions)
     parts["optimizer"] = optimizer_s(model, layout, workload, rates)
     parts = {kind: parts[kind] for kind in KINDS}
 

@@ -277,9 +277,11 @@ def _measure(model: ModelShape, tokens: int, fp8: bool, device: torch.device) ->
         attention={model.head_dim: fractions("sdpa")}, block_attention={model.head_dim: fractions("blocks")},
         attention_half_rows=round(half, 1), stream=round(adamw_bytes / adamw_s / (spec.hbm_gbps * 1e9), 4),
         source=f"measured on {spec.name} ({datetime.date.today().isoformat()}, torch {torch.__version__})")
-    eff = dataclasses.replace(eff, pointwise_eager=_pointwise_fraction(model, tokens, rows_long, device, dtype,
-                                                                       spec, eff, layer_s, rates))
-    return spec, eff
+    try:
+        pointwise = _pointwise_fraction(model, tokens, rows_long, device, dtype, spec, eff, layer_s, rates)
+    except (RuntimeError, TypeError, ValueError) as exc:  # a transformers layer that will not run alone here
+        return spec, dataclasses.replace(eff, source=f"{eff.source}; elementwise not measured ({exc}), H200's kept")
+    return spec, dataclasses.replace(eff, pointwise_eager=pointwise)
 
 
 def _pointwise_fraction(model: ModelShape, tokens: int, rows: int, device: torch.device, dtype: torch.dtype,
