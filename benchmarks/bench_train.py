@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 import ndparallel as ndp
 from ndparallel.metrics import device_peak_flops, flops_per_token
-from ndparallel.models.build import PRESETS, materialize, meta_model, model_config_for
+from ndparallel.models.build import materialize, meta_model, model_config_for
+from ndparallel.models.presets import PRESETS
 from ndparallel.train import forward_backward
 
 

@@ -6,7 +6,7 @@ compare both with the planner.
 
 Runs every CPU case below on CPU processes (gloo, forked by tests/harness.py) and reads the GPU peaks of
 ``benchmarks/gpu_memory_sweep.py`` runs (GPU_RESULTS, JSON lines); writes all rows to
-src/ndparallel/planner/measurements.json (which the unit tests hold to 15%) and the measured-vs-predicted
+tests/planner_memory/measurements.json (which the unit tests hold to 15%) and the measured-vs-predicted
 tables to benchmarks/planner_validation.md.
 """
 
@@ -28,9 +28,9 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from harness import run_ranks  # noqa: E402
 
-from ndparallel.planner.calibration import (MEASUREMENTS_PATH, compare_to_measurements, load_measurements,  # noqa: E402
+from planner_memory.calibration import (MEASUREMENTS_PATH, compare_to_measurements, load_measurements,  # noqa: E402
                                             predict_memory)
-from ndparallel.planner.measure import measure_activations, measure_loss_peak  # noqa: E402
+from planner_memory.measure import measure_activations, measure_loss_peak  # noqa: E402
 from ndparallel.planner.shapes import PRESETS  # noqa: E402
 
 TINY = PRESETS["tiny"]
@@ -220,7 +220,7 @@ def write_report(rows: list[dict], env: dict, path: str) -> None:
         "# Planner memory model: measured vs predicted",
         "",
         "Regenerate with `PYTHONPATH=src python benchmarks/planner_measure.py` (writes this file and",
-        "`src/ndparallel/planner/measurements.json`; `--gpu-only` keeps the CPU rows and re-reads the GPU files).",
+        "`tests/planner_memory/measurements.json`; `--gpu-only` keeps the CPU rows and re-reads the GPU files).",
         "Unit tests hold every row below to 15% (`tests/unit/test_planner_calibration.py`); a multi-rank test",
         "re-measures a few CPU rows (`tests/multirank/test_planner_measure.py`).",
         "",
@@ -243,9 +243,9 @@ def write_report(rows: list[dict], env: dict, path: str) -> None:
         f"Largest relative error: {abs(worst_gpu[3]):.3%} ({worst_gpu[0]}) over {len(gpu)} rows.",
         "",
         "Not in the table: torch.compile runs (`benchmarks/results/h200_bench.jsonl`: the 1B at 4096 x 2 peaked",
-        "at 30.95-32.42 GiB, the 3B at 8192 x 1 at 66.80-68.27 GiB, against 36.42 and 77.02 GiB eager). Compiled",
-        "layers and the compiled loss fuse away elementwise temporaries that the eager model counts, so the",
-        "planner overestimates compiled runs by 12-18%; it models the eager path only.",
+        "at 30.95 GiB, the 3B at 8192 x 1 at 66.80 GiB, against 36.42 and 77.02 GiB eager). Compiled layers keep",
+        "no fp32 copy of their norms' inputs and the compiled loss no fp32 chunk temporaries; with these",
+        "(`Workload.compile`) the planner predicts 31.97 and 69.56 GiB (+3.3%, +4.1%; without them +18%, +15%).",
         "",
         "## CPU: activations and loss, counted storage by storage",
         "",
@@ -255,7 +255,7 @@ def write_report(rows: list[dict], env: dict, path: str) -> None:
         "Models: `tiny` (hidden 64, 2 layers, 8 heads, 8 kv heads, intermediate 128, vocab 256), `tiny-gqa4`",
         "(the same with 4 kv heads) and `tiny-qwen3` (tiny-gqa4 with Qwen3's q/k norms); micro-batch 2 rows of 64",
         "tokens per data rank; `-lora8`: LoRA rank 8 on all seven linears, base frozen. Quantities (see",
-        "`planner/calibration.py`): `activations_retained` = bytes alive after",
+        "`tests/planner_memory/calibration.py`): `activations_retained` = bytes alive after",
         "forward + loss (parameters excluded), `layer_saved` = bytes autograd saves in the last decoder layer",
         "without checkpointing, `layer_retained` = what one more checkpointed layer keeps (the difference",
         "between the model with 4 and with 2 layers), `loss_peak` = peak of the logits and the chunked",
@@ -284,11 +284,12 @@ def write_report(rows: list[dict], env: dict, path: str) -> None:
         "- Not validated: anything with more than one GPU on a GPU (FSDP resharding and prefetch, reduce-scatter",
         "  buffers over f > 1 ranks, TP/CP collectives' buffers, gradient accumulation): these terms follow the",
         "  code (`planner/memory.py`) but no GPU measurement checks them; GPU attention kernels under CP (the",
-        "  memory-efficient kernel's padded log-sum-exp; allgather CP's bf16 mask); torch.compile (above); the",
+        "  memory-efficient kernel's padded log-sum-exp; allgather CP's bf16 mask); torch.compile beyond the two",
+        "  runs above; the",
         "  allocator's fragmentation and the CUDA/NCCL overhead (`Cluster.overhead_gib`, 2 GiB assumed): the",
         "  reserved column shows the caching allocator holding 17-36% more than the allocated peak in the full",
-        "  fine-tuning runs (1-2% with LoRA), far more than that 2 GiB; throughput (efficiency 0.5, overlap 0.8,",
-        "  link speeds are assumptions).",
+        "  fine-tuning runs (1-2% with LoRA), far more than that 2 GiB. Throughput is checked separately",
+        "  (`tests/unit/test_planner_perf.py`, `benchmarks/planner_heldout.md`).",
         "",
     ]
     with open(path, "w") as f:

@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils import _python_dispatch, _pytree
 
 aten = torch.ops.aten
 
@@ -99,6 +100,22 @@ def scale_tensors_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
     """Multiply many tensors in place by one device scalar in few kernels (the optimizers' foreach op)."""
     if tensors:
         torch._foreach_mul_(tensors, factor.to(tensors[0].device))
+
+
+# ---------------------------------------------------------------------------------------------
+# Watching every op and its outputs: the memory measurements in tests/planner_memory (no public
+# equivalents of the dispatch-mode base class or of pytree's leaf walk).
+# ---------------------------------------------------------------------------------------------
+
+TorchDispatchMode = _python_dispatch.TorchDispatchMode
+tree_leaves = _pytree.tree_leaves
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """A float8 matrix product with per-tensor scales (what torchao's float8 linears run); the planner's
+    ``--measure`` times it. ``b`` column-major, as cuBLASLt wants."""
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------

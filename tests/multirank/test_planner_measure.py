@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from harness import run_ranks
-from ndparallel.planner.calibration import TOLERANCE, compare_to_measurements, load_measurements
-from ndparallel.planner.measure import measure_activations, measure_loss_peak
+from planner_memory.calibration import TOLERANCE, compare_to_measurements, load_measurements
+from planner_memory.measure import measure_activations, measure_loss_peak
 from ndparallel.planner.shapes import ModelShape
 
 STORED = {row["case"]: row for row in load_measurements()}

@@ -5,8 +5,8 @@ import copy
 import pytest
 
 from ndparallel import ConfigError
-from ndparallel.planner import compare_to_measurements, load_measurements
-from ndparallel.planner.calibration import QUANTITIES, TOLERANCE
+from planner_memory.calibration import compare_to_measurements, load_measurements
+from planner_memory.calibration import QUANTITIES, TOLERANCE
 
 ROWS = load_measurements()
 GPU = [r for r in ROWS if r["quantity"] == "peak_allocated"]

@@ -20,8 +20,38 @@ def run(argv, capsys):
 def test_table_and_exit_code(capsys):
     code, out, _ = run(["--model", "llama-8b", "--nodes", "2", "--seq-len", "131072", "--top", "3"], capsys)
     assert code == 0
-    assert out.splitlines()[0].startswith("llama-8b: 8.03B parameters on 2 x 8 GPUs (80 GiB), 8 rows x 131072")
+    lines = out.splitlines()
+    assert lines[0].startswith("llama-8b: 8.03B parameters on 2 x 8 NVIDIA H100 SXM 80GB (79.1 GiB), 8 rows x 131072")
+    assert lines[1].startswith("kernel speeds: fractions of the datasheet peaks measured on our H200")
+    assert lines[2].startswith("no --gpu given: assuming h100-sxm")   # the default is said, not silent
     assert "tok/s/GPU" in out and "#1:" in out
+
+
+def test_gpu_preset_overrides_and_one_layout(capsys):
+    code, out, _ = run(["--model", "8b", "--gpu", "h200", "--layout", "1,8,1,1", "--seq-len", "8192",
+                        "--global-batch", "16", "--micro-batch-sizes", "2", "--activation-checkpointing", "selective",
+                        "--compile", "--fp8", "--json"], capsys)
+    rows = json.loads(out)
+    assert code == 0 and len(rows) == 1 and rows[0]["layout"]["dp_shard"] == 8 and rows[0]["fits"]
+    code, out, _ = run(["--model", "8b", "--gpu", "a100-40gb", "--memory-gib", "60", "--seq-len", "4096",
+                        "--global-batch", "8", "--top", "1"], capsys)
+    assert "NVIDIA A100 SXM 40GB (60 GiB)" in out.splitlines()[0]
+    assert "not a Hopper GPU" in out        # H200 fractions applied to another architecture: said so
+
+
+def test_compile_fp8_and_sync_modes_change_the_estimate(capsys):
+    base = ["--model", "llama-8b", "--gpu", "h100-sxm", "--layout", "2,4,1,1", "--seq-len", "4096",
+            "--global-batch", "64", "--micro-batch-sizes", "2", "--activation-checkpointing", "full", "--json"]
+    def best(*extra):
+        _, out, _ = run(base + list(extra), capsys)
+        return json.loads(out)[0]
+    plain, compiled, fp8 = best(), best("--compile"), best("--compile", "--fp8")
+    assert plain["tokens_per_s_per_gpu"] < compiled["tokens_per_s_per_gpu"] < fp8["tokens_per_s_per_gpu"]
+    sharded, unsharded = best("--gradient-sync", "every_micro_batch"), best("--gradient-sync", "last_micro_batch")
+    assert sharded["accumulation"] == unsharded["accumulation"] == 4
+    assert unsharded["memory_bytes"]["accumulated_grads"] > 0 == sharded["memory_bytes"]["accumulated_grads"]
+    assert sharded["comm"]["fsdp"]["bytes"] > unsharded["comm"]["fsdp"]["bytes"]    # reduce-scatter x 4
+    assert sharded["comm"]["dp_replicate"]["bytes"] == unsharded["comm"]["dp_replicate"]["bytes"]  # once
 
 
 def test_json_output_parses(capsys):
@@ -42,17 +72,33 @@ def test_nothing_fits_exits_1(capsys):
     (["--model", "nope", "--seq-len", "64"], "model='nope' is not a preset"),
     (["--model", "tiny", "--seq-len", "0"], "seq_len=0 must be"),
     (["--model", "{\"hidden\": 64", "--seq-len", "64"], "inline JSON does not parse"),
-    (["--model", "tiny", "--seq-len", "64", "--memory-gib", "-1"], "device_memory_gib=-1.0 must be > 0"),
+    (["--model", "tiny", "--seq-len", "64", "--memory-gib", "-1"], "memory_gib=-1.0 must be > 0"),
+    (["--model", "tiny", "--seq-len", "64", "--layout", "1,2,1,1"],
+     "--layout 1,2,1,1 uses 2 GPUs but the cluster has 8"),
+    (["--model", "tiny", "--seq-len", "64", "--gpu", "a100-80gb", "--fp8"], "has no fp8 tensor cores"),
+    (["--model", "tiny", "--seq-len", "64", "--precision", "fp32", "--fp8"], "fp8 matmuls need precision='bf16'"),
 ])
 def test_bad_settings_exit_2_with_one_line(argv, message, capsys):
     code, _, err = run(argv, capsys)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
 
 
-def test_presets_have_the_published_sizes():
-    sizes = {name: PRESETS[name].params / 1e9 for name in ("llama-1b", "llama-3b", "llama-8b", "llama-70b")}
-    assert sizes == pytest.approx({"llama-1b": 1.236, "llama-3b": 3.213, "llama-8b": 8.030, "llama-70b": 70.554},
-                                  abs=2e-3)
+def test_presets_have_the_published_sizes_under_both_names():
+    names = ("llama-1b", "llama-3b", "llama-8b", "llama-70b", "llama-405b")
+    sizes = {name: PRESETS[name].params / 1e9 for name in names}
+    assert sizes == pytest.approx({"llama-1b": 1.236, "llama-3b": 3.213, "llama-8b": 8.030, "llama-70b": 70.554,
+                                   "llama-405b": 405.853}, abs=2e-3)
+    assert load_model_shape("8b") == load_model_shape("llama-8b") == load_model_shape("LLAMA-8B") == PRESETS["llama-8b"]
+
+
+def test_one_preset_table_for_model_shape_and_the_planner():
+    from ndparallel.models.build import model_config_for
+    from ndparallel.models.presets import PRESETS as TABLE
+
+    for key in TABLE:
+        config = model_config_for(base_model=None, model_shape=key, overrides={})
+        assert ModelShape.from_hf_config(config).params == load_model_shape(key).params
+        assert model_config_for(base_model=None, model_shape=f"llama-{key}", overrides={}).to_dict() == config.to_dict()
 
 
 def test_model_from_hf_directory_inline_json_and_config_object(tmp_path):

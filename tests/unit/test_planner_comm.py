@@ -4,7 +4,7 @@ import pytest
 
 from ndparallel.layout import Layout
 from ndparallel.planner.comm import comm_per_step
-from ndparallel.planner.hardware import Cluster, groups_cross_nodes
+from ndparallel.planner.hardware import Cluster, group_placement, groups_cross_nodes
 from ndparallel.planner.perf import step_flops
 from ndparallel.planner.shapes import PRESETS, ModelShape
 from ndparallel.planner.workload import Workload
@@ -16,9 +16,9 @@ WORK = Workload(seq_len=1000, global_batch_rows=8)
 CLUSTER = Cluster(nodes=1, gpus_per_node=8)
 
 
-def comm(layout, mode="none", m=1, sync="last", b=1):
+def comm(layout, mode="none", m=1, sync="every_micro_batch", b=1):
     return comm_per_step(M, layout, WORK, CLUSTER, micro_batch=b, accumulation=m, activation_checkpointing=mode,
-                         grad_sync=sync)
+                         gradient_sync=sync)
 
 
 def test_model_counts():
@@ -31,12 +31,20 @@ def test_fsdp_and_hsdp_by_hand():
     # untied embedding: 150,200 + 100,000), 3/4 sent; fp32 gradient reduce-scatter 4 x 500,500 x 3/4.
     assert c.bytes == pytest.approx(2 * (500_500 + 250_200) * 0.75 + 4 * 500_500 * 0.75)
     assert not c.crosses_nodes
-    assert c.seconds == pytest.approx(c.bytes / 450e9 + c.collectives * 15e-6)
-    # two micro-batches reduced every time: both terms double; reduced once: only the gathers do
-    assert comm(Layout(dp_shard=4), m=2, sync="every")["fsdp"].bytes == pytest.approx(2 * c.bytes)
-    assert comm(Layout(dp_shard=4), m=2)["fsdp"].bytes == pytest.approx(2 * c.bytes - 4 * 500_500 * 0.75)
+    # NVLink 450 GB/s at the collective efficiency (0.8), 15 us per collective
+    assert c.seconds == pytest.approx(c.bytes / (0.8 * 450e9) + c.collectives * 15e-6)
+    # two micro-batches reduce-scattered each ('every_micro_batch'): both terms double; 'last_micro_batch': only
+    # the gathers, and the one reduction is sent in the last micro-batch
+    sharded = comm(Layout(dp_shard=4), m=2)["fsdp"]
+    unsharded = comm(Layout(dp_shard=4), m=2, sync="last_micro_batch")["fsdp"]
+    assert sharded.bytes == pytest.approx(2 * c.bytes) and sharded.last_only_s == 0
+    assert unsharded.bytes == pytest.approx(2 * c.bytes - 4 * 500_500 * 0.75)
+    assert unsharded.last_only_s == pytest.approx(4 * 500_500 * 0.75 / (0.8 * 450e9) + 5 * 15e-6)
     hsdp = comm(Layout(dp_replicate=2, dp_shard=4))["dp_replicate"]
     assert hsdp.bytes == pytest.approx(4 * 500_500 / 4 * 2 * 0.5)   # all-reduce of the fp32 shard
+    for sync in ("every_micro_batch", "last_micro_batch"):   # replicas all-reduce once per step, on the last one
+        rep = comm(Layout(dp_replicate=2, dp_shard=4), m=4, sync=sync)["dp_replicate"]
+        assert rep.bytes == pytest.approx(hsdp.bytes) and rep.last_only_s == pytest.approx(rep.seconds)
 
 
 def test_tp_by_hand():
@@ -75,14 +83,30 @@ def test_which_axes_cross_nodes_on_two_nodes_of_eight(layout, crossing):
     assert {axis for axis, crosses in got.items() if crosses} == crossing
 
 
-def test_flops_six_n_plus_attention():
+def test_network_bandwidth_by_how_an_axis_talks():
+    two = Cluster(nodes=2, gpus_per_node=8)
+    assert group_placement(Layout(dp_shard=16), 8)["fsdp"] == (True, 8)
+    assert group_placement(Layout(dp_replicate=2, dp_shard=8), 8)["dp_replicate"] == (True, 1)
+    assert two.link_gbps(True, 8) == 400 and two.link_gbps(True, 1) == 50       # one ring per NIC
+    assert two.link_gbps(True, 8, "p2p", 16) == 50                             # a ring waits on one NIC
+    assert two.link_gbps(True, 8, "alltoall", 16) == pytest.approx(50 * 15 / 8)  # 8 of 15 peers elsewhere
+    assert two.link_gbps(False, 8) == 450
+    fsdp = comm_per_step(M, Layout(dp_shard=16), WORK, two, micro_batch=1, accumulation=1,
+                         activation_checkpointing="none")["fsdp"]
+    assert fsdp.crosses_nodes and fsdp.per_node == 8
+    assert fsdp.seconds == pytest.approx(fsdp.bytes / (0.8 * 400e9) + fsdp.collectives * 40e-6)
+
+
+def test_flops_six_n_plus_causal_attention_and_packed_documents():
     model = PRESETS["llama-8b"]
     work = Workload(seq_len=8192, global_batch_rows=1)
     total, attn = step_flops(model, Layout(), work, "none")
     n = model.matmul_params()
-    assert attn == 8192 * 12 * 8192 * 4096 * 32 * 0.5                  # causal kernel skips half
+    assert attn == 3 * 4 * 4096 * 32 * 8192 * 8193 / 2                # causal: S(S+1)/2 pairs per row
     assert total == pytest.approx(8192 * 6 * n + attn)
-    gathered, attn_ag = step_flops(model, Layout(cp=2, cp_comm_strategy="allgather"), work, "none")
-    assert attn_ag == 2 * attn                                          # explicit mask: every score
+    for method in ("allgather", "ring", "alltoall"):                  # every CP method skips the hidden half
+        assert step_flops(model, Layout(cp=2, cp_comm_strategy=method), work, "none")[1] == attn
     full, _ = step_flops(model, Layout(), work, "full")
-    assert full - total == pytest.approx(8192 * (2 * n + attn / 8192 / 3))  # one more forward
+    assert full - total == pytest.approx(8192 * 2 * n + attn / 3)     # one more forward
+    packed = Workload(seq_len=8192, global_batch_rows=1, doc_len=1024)
+    assert step_flops(model, Layout(), packed, "none")[1] == pytest.approx(attn * 1025 / 8193)

@@ -57,11 +57,12 @@ def test_known_counts_and_exclusions():
 
 
 def test_knobs_divide_rows_and_sync_only_matters_with_accumulation():
-    knobs = knob_choices(8, (1, 2, 3, 8), ("none", "full"), "auto")
+    both = ("every_micro_batch", "last_micro_batch")
+    knobs = knob_choices(8, (1, 2, 3, 8), ("none", "full"), both)
     assert {k.micro_batch for k in knobs} == {1, 2, 8}  # 3 does not divide 8 rows
     for k in knobs:
         assert k.micro_batch * k.accumulation == 8
-        assert k.grad_sync == "last" if k.accumulation == 1 else k.grad_sync in ("last", "every")
+        assert k.gradient_sync == "every_micro_batch" if k.accumulation == 1 else k.gradient_sync in both
     assert len([k for k in knobs if k.micro_batch == 1]) == 4  # 2 modes x 2 sync policies
-    assert knob_choices(3, (2, 4), ("none",), "auto") == []
-    assert {k.grad_sync for k in knob_choices(4, (1,), ("none",), "every")} == {"every"}
+    assert knob_choices(3, (2, 4), ("none",), both) == []
+    assert {k.gradient_sync for k in knob_choices(4, (1,), ("none",), ("last_micro_batch",))} == {"last_micro_batch"}

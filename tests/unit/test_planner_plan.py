@@ -49,20 +49,23 @@ def test_long_sequences_pick_cp_and_say_why(nodes):
 def test_short_sequences_need_no_cp():
     for nodes in (1, 2):
         best = llama8b(nodes, 8192)[0]
-        assert best.layout.cp == 1 and best.layout.tp == 1
+        assert best.layout.cp == 1 and best.layout.tp <= 2
 
 
 def test_two_nodes_explain_tp_and_replicas():
     rows = llama8b(2, 131072)
     best = rows[0]
     if best.layout.tp > 1:
-        assert any("kept inside a node (8 GPUs/node)" in r and "50 GB/s network" in r for r in best.reasons)
+        assert any("kept inside a node (8 GPUs/node)" in r and "split over two nodes they would take" in r
+                   and "the network (" in r for r in best.reasons)
     # tp never spans nodes among the fitting rows that rank above a layout without tp
     spanning = [r for r in rows if r.layout.tp > 1 and groups_cross_nodes(r.layout, 8)["tp"]]
     assert all(any("spans nodes" in x for x in r.reasons) for r in spanning if r.feasible)
-    hsdp = llama8b(2, 8192)[0]
-    assert hsdp.layout.dp_replicate == 2
-    assert any(r.startswith("dp_replicate 2 across nodes: one gradient all-reduce") for r in hsdp.reasons)
+    hsdp = next(r for r in llama8b(2, 8192) if r.layout.shape == (2, 8, 1, 1))
+    assert any(r.startswith("dp_replicate 2 across nodes: one gradient all-reduce per step") and
+               "the network (50 GB/s per GPU)" in r for r in hsdp.reasons)        # one member per node: one NIC
+    fsdp = next(r for r in llama8b(2, 8192) if r.layout.shape == (1, 16, 1, 1))
+    assert any("spans nodes" in r and "the network (400 GB/s per GPU on 8 NICs per node)" in r for r in fsdp.reasons)
 
 
 def test_json_round_trips():
@@ -111,3 +114,18 @@ def test_impossible_requests_are_config_errors_or_marked_infeasible():
     assert reasons[(1, 8, 1, 1)].startswith("infeasible: the global batch of 12 rows does not split over 8")
     assert reasons[(1, 2, 1, 4)].startswith("infeasible: no micro-batch size of (4) divides the 6 rows")
     assert reasons[(1, 1, 1, 8)].startswith(("fits", "does not fit"))
+
+
+@pytest.mark.parametrize("nodes, seq", [(2, 131072), (2, 8192)])
+def test_reasons_name_the_link_their_numbers_were_computed_on(nodes, seq):
+    cluster = Cluster(nodes=nodes, gpus_per_node=8, device_memory_gib=80)
+    checked = 0
+    for row in llama8b(nodes, seq)[:25]:
+        for line in row.reasons:
+            for c in row.comm.values():
+                if c.bytes >= 1e8 and f"{c.bytes / 1e9:.1f} GB/step" in line:  # the line quotes this axis
+                    link = cluster.link_name(c.crosses_nodes, c.per_node, c.pattern, c.size)
+                    assert link in line, (line, link)
+                    assert ("network" in link) == c.crosses_nodes
+                    checked += 1
+    assert checked >= 10

@@ -22,21 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Pretrain
 from ndparallel import _compat
 from ndparallel.errors import ModelError
 from ndparallel.lora import init_lora_tensor
-
-# Llama-shaped presets for pre-training from scratch (model_shape). Dims of Llama 3.2 1B/3B and Llama 3 8B.
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-                 num_key_value_heads=8, vocab_size=256),
-    # for the built-in byte tokenizer (258 tokens and chat markers, padded to a multiple of 64)
-    "byte-tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=8,
-                      num_key_value_heads=4, vocab_size=320),
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0),
-    "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
-               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0),
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0),
-}
+from ndparallel.models import presets
 
 
 def model_config_for(*, base_model: str | None, model_shape: str | None, overrides: dict[str, Any],
@@ -51,9 +37,10 @@ def model_config_for(*, base_model: str | None, model_shape: str | None, overrid
             raise ModelError(f"base_model {base_model!r} has no config.json; it must be a Hugging Face model directory")
         config = AutoConfig.from_pretrained(path)
     elif model_shape is not None:
-        if model_shape not in PRESETS:
-            raise ModelError(f"model_shape {model_shape!r} is not a preset; choose one of {', '.join(PRESETS)}")
-        config = LlamaConfig(**PRESETS[model_shape])
+        key = presets.canonical_name(model_shape)
+        if key is None:
+            raise ModelError(f"model_shape {model_shape!r} is not a preset; choose one of {presets.choices()}")
+        config = LlamaConfig(**presets.PRESETS[key])
     else:
         kind = overrides.get("model_type")
         if not kind:

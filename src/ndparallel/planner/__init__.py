@@ -1,26 +1,30 @@
 """Layout planner: which (dp_replicate, dp_shard, cp, tp) layout to train a model on, and why.
 
     from ndparallel.planner import Cluster, Workload, plan, format_table
-    rows = plan("llama-8b", Cluster(nodes=2, gpus_per_node=8, device_memory_gib=80),
-                Workload(seq_len=131072, global_batch_tokens=1 << 20))
+    from ndparallel.planner.gpus import GPUS
+    rows = plan("llama-8b", Cluster(nodes=2, gpus_per_node=8, gpu=GPUS["h200"]),
+                Workload(seq_len=131072, global_batch_tokens=1 << 20, compile=True))
     print(format_table(rows))
 
 Modules, in the order a plan is made:
 
-    shapes.py       ModelShape (presets, HF configs) and parameter counts
-    hardware.py     Cluster (GPUs, memory, links, FLOP/s) and which axes cross nodes
-    workload.py     Workload (sequence, batch, precision, checkpointing, LoRA)
+    shapes.py       ModelShape (presets of models/presets.py, HF configs) and parameter counts
+    gpus.py         GPU presets (datasheet peaks, memory, links); rates.py: the fractions of them kernels reach
+    hardware.py     Cluster (nodes of a GPU) and which links each axis' groups use
+    workload.py     Workload (sequence, batch, precision, checkpointing, LoRA, compile, fp8, packing, sync)
     candidates.py   every valid layout of a world size; per-layout knobs
-    activations.py  activation bytes as this implementation keeps them (measured on CPU: measure.py)
+    activations.py  activation bytes as this implementation keeps them (measured: tests/planner_memory)
     memory.py       itemized per-GPU peak memory
-    comm.py         bytes per step per axis; perf.py: compute and step time
+    comm.py         bytes per step per axis; parts.py: each kind of work in seconds; perf.py: the step
     evaluate.py     one candidate estimated (PlanRow); plan.py: ranking, best_layout; reasons.py; report.py
-    calibration.py  measured peaks against predictions (measurements.json)
+    probe.py        ``--measure``: this GPU's kernels timed for a model shape, cached per machine
     cli.py          ``ndparallel plan``
+
+A new parallel axis (expert parallelism) adds its group to ``hardware.GROUP_AXES``, its traffic to
+``comm.AXIS_TRAFFIC``, what it shards to ``memory.py`` and its work to ``parts.py``.
 """
 
 from ndparallel.planner.activations import ActivationBytes, activation_bytes
-from ndparallel.planner.calibration import compare_to_measurements, load_measurements
 from ndparallel.planner.candidates import valid_layouts
 from ndparallel.planner.cli import add_plan_arguments, run_plan
 from ndparallel.planner.comm import AxisComm, comm_per_step
@@ -33,7 +37,7 @@ from ndparallel.planner.shapes import PRESETS, ModelShape, load_model_shape
 from ndparallel.planner.workload import Workload
 
 __all__ = [
-    "ActivationBytes", "activation_bytes", "compare_to_measurements", "load_measurements", "valid_layouts",
+    "ActivationBytes", "activation_bytes", "valid_layouts",
     "add_plan_arguments", "run_plan", "AxisComm", "comm_per_step", "PlanRow", "Cluster", "MemoryEstimate",
     "estimate_memory", "LayoutChoice", "best_layout", "plan", "format_table", "to_json", "PRESETS", "ModelShape",
     "load_model_shape", "Workload",

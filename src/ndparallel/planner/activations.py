@@ -1,7 +1,7 @@
 """Bytes of activations one GPU keeps for backward, as this implementation saves them.
 
 Every coefficient below was read off what autograd (and activation checkpointing) actually keeps on one
-rank, counted storage by storage for tiny models with ``ndparallel.planner.measure`` (world 1 and TP/CP
+rank, counted storage by storage for tiny models with ``tests/planner_memory/measure.py`` (world 1 and TP/CP
 layouts); ``benchmarks/planner_validation.md`` has the measured-vs-predicted table. Notation: b rows per
 micro-batch, s = seq/cp tokens held by the rank, S = seq, t = tp, e = bytes per compute element
 (2 for bf16, 4 for fp32), h hidden, q = heads*head_dim, kv = kv_heads*head_dim, n = heads, i
@@ -44,6 +44,12 @@ gradient): (4h + 4)/t once. The linears' inputs stay saved (each adapter's A rea
     selective   + e*(7r + (q + 2kv + 2i + 2h)/t): every A output (the o/down ones as partial sums, full
                 sequence) and every B output (o/down: sequence-split)
 Measured on CPU (``tiny-gqa4-*-lora*`` rows, world 1 and tp 2) and on the H200 (1B LoRA rows).
+
+torch.compile (the trainer's ``compile``: each decoder layer compiled, and the loss's chunk functions)
+changes two things: a compiled layer's RMSNorms keep 1/rms and recompute their fp32 input copy in
+backward instead of saving it (4h bytes per token and norm fewer), and the compiled loss writes each
+chunk's gradient in one kernel (no float32 chunk temporaries). With these the model is 3.3% (1B) and 4.1%
+(3B) above the H200's compiled peaks (``benchmarks/results/h200_bench.jsonl``), against 15-18% without.
 """
 
 from __future__ import annotations
@@ -80,12 +86,13 @@ class ActivationBytes:
         return {**asdict(self), "retained": self.retained}
 
 
-def _norm(m: ModelShape, t: int, e: int, frozen: bool = False) -> float:
-    """One RMSNorm under sequence parallelism, per token: fp32 input copy, 1/rms, normalized (compute dtype).
+def _norm(m: ModelShape, t: int, e: int, frozen: bool = False, compiled: bool = False) -> float:
+    """One RMSNorm under sequence parallelism, per token: fp32 input copy (not when compiled), 1/rms,
+    normalized (compute dtype).
 
     With a frozen weight (LoRA) ``weight * x`` saves nothing for the weight's gradient: no normalized copy.
     """
-    return (4 * m.hidden + 4 + (0 if frozen else e * m.hidden)) / t
+    return ((0 if compiled else 4 * m.hidden) + 4 + (0 if frozen else e * m.hidden)) / t
 
 
 def kv_width_allgather(m: ModelShape) -> int:
@@ -113,11 +120,12 @@ def attention_none(m: ModelShape, layout: Layout, seq: int, b: int, e: int) -> f
     return b * s * (e * (3 * q + 2 * kv_width_alltoall(m, layout)) + 4 * n) / t + 16 * seq
 
 
-def layer_none(m: ModelShape, layout: Layout, seq: int, b: int, e: int, lora_rank: int | None = None) -> float:
+def layer_none(m: ModelShape, layout: Layout, seq: int, b: int, e: int, lora_rank: int | None = None,
+               compiled: bool = False) -> float:
     """Bytes one decoder layer keeps for backward without checkpointing (LoRA: frozen base, 7 adapters)."""
     t, s = layout.tp, seq // layout.cp
     frozen = bool(lora_rank)
-    dense = b * s * (2 * _norm(m, t, e, frozen) + 2 * e * m.hidden + 4 * e * m.intermediate / t)
+    dense = b * s * (2 * _norm(m, t, e, frozen, compiled) + 2 * e * m.hidden + 4 * e * m.intermediate / t)
     if m.qk_norm:
         dense += b * s * ((4 + (0 if frozen else e)) * (m.q_dim + m.kv_dim) + 4 * (m.heads + m.kv_heads)) / t
     if lora_rank:
@@ -142,10 +150,11 @@ def layer_full(m: ModelShape, layout: Layout, seq: int, b: int, e: int) -> float
 
 
 def activation_bytes(m: ModelShape, layout: Layout, seq: int, b: int, mode: str, e: int = 2,
-                     lora_rank: int | None = None) -> ActivationBytes:
-    """Activation memory of one rank for a micro-batch of ``b`` rows of ``seq`` tokens."""
+                     lora_rank: int | None = None, compiled: bool = False) -> ActivationBytes:
+    """Activation memory of one rank for a micro-batch of ``b`` rows of ``seq`` tokens (compiled layers:
+    ``compiled``)."""
     t, s = layout.tp, seq // layout.cp
-    none = layer_none(m, layout, seq, b, e, lora_rank)
+    none = layer_none(m, layout, seq, b, e, lora_rank, compiled)
     if mode == "none":
         per_layer, recompute = none, 0.0
     elif mode == "selective":
@@ -167,7 +176,7 @@ def activation_bytes(m: ModelShape, layout: Layout, seq: int, b: int, mode: str,
                            loss_saved=loss_saved, layer_recompute=recompute)
 
 
-def loss_peak(m: ModelShape, layout: Layout, seq: int, b: int, e: int) -> float:
+def loss_peak(m: ModelShape, layout: Layout, seq: int, b: int, e: int, compiled: bool = False) -> float:
     """Most bytes the logits and the loss hold at once, per micro-batch (``ndparallel.loss``, eager).
 
     The chunked cross-entropy never makes a full float32 copy or softmax of the (N, V/t) logits (N = b*s
@@ -178,9 +187,9 @@ def loss_peak(m: ModelShape, layout: Layout, seq: int, b: int, e: int) -> float:
     scattered copies: never more than three at once): 12 bytes per chunk element in bf16, 8 in fp32. Per
     token: 22 bytes (the saved log-sum-exp, label and two masks, the float32 ``scale`` and
     ``target_scale``) and 4 per chunk row (the negated ``target_scale`` slice). Forward holds no
-    gradient, so it peaks lower. With ``compiled=True`` the chunk temporaries are fused away; the planner
-    models the eager path.
+    gradient, so it peaks lower. With ``compiled`` the chunk temporaries are fused away.
     """
     n, w = b * (seq // layout.cp), m.vocab / layout.tp
     c = min(n, CHUNK_ROWS)
-    return 2 * e * n * w + (12 if e < 4 else 8) * c * w + 22 * n + 4 * c
+    temporaries = 0 if compiled else (12 if e < 4 else 8) * c * w
+    return 2 * e * n * w + temporaries + 22 * n + 4 * c

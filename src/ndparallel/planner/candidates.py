@@ -63,20 +63,22 @@ class Knobs:
     accumulation: int
     """Micro-batches per optimizer step on each data rank."""
     activation_checkpointing: str
-    grad_sync: str
-    """'last' (reduce once per step; unsharded fp32 gradients kept meanwhile) or 'every' micro-batch."""
+    gradient_sync: str
+    """'every_micro_batch' (reduce-scatter every micro-batch) or 'last_micro_batch' (reduce on the last);
+    workload.py."""
 
 
 def knob_choices(rows_per_rank: int, micro_batch_sizes: Sequence[int], ac_modes: Sequence[str],
-                 grad_sync: str) -> list[Knobs]:
-    """Micro-batch sizes that divide a data rank's rows, each with every AC mode and sync policy."""
+                 gradient_sync_modes: Sequence[str]) -> list[Knobs]:
+    """Micro-batch sizes that divide a data rank's rows, each with every AC mode and sync policy (one
+    policy without accumulation, where they do the same)."""
     out = []
     for b in sorted(set(micro_batch_sizes)):
         if rows_per_rank % b:
             continue
         m = rows_per_rank // b
-        syncs = ("last",) if m == 1 else (("last", "every") if grad_sync == "auto" else (grad_sync,))
+        syncs = tuple(gradient_sync_modes)[:1] if m == 1 else tuple(gradient_sync_modes)
         for mode in ac_modes:
             for sync in syncs:
-                out.append(Knobs(micro_batch=b, accumulation=m, activation_checkpointing=mode, grad_sync=sync))
+                out.append(Knobs(micro_batch=b, accumulation=m, activation_checkpointing=mode, gradient_sync=sync))
     return out

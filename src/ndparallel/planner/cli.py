@@ -1,6 +1,8 @@
 """``ndparallel plan``: rank the layouts of a cluster for a model and workload, from the command line.
 
-    ndparallel plan --model llama-8b --nodes 2 --gpus-per-node 8 --seq-len 131072 --global-batch-tokens 1048576
+    ndparallel plan --model llama-8b --gpu h200 --nodes 2 --seq-len 131072 --global-batch-tokens 1048576
+    ndparallel plan --model 8b --gpu h100-sxm --layout 1,8,1,1 --seq-len 8192 --global-batch 16 --compile
+    ndparallel plan --model llama-3b --measure --seq-len 8192      # time this GPU's kernels first (cached)
 
 The main CLI mounts it with ``add_plan_arguments(subparser)`` and ``run_plan(args)``; without it,
 ``python -m ndparallel.planner ...`` does the same. Exit codes: 0 when some layout fits, 1 when none
@@ -11,15 +13,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from ndparallel.errors import ConfigError
-from ndparallel.layout import CP_METHODS
+from ndparallel.layout import AXES, CP_METHODS
+from ndparallel.planner.gpus import DEFAULT_GPU, GPUS, gpu_preset
 from ndparallel.planner.hardware import Cluster
 from ndparallel.planner.plan import plan
-from ndparallel.planner.report import format_table, to_json
-from ndparallel.planner.shapes import PRESETS, load_model_shape
-from ndparallel.planner.workload import PRECISIONS, Workload
+from ndparallel.planner.report import format_table, header, to_json
+from ndparallel.planner.shapes import load_model_shape
+from ndparallel.planner.workload import GRAD_SYNC, PRECISIONS, Workload
+from ndparallel.models import presets
 
 DEFAULT_BATCH_TOKENS = 1 << 20
 
@@ -36,6 +41,13 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def _layout(text: str) -> tuple[int, int, int, int]:
+    values = _int_list(text)
+    if len(values) != len(AXES) or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give four sizes >= 1, {','.join(AXES)}, e.g. 1,8,1,1")
+    return values  # type: ignore[return-value]
+
+
 def _methods(text: str) -> tuple[str, ...]:
     methods = tuple(x.strip() for x in text.split(",") if x.strip())
     bad = [m for m in methods if m not in CP_METHODS]
@@ -46,61 +58,94 @@ def _methods(text: str) -> tuple[str, ...]:
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the planner's options to ``parser`` (a subcommand's parser) and return it."""
-    d = Cluster()
     parser.add_argument("--model", required=True,
-                        help=f"preset ({', '.join(PRESETS)}), a local model directory or config.json, or inline "
+                        help=f"preset ({presets.choices()}), a local model directory or config.json, or inline "
                              f"JSON such as '{{\"hidden_size\": 4096, ...}}'")
-    parser.add_argument("--nodes", type=int, default=1)
-    parser.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node)
-    parser.add_argument("--memory-gib", type=float, default=d.device_memory_gib, help="memory per GPU, GiB")
-    parser.add_argument("--seq-len", type=int, required=True, help="tokens per row")
-    batch = parser.add_mutually_exclusive_group()
+    hw = parser.add_argument_group("machines")
+    hw.add_argument("--gpu", choices=tuple(GPUS), default=None,
+                    help=f"GPU preset: memory, peak FLOP/s, HBM, NVLink and network speeds (default {DEFAULT_GPU})")
+    hw.add_argument("--measure", action="store_true",
+                    help="time this machine's GPU on the model's kernels first (seconds; cached per machine)")
+    hw.add_argument("--remeasure", action="store_true", help="like --measure, ignoring the cache")
+    hw.add_argument("--nodes", type=int, default=1)
+    hw.add_argument("--gpus-per-node", type=int, default=8)
+    hw.add_argument("--memory-gib", type=float, help="memory per GPU, GiB (overrides the preset)")
+    hw.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per GPU (overrides the preset)")
+    hw.add_argument("--hbm-gbps", type=float, help="device memory GB/s (overrides the preset)")
+    hw.add_argument("--intra-node-gbps", type=float, help="GPU-to-GPU GB/s per direction inside a node (NVLink)")
+    hw.add_argument("--inter-node-gbps", type=float,
+                    help="network GB/s per GPU per direction; one 400 Gb/s NIC per GPU = 50")
+    hw.add_argument("--headroom", type=float, default=Cluster.headroom, help="usable fraction of memory (0.9)")
+    work = parser.add_argument_group("training step")
+    work.add_argument("--seq-len", type=int, required=True, help="tokens per row")
+    batch = work.add_mutually_exclusive_group()
     batch.add_argument("--global-batch", type=int, help="rows per optimizer step")
     batch.add_argument("--global-batch-tokens", type=int,
                        help=f"tokens per optimizer step (default {DEFAULT_BATCH_TOKENS} when no batch is given)")
-    parser.add_argument("--micro-batch-sizes", type=_int_list, default=(1, 2, 4, 8),
-                        help="rows per forward to consider, comma-separated (default 1,2,4,8)")
-    parser.add_argument("--precision", choices=PRECISIONS, default="bf16",
-                        help="bf16: bf16 compute, fp32 master weights/gradients/AdamW (default); fp32")
-    parser.add_argument("--activation-checkpointing", choices=("auto", "none", "full", "selective"), default="auto")
-    parser.add_argument("--lora-rank", type=int, default=None, help="plan LoRA fine-tuning of rank r (frozen base)")
-    parser.add_argument("--cp-methods", type=_methods, default=CP_METHODS,
-                        help="CP methods to consider (default allgather,ring,alltoall)")
-    parser.add_argument("--intra-node-gbps", type=float, default=d.intra_node_gbps,
-                        help="NVLink GB/s (gigabytes) per GPU per direction (default 450)")
-    parser.add_argument("--inter-node-gbps", type=float, default=d.inter_node_gbps,
-                        help="network GB/s (gigabytes) per GPU per direction; 400 Gb/s InfiniBand = 50 (default)")
-    parser.add_argument("--peak-tflops", type=float, default=d.peak_tflops, help="dense bf16 TFLOP/s per GPU")
-    parser.add_argument("--efficiency", type=float, default=d.efficiency, help="achievable fraction of peak (0.5)")
-    parser.add_argument("--headroom", type=float, default=d.headroom, help="usable fraction of memory (0.9)")
+    work.add_argument("--micro-batch-sizes", type=_int_list, default=(1, 2, 4, 8),
+                      help="rows per forward to consider, comma-separated (default 1,2,4,8); the rest of a data "
+                           "rank's rows are gradient accumulation")
+    work.add_argument("--gradient-sync", choices=GRAD_SYNC, default="auto",
+                      help="with accumulation, the trainer's gradient_sync: every_micro_batch (reduce-scatter each; "
+                           "the default), last_micro_batch (full fp32 gradients kept until the last), auto (both)")
+    work.add_argument("--precision", choices=PRECISIONS, default="bf16",
+                      help="bf16: bf16 compute, fp32 master weights/gradients/AdamW (default); fp32")
+    work.add_argument("--compile", action="store_true", help="torch.compile each layer and the loss")
+    work.add_argument("--fp8", action="store_true", help="float8 matmuls in the decoder layers (tensorwise)")
+    work.add_argument("--doc-len", type=int, help="packed rows of documents this long (attention per document)")
+    work.add_argument("--activation-checkpointing", choices=("auto", "none", "full", "selective"), default="auto")
+    work.add_argument("--lora-rank", type=int, default=None, help="plan LoRA fine-tuning of rank r (frozen base)")
+    lay = parser.add_argument_group("layouts")
+    lay.add_argument("--layout", type=_layout, help="evaluate only this layout: dp_replicate,dp_shard,cp,tp")
+    lay.add_argument("--cp-methods", type=_methods, default=CP_METHODS,
+                     help="CP methods to consider (default allgather,ring,alltoall)")
     parser.add_argument("--top", type=int, default=10, help="rows to print")
     parser.add_argument("--json", action="store_true", help="print every row as JSON instead of the table")
     return parser
+
+
+def cluster_from_args(args: argparse.Namespace, model, workload: Workload) -> Cluster:
+    """The cluster the options describe; with --measure, this machine's GPU as timed (or cached)."""
+    gpu = gpu_preset(args.gpu or DEFAULT_GPU)
+    efficiency, measured = Cluster.efficiency, False
+    if args.measure or args.remeasure:
+        from ndparallel.planner.probe import measure
+
+        micro = max(workload.micro_batch_sizes)
+        gpu, efficiency = measure(model, tokens=micro * workload.seq_len, fp8=workload.fp8, device="cuda",
+                                  refresh=args.remeasure)
+        measured = True
+    gpu = gpu.with_overrides(memory_gib=args.memory_gib, bf16_tflops=args.peak_tflops, hbm_gbps=args.hbm_gbps,
+                             intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps)
+    return Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu=gpu, efficiency=efficiency,
+                   measured=measured, headroom=args.headroom)
 
 
 def run_plan(args: argparse.Namespace) -> int:
     """Run the planner for parsed ``args``; print the table (or JSON) and return the exit code."""
     try:
         model = load_model_shape(args.model)
-        cluster = Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, device_memory_gib=args.memory_gib,
-                          intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
-                          peak_tflops=args.peak_tflops, efficiency=args.efficiency, headroom=args.headroom)
         if args.global_batch is None and args.global_batch_tokens is None:
             args.global_batch_tokens = DEFAULT_BATCH_TOKENS
         workload = Workload(seq_len=args.seq_len, global_batch_rows=args.global_batch,
                             global_batch_tokens=args.global_batch_tokens, micro_batch_sizes=args.micro_batch_sizes,
                             precision=args.precision, activation_checkpointing=args.activation_checkpointing,
-                            lora_rank=args.lora_rank, cp_methods=args.cp_methods)
-        rows = plan(model, cluster, workload)
+                            lora_rank=args.lora_rank, cp_methods=args.cp_methods, gradient_sync=args.gradient_sync,
+                            compile=args.compile, fp8=args.fp8, doc_len=args.doc_len)
+        cluster = cluster_from_args(args, model, workload)
+        constraints = dict(zip(AXES, args.layout)) if args.layout else None
+        if args.layout and math.prod(args.layout) != cluster.world_size:
+            raise ConfigError(f"--layout {','.join(map(str, args.layout))} uses {math.prod(args.layout)} GPUs but "
+                              f"the cluster has {cluster.world_size} (--nodes {args.nodes} x --gpus-per-node "
+                              f"{args.gpus_per_node}); make the product match")
+        rows = plan(model, cluster, workload, constraints=constraints)
     except ConfigError as exc:
         print(f"ndparallel plan: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(to_json(rows), indent=1))
     else:
-        print(f"{model.name}: {model.params / 1e9:.2f}B parameters on {cluster.nodes} x {cluster.gpus_per_node} GPUs "
-              f"({cluster.device_memory_gib:g} GiB), {workload.rows} rows x {workload.seq_len} tokens per step, "
-              f"{workload.precision}" + (f", LoRA r={workload.lora_rank}" if workload.lora_rank else ""))
+        print(header(model, cluster, workload, gpu_given=bool(args.gpu)))
         print(format_table(rows, top=args.top))
     return 0 if any(row.fits for row in rows) else 1
 

@@ -6,12 +6,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ndparallel.layout import Layout
-from ndparallel.planner.activations import activation_bytes
 from ndparallel.planner.candidates import Knobs
 from ndparallel.planner.comm import AxisComm, comm_per_step
 from ndparallel.planner.hardware import Cluster
 from ndparallel.planner.memory import MemoryEstimate, estimate_memory
-from ndparallel.planner.perf import StepTime, memory_bound_bytes, step_time
+from ndparallel.planner.perf import StepTime, step_time
 from ndparallel.planner.shapes import ModelShape
 from ndparallel.planner.workload import Workload
 
@@ -24,7 +23,7 @@ class PlanRow:
     micro_batch: int
     accumulation: int
     activation_checkpointing: str
-    grad_sync: str
+    gradient_sync: str
     memory: MemoryEstimate
     comm: dict[str, AxisComm]
     time: StepTime
@@ -46,14 +45,13 @@ class PlanRow:
             "micro_batch": self.micro_batch,
             "accumulation": self.accumulation,
             "activation_checkpointing": self.activation_checkpointing,
-            "grad_sync": self.grad_sync,
+            "gradient_sync": self.gradient_sync,
             "fits": self.fits,
             "feasible": self.feasible,
             "memory_bytes": {**asdict(self.memory), "allocated": self.memory.allocated, "total": self.memory.total},
             "comm": {axis: c.to_dict() for axis, c in self.comm.items()},
             "compute_s": self.time.compute_s,
-            "attention_s": self.time.attention_s,
-            "memory_bound_s": self.time.memory_bound_s,
+            "parts_s": dict(self.time.parts),
             "exposed_comm_s": dict(self.time.exposed_comm_s),
             "step_s": self.step_s,
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
@@ -67,11 +65,10 @@ class PlanRow:
         return cls(
             layout=Layout(**d["layout"]),
             micro_batch=d["micro_batch"], accumulation=d["accumulation"],
-            activation_checkpointing=d["activation_checkpointing"], grad_sync=d["grad_sync"],
+            activation_checkpointing=d["activation_checkpointing"], gradient_sync=d["gradient_sync"],
             memory=MemoryEstimate(**mem),
             comm={axis: AxisComm(**c) for axis, c in d["comm"].items()},
-            time=StepTime(compute_s=d["compute_s"], attention_s=d["attention_s"], memory_bound_s=d["memory_bound_s"],
-                          exposed_comm_s=dict(d["exposed_comm_s"])),
+            time=StepTime(parts=dict(d["parts_s"]), exposed_comm_s=dict(d["exposed_comm_s"])),
             tokens_per_s_per_gpu=d["tokens_per_s_per_gpu"], fits=d["fits"], feasible=d["feasible"],
             reasons=list(d["reasons"]),
         )
@@ -82,16 +79,15 @@ def evaluate(model: ModelShape, layout: Layout, workload: Workload, cluster: Clu
     """Estimate one candidate (no reasons yet)."""
     mode = knobs.activation_checkpointing
     memory = estimate_memory(model, layout, workload, micro_batch=knobs.micro_batch, activation_checkpointing=mode,
-                             accumulation=knobs.accumulation, grad_sync=knobs.grad_sync, cluster=cluster)
+                             accumulation=knobs.accumulation, gradient_sync=knobs.gradient_sync, cluster=cluster)
     comm = comm_per_step(model, layout, workload, cluster, micro_batch=knobs.micro_batch,
-                         accumulation=knobs.accumulation, activation_checkpointing=mode, grad_sync=knobs.grad_sync)
-    acts = activation_bytes(model, layout, workload.seq_len, knobs.micro_batch, mode, workload.compute_bytes,
-                            workload.lora_rank)
-    hbm = memory_bound_bytes(model, layout, workload, micro_batch=knobs.micro_batch, accumulation=knobs.accumulation,
-                             layer_recompute=acts.layer_recompute)
-    time = step_time(model, layout, workload, cluster, comm, mode, hbm)
+                         accumulation=knobs.accumulation, activation_checkpointing=mode,
+                         gradient_sync=knobs.gradient_sync)
+    time = step_time(model, layout, workload, cluster, comm, micro_batch=knobs.micro_batch,
+                     accumulation=knobs.accumulation, activation_checkpointing=mode, gradient_sync=knobs.gradient_sync)
     throughput = workload.tokens / time.step_s / layout.world_size
     return PlanRow(layout=layout, micro_batch=knobs.micro_batch, accumulation=knobs.accumulation,
-                   activation_checkpointing=mode, grad_sync=knobs.grad_sync, memory=memory, comm=comm, time=time,
+                   activation_checkpointing=mode, gradient_sync=knobs.gradient_sync, memory=memory, comm=comm,
+                   time=time,
                    tokens_per_s_per_gpu=throughput, fits=feasible and memory.total <= cluster.usable_bytes,
                    feasible=feasible)

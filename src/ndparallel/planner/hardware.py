@@ -1,22 +1,33 @@
-"""The machines: how many GPUs, how much memory, how fast they compute and talk.
+"""The machines: how many GPUs of which kind, and which parallel axes cross nodes.
 
-Defaults describe an H100/H200-class node: 8 GPUs joined by NVLink (450 GB/s per direction per GPU),
-one 400 Gb/s InfiniBand NIC per GPU between nodes (50 GB/s), 989 dense bf16 TFLOP/s per GPU of which
-about half is achievable in training (the 0.5 "model FLOP utilisation" is a rule of thumb for eager
-PyTorch with fused attention; calibrate it on your machines).
+``Cluster`` holds the GPU (a ``gpus.GpuSpec``: memory, peaks, HBM, links) and the efficiencies its
+kernels reach (``rates.Efficiency``: measured on our H200 unless ``--measure`` timed this GPU). The
+defaults describe nodes of 8 H100 SXM 80GB joined by NVLink, with one 400 Gb/s NIC per GPU; the CLI
+says so when no ``--gpu`` was given.
 
 Which link a parallel axis uses follows from the mesh order ``(dp_replicate, dp_shard, cp, tp)``, outer
 to inner, and from ranks being numbered node by node (rank // gpus_per_node is the node): an axis whose
-every group stays inside one node talks over NVLink, otherwise its collectives are limited by the network.
+every group stays inside one node talks over the node's GPU fabric (NVLink), otherwise its collectives
+are limited by the network, by how the axis talks (``Cluster.link``):
+
+- collectives (all-gather, reduce-scatter, all-reduce): a group with k members on each node crosses the
+  network on k NICs at once (NCCL runs one ring per NIC; each member's NIC carries 1/k of the data), so
+  min(in-node, k x network) per GPU: an FSDP group of whole nodes gets 8 x 50 GB/s, the replicas of
+  HSDP (one member per node) 50 GB/s;
+- point-to-point rings (ring CP): every step waits for the one transfer that crosses a node, on one NIC;
+- all-to-all (alltoall CP): each GPU sends the share meant for other nodes on its own NIC.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 from ndparallel.errors import ConfigError
-from ndparallel.layout import Layout
+from ndparallel.layout import AXES, Layout
+from ndparallel.planner.gpus import DEFAULT_GPU, GPUS, GpuSpec
+from ndparallel.planner.rates import H200_EFFICIENCY, Efficiency, Rates
 
 GIB = 1024**3
 GB = 1e9
@@ -32,21 +43,16 @@ GROUP_AXES = {
 
 @dataclass(frozen=True)
 class Cluster:
-    """GPUs, their memory and speeds. Bandwidths are GB/s (1e9 bytes) per GPU per direction."""
+    """Nodes of identical GPUs. Bandwidths are GB/s (1e9 bytes) per GPU per direction."""
 
     nodes: int = 1
     gpus_per_node: int = 8
-    device_memory_gib: float = 80.0
-    intra_node_gbps: float = 450.0
-    """NVLink bandwidth per GPU per direction (H100/H200 NVLink 4: 900 GB/s both ways)."""
-    inter_node_gbps: float = 50.0
-    """Network bandwidth per GPU per direction (one 400 Gb/s NIC per GPU)."""
-    peak_tflops: float = 989.0
-    """Dense bf16 peak per GPU (H100/H200 SXM). fp32 runs at 67/989 of it (perf.FP32_RATE: TF32 is off)."""
-    efficiency: float = 0.5
-    """Fraction of peak the model's matmuls and attention achieve (rule of thumb; calibrate)."""
-    hbm_gbps: float = 3350.0
-    """Device memory bandwidth, GB/s (H100 SXM 3350, H200 4800): the rate of recomputed elementwise ops."""
+    gpu: GpuSpec = field(default_factory=lambda: GPUS[DEFAULT_GPU])
+    efficiency: Efficiency = H200_EFFICIENCY
+    measured: bool = False
+    """``efficiency`` was measured on this GPU (``--measure``) rather than taken from the H200."""
+    device_memory_gib: float | None = None
+    """Overrides the GPU's memory (GiB); ``gpu.memory_gib`` is the memory in use."""
     intra_latency_us: float = 15.0
     """Fixed cost of one collective inside a node."""
     inter_latency_us: float = 40.0
@@ -57,19 +63,20 @@ class Cluster:
     headroom: float = 0.9
     """A plan fits when its total is at most this fraction of device memory."""
     overlap: float = 0.8
-    """Fraction of compute time that can hide FSDP/HSDP traffic (issued on side streams, prefetched)."""
+    """Fraction of a phase's compute time that can hide the FSDP/HSDP traffic issued during it (side
+    streams, prefetch); an assumption: no multi-GPU machine was lent to measure it."""
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a whole number >= 1")
-        for name in ("device_memory_gib", "intra_node_gbps", "inter_node_gbps", "peak_tflops", "hbm_gbps"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name}={getattr(self, name)!r} must be > 0")
-        for name in ("efficiency", "headroom"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ConfigError(f"{name}={getattr(self, name)!r} must be in (0, 1]")
+        if self.device_memory_gib is not None:
+            if not self.device_memory_gib > 0:
+                raise ConfigError(f"device_memory_gib={self.device_memory_gib!r} must be > 0")
+            object.__setattr__(self, "gpu", self.gpu.with_overrides(memory_gib=float(self.device_memory_gib)))
+        if not 0 < self.headroom <= 1:
+            raise ConfigError(f"headroom={self.headroom!r} must be in (0, 1]")
         if not 0 <= self.overlap <= 1:
             raise ConfigError(f"overlap={self.overlap!r} must be in [0, 1]")
 
@@ -79,27 +86,73 @@ class Cluster:
 
     @property
     def usable_bytes(self) -> float:
-        return self.headroom * self.device_memory_gib * GIB
+        return self.headroom * self.gpu.memory_gib * GIB
 
-    def link(self, crosses_nodes: bool) -> tuple[float, float]:
-        """(bandwidth in bytes/s, latency in s) of the link a group uses."""
-        if crosses_nodes:
-            return self.inter_node_gbps * GB, self.inter_latency_us * 1e-6
-        return self.intra_node_gbps * GB, self.intra_latency_us * 1e-6
+    @functools.cached_property
+    def rates(self) -> Rates:
+        return Rates(self.gpu, self.efficiency, self.measured)
+
+    def link_gbps(self, crosses_nodes: bool, per_node: int = 1, pattern: str = "collective", size: int = 2) -> float:
+        """Datasheet GB/s per GPU for traffic of ``pattern`` ('collective', 'p2p', 'alltoall') in a group of
+        ``size`` with ``per_node`` members on each node (module docstring)."""
+        intra, inter = self.gpu.intra_node_gbps, self.gpu.inter_node_gbps
+        if not crosses_nodes:
+            return intra
+        if pattern == "collective":
+            return min(intra, per_node * inter)
+        if pattern == "alltoall":
+            off_node = (size - per_node) / max(size - 1, 1)  # share of a GPU's all-to-all bytes that leave the node
+            return min(intra, inter / off_node)
+        return inter
+
+    def link(self, crosses_nodes: bool, per_node: int = 1, pattern: str = "collective",
+             size: int = 2) -> tuple[float, float]:
+        """(bytes/s achieved per GPU, latency of one call in s) for a group's traffic."""
+        latency = self.inter_latency_us if crosses_nodes else self.intra_latency_us
+        gbps = self.link_gbps(crosses_nodes, per_node, pattern, size)
+        return gbps * GB * self.efficiency.collective, latency * 1e-6
+
+    def link_name(self, crosses_nodes: bool, per_node: int = 1, pattern: str = "collective", size: int = 2) -> str:
+        """The link in words, with the datasheet speed the estimate used: what reasons quote."""
+        if not crosses_nodes:
+            return f"the in-node GPU links ({self.gpu.intra_node_gbps:g} GB/s)"
+        gbps = self.link_gbps(True, per_node, pattern, size)
+        how = ""
+        if pattern == "collective" and per_node > 1:
+            how = f" on {per_node} NICs per node"
+        elif pattern == "alltoall":
+            how = f": {(size - per_node) / max(size - 1, 1):.0%} of it leaves the node, each GPU on its own NIC"
+        elif pattern == "p2p":
+            how = ": each ring step waits for the one transfer between nodes"
+        return f"the network ({gbps:g} GB/s per GPU{how})"
+
+
+def group_size(layout: Layout, group: str) -> int:
+    """Ranks in one group of ``group`` ('tp', 'cp', 'fsdp', 'dp_replicate')."""
+    sizes = dict(zip(AXES, layout.shape))
+    return math.prod(sizes[axis] for axis in GROUP_AXES[group])
 
 
 @functools.lru_cache(maxsize=4096)
-def groups_cross_nodes(layout: Layout, gpus_per_node: int) -> dict[str, bool]:
-    """For each communicating group ('tp', 'cp', 'fsdp', 'dp_replicate'): does any of its groups hold
-    ranks of two nodes? Ranks are numbered node by node, so rank // gpus_per_node is the node.
-    (Cached: the planner asks once per candidate; callers must not modify the returned dict.)"""
+def group_placement(layout: Layout, gpus_per_node: int) -> dict[str, tuple[bool, int]]:
+    """For each communicating group ('tp', 'cp', 'fsdp', 'dp_replicate'): (does any of its groups hold ranks
+    of two nodes, the fewest members one of its groups has on one node). Ranks are numbered node by node,
+    so rank // gpus_per_node is the node. (Cached; callers must not modify the returned dict.)"""
     out = {}
     for name, axes in GROUP_AXES.items():
-        size = 1
-        for axis in axes:
-            size *= dict(zip(("dp_replicate", "dp_shard", "cp", "tp"), layout.shape))[axis]
+        size = group_size(layout, name)
         if size == 1:
-            out[name] = False
+            out[name] = (False, 1)
             continue
-        out[name] = any(len({rank // gpus_per_node for rank in group}) > 1 for group in layout.groups(axes))
+        crosses, per_node = False, size
+        for group in layout.groups(axes):
+            nodes = [rank // gpus_per_node for rank in group]
+            crosses = crosses or len(set(nodes)) > 1
+            per_node = min(per_node, min(nodes.count(n) for n in set(nodes)))
+        out[name] = (crosses, per_node)
     return out
+
+
+def groups_cross_nodes(layout: Layout, gpus_per_node: int) -> dict[str, bool]:
+    """For each communicating group: does any of its groups hold ranks of two nodes?"""
+    return {name: crosses for name, (crosses, _) in group_placement(layout, gpus_per_node).items()}

@@ -23,9 +23,10 @@ Depending on the moment:
                       layer running and the one prefetched (+ the tied embedding's root unit).
     grads             fp32 sharded gradients: none until backward reduces them (the previous step's were
                       freed by ``zero_grad(set_to_none=True)``), 4 * T_local at the optimizer step; with
-                      accumulation and grad_sync 'every', all of them from the second micro-batch on
-    accumulated_grads only with accumulation that reduces on the last micro-batch: FSDP keeps every
-                      unsharded gradient in fp32 between micro-batches, 4 * T_tp
+                      accumulation and gradient_sync 'every_micro_batch' (the default: reduce-scatter every
+                      micro-batch), all of them from the second micro-batch on
+    accumulated_grads only with accumulation and gradient_sync 'last_micro_batch' (nothing reduced before the last
+                      micro-batch): every FSDP unit keeps its unsharded fp32 gradient, 4 * T_tp
     activations       what forward kept (activations.py): all layers + embedding + head
     transient         what the moment adds on top
 Each unit's gradient reduction (FSDP ``foreach_reduce``) allocates an fp32 reduce-scatter input of the
@@ -48,10 +49,9 @@ it): reduce(x) = 4x * (1 + 1/f) (+ 4x when f = 1). The moments:
     overhead          fixed: CUDA context, NCCL, fragmentation (Cluster.overhead_gib)
 
 ``allocated`` (everything but the overhead) is what ``torch.cuda.max_memory_allocated`` measures; on the
-H200 it is within 0.01% of every measured world-1 case (1B and 3B, three checkpointing modes, sequences
-of 2k to 128k tokens, LoRA), see ``benchmarks/planner_validation.md``. torch.compile (the trainer's
-``compile`` option and the compiled loss) fuses away elementwise temporaries the model counts: it
-overestimates compiled runs (by 12-18% for the 1B and 3B on the H200).
+H200 it is within 0.01% of every measured world-1 eager case (1B and 3B, three checkpointing modes,
+sequences of 2k to 128k tokens, LoRA), see ``benchmarks/planner_validation.md``; with torch.compile
+(``Workload.compile``) within 5% (activations.py says what compile changes).
 """
 
 from __future__ import annotations
@@ -145,7 +145,8 @@ def cp_buffer_bytes(model: ModelShape, layout: Layout, seq: int, b: int, e: int)
 
 
 def memory_moments(model: ModelShape, layout: Layout, workload: Workload, *, micro_batch: int = 1,
-                   activation_checkpointing: str | None = None, accumulation: int = 1, grad_sync: str = "last",
+                   activation_checkpointing: str | None = None, accumulation: int = 1,
+                   gradient_sync: str = "every_micro_batch",
                    cluster: Cluster | None = None) -> dict[str, MemoryEstimate]:
     """Memory of one GPU at each moment of a step that can peak (``MOMENTS``; module docstring)."""
     mode = activation_checkpointing or workload.ac_modes[0]
@@ -182,9 +183,9 @@ def memory_moments(model: ModelShape, layout: Layout, workload: Workload, *, mic
         w_layer = 2 * layer_w + (vocab_w if model.tied else 0.0)
 
     accumulating = accumulation > 1
-    acc = 4 * trainable_tp if accumulating and grad_sync == "last" else 0.0
-    earlier = grads_all if accumulating and grad_sync == "every" else 0.0
-    acts = activation_bytes(model, layout, workload.seq_len, b, mode, e, rank)
+    acc = 4 * trainable_tp if accumulating and gradient_sync == "last_micro_batch" else 0.0
+    earlier = grads_all if accumulating and gradient_sync == "every_micro_batch" else 0.0
+    acts = activation_bytes(model, layout, workload.seq_len, b, mode, e, rank, workload.compile)
     kept = acts.layers + acts.embedding + acts.head
     logits = e * n * v / t
     held_head_grad = e * vocab_tp if model.tied and not rank else 0.0  # lm_head's share of the tied gradient
@@ -203,7 +204,7 @@ def memory_moments(model: ModelShape, layout: Layout, workload: Workload, *, mic
     grads_head = 4 * head_trainable / f
 
     rows = {  # moment: (working params, grads, accumulated grads, activations, transient)
-        "loss": (w_forward, earlier, acc, kept, loss_peak(model, layout, workload.seq_len, b, e)),
+        "loss": (w_forward, earlier, acc, kept, loss_peak(model, layout, workload.seq_len, b, e, workload.compile)),
         "head backward": (w_forward, earlier, acc, kept, head),
         "layer backward": (w_layer, earlier + grads_head, acc, kept,
                            logits + held_head_grad + max(layer_backward, layer_reduce)),
@@ -219,14 +220,14 @@ def memory_moments(model: ModelShape, layout: Layout, workload: Workload, *, mic
 
 
 def estimate_memory(model: ModelShape, layout: Layout, workload: Workload, *, micro_batch: int = 1,
-                    activation_checkpointing: str | None = None, accumulation: int = 1, grad_sync: str = "last",
-                    cluster: Cluster | None = None) -> MemoryEstimate:
+                    activation_checkpointing: str | None = None, accumulation: int = 1,
+                    gradient_sync: str = "every_micro_batch", cluster: Cluster | None = None) -> MemoryEstimate:
     """Peak memory of one GPU training ``model`` on ``layout``: the largest of ``memory_moments``.
 
     ``activation_checkpointing`` defaults to the workload's mode ('none' when the workload says 'auto');
-    ``accumulation`` micro-batches per step with ``grad_sync`` 'last' keep unsharded fp32 gradients.
+    ``accumulation`` micro-batches per step with ``gradient_sync`` 'last_micro_batch' keep unsharded fp32 gradients.
     """
     moments = memory_moments(model, layout, workload, micro_batch=micro_batch,
                              activation_checkpointing=activation_checkpointing, accumulation=accumulation,
-                             grad_sync=grad_sync, cluster=cluster)
+                             gradient_sync=gradient_sync, cluster=cluster)
     return max(moments.values(), key=lambda m: m.allocated)

@@ -16,15 +16,15 @@ import math
 from typing import Any, NamedTuple
 
 from ndparallel.errors import ConfigError
-from ndparallel.layout import CP_METHODS, Layout
+from ndparallel.layout import AXES, CP_METHODS, Layout
 from ndparallel.planner.candidates import Knobs, knob_choices, valid_layouts
 from ndparallel.planner.evaluate import PlanRow, evaluate
+from ndparallel.planner.gpus import DEFAULT_GPU, GPUS, GpuSpec, gpu_preset, preset_for_device_name
 from ndparallel.planner.hardware import GIB, Cluster
 from ndparallel.planner.reasons import add_reasons
 from ndparallel.planner.shapes import ModelShape, load_model_shape
 from ndparallel.planner.workload import Workload
 
-_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 AXIS_PENALTY = 0.01
 
 
@@ -51,8 +51,8 @@ def plan(model: ModelShape | str | Any, cluster: Cluster, workload: Workload, *,
     model = load_model_shape(model)
     layouts = valid_layouts(model, cluster.world_size, workload.seq_len, workload.cp_methods)
     for axis, size in (constraints or {}).items():
-        if axis not in _AXES:
-            raise ConfigError(f"constraint {axis!r} is not an axis; use {', '.join(_AXES)}")
+        if axis not in AXES:
+            raise ConfigError(f"constraint {axis!r} is not an axis; use {', '.join(AXES)}")
         layouts = [lay for lay in layouts if getattr(lay, axis) == size]
     if not layouts:
         raise ConfigError(
@@ -64,10 +64,10 @@ def plan(model: ModelShape | str | Any, cluster: Cluster, workload: Workload, *,
     for layout in layouts:
         feasible = workload.rows % layout.batch_size == 0
         knobs = knob_choices(workload.rows // layout.batch_size, workload.micro_batch_sizes, workload.ac_modes,
-                             workload.grad_sync) if feasible else []
+                             workload.gradient_sync_modes) if feasible else []
         if not knobs:
             feasible = False
-            knobs = [Knobs(1, 1, mode, "last") for mode in workload.ac_modes]
+            knobs = [Knobs(1, 1, mode, workload.gradient_sync_modes[0]) for mode in workload.ac_modes]
         candidates[layout] = [evaluate(model, layout, workload, cluster, k, feasible=feasible) for k in knobs]
     rows = sorted((_pick(xs) for xs in candidates.values()), key=_order)
     add_reasons(rows, candidates, model, cluster, workload)
@@ -79,18 +79,33 @@ class LayoutChoice(NamedTuple):
     reason: str
 
 
+def local_gpu() -> GpuSpec:
+    """The preset of this machine's first CUDA device (its memory as reported), else the default preset."""
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        spec = preset_for_device_name(props.name, props.total_memory / GIB)
+        if spec is not None:
+            return spec
+    return GPUS[DEFAULT_GPU]
+
+
 def best_layout(model: ModelShape | str | Any, world_size: int, seq_len: int, *, gpus_per_node: int | None = None,
-                device_memory_gib: float = 80.0, micro_batch_size: int = 1, global_batch_rows: int | None = None,
-                precision: str = "bf16", activation_checkpointing: str = "auto", lora_rank: int | None = None,
+                device_memory_gib: float | None = None, gpu: GpuSpec | str | None = None, micro_batch_size: int = 1,
+                global_batch_rows: int | None = None, precision: str = "bf16", activation_checkpointing: str = "auto",
+                lora_rank: int | None = None, compile: bool = False, gradient_sync: str = "every_micro_batch",
                 cp_methods: tuple[str, ...] = CP_METHODS, cp_comm_strategy: str | None = None,
                 constraints: dict[str, int] | None = None) -> LayoutChoice:
     """The layout to train on ``world_size`` GPUs (for ``dp_shard_size: auto``), and a one-line reason.
 
     ``model`` is a ModelShape, a preset name, a config path or a transformers config (what the trainer has).
-    ``cp_comm_strategy`` is the one CP method the run is configured with (the trainer's setting); it
-    replaces ``cp_methods``. Always a valid layout for ``world_size``: when nothing fits in memory, the
-    leanest one, saying so. ``gpus_per_node`` defaults to min(world_size, 8); the global batch to
-    ``micro_batch_size`` rows per GPU. Unpacks as ``layout, reason``.
+    ``gpu`` is a preset name or spec; None: this machine's CUDA device when it has one (``local_gpu``), else
+    the default preset; ``device_memory_gib`` overrides its memory. ``cp_comm_strategy`` is the one CP
+    method the run is configured with (the trainer's setting); it replaces ``cp_methods``. Always a valid
+    layout for ``world_size``: when nothing fits in memory, the leanest one, saying so. ``gpus_per_node``
+    defaults to min(world_size, 8); the global batch to ``micro_batch_size`` rows per GPU. Unpacks as
+    ``layout, reason``.
     """
     model = load_model_shape(model)
     if cp_comm_strategy is not None:
@@ -100,10 +115,13 @@ def best_layout(model: ModelShape | str | Any, world_size: int, seq_len: int, *,
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size={world_size!r} must be a whole number >= 1")
     per_node = math.gcd(world_size, gpus_per_node or min(world_size, 8))
-    cluster = Cluster(nodes=world_size // per_node, gpus_per_node=per_node, device_memory_gib=device_memory_gib)
+    spec = gpu_preset(gpu) if isinstance(gpu, str) else (gpu or local_gpu())
+    cluster = Cluster(nodes=world_size // per_node, gpus_per_node=per_node, gpu=spec,
+                      device_memory_gib=device_memory_gib)
     workload = Workload(seq_len=seq_len, global_batch_rows=global_batch_rows or micro_batch_size * world_size,
                         micro_batch_sizes=(micro_batch_size,), precision=precision,
-                        activation_checkpointing=activation_checkpointing, lora_rank=lora_rank, cp_methods=cp_methods)
+                        activation_checkpointing=activation_checkpointing, lora_rank=lora_rank, cp_methods=cp_methods,
+                        compile=compile, gradient_sync=gradient_sync)
     rows = plan(model, cluster, workload, constraints=constraints)
     best = rows[0]
     lay = best.layout
@@ -112,10 +130,10 @@ def best_layout(model: ModelShape | str | Any, world_size: int, seq_len: int, *,
         sizes += f" ({lay.cp_comm_strategy})"
     setting = f"activation_checkpointing={best.activation_checkpointing}"
     if best.fits:
-        reason = (f"{sizes}, {setting}: {best.memory.total / GIB:.1f} GiB of {cluster.usable_bytes / GIB:.1f} usable, "
-                  f"~{best.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, best of {len(rows)} layouts")
+        reason = (f"{sizes}, {setting}: {best.memory.total / GIB:.1f} GiB of {cluster.usable_bytes / GIB:.1f} usable "
+                  f"on {cluster.gpu.name}, ~{best.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, best of {len(rows)} layouts")
     else:
         hint = "" if activation_checkpointing in ("auto", "full") else " or allow activation checkpointing"
-        reason = (f"{sizes}, {setting}: nothing fits in {device_memory_gib:g} GiB; this is the leanest layout "
+        reason = (f"{sizes}, {setting}: nothing fits in {cluster.gpu.memory_gib:g} GiB; this is the leanest layout "
                   f"({best.memory.total / GIB:.1f} GiB); use more GPUs or a shorter sequence{hint}")
     return LayoutChoice(layout=lay, reason=reason)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ndparallel.layout import Layout
 from ndparallel.planner.activations import activation_bytes
+from ndparallel.planner.comm import AxisComm
 from ndparallel.planner.evaluate import PlanRow
 from ndparallel.planner.hardware import GB, GIB, Cluster, groups_cross_nodes
 from ndparallel.planner.shapes import ModelShape
@@ -18,8 +19,8 @@ def _gb(x: float) -> str:
     return f"{x / GB:.1f} GB" if x >= 0.1 * GB else f"{x / 1e6:.0f} MB"
 
 
-def _link(cross: bool, cluster: Cluster) -> str:
-    return f"the {cluster.inter_node_gbps:g} GB/s network" if cross else f"NVLink ({cluster.intra_node_gbps:g} GB/s)"
+def _link(comm: AxisComm, cluster: Cluster) -> str:
+    return cluster.link_name(comm.crosses_nodes, comm.per_node, comm.pattern, comm.size)
 
 
 def fit_reason(row: PlanRow, cluster: Cluster, workload: Workload) -> str:
@@ -35,8 +36,8 @@ def fit_reason(row: PlanRow, cluster: Cluster, workload: Workload) -> str:
     where = f"peak at {mem.transient_kind}"
     if row.fits:
         return (f"fits: {_gib(mem.total)} of {_gib(usable)} usable ({cluster.headroom:.0%} of "
-                f"{cluster.device_memory_gib:g} GiB), {where}")
-    return (f"does not fit: needs {mem.total / GIB:.0f} GiB of {cluster.device_memory_gib:g} "
+                f"{cluster.gpu.memory_gib:g} GiB), {where}")
+    return (f"does not fit: needs {mem.total / GIB:.0f} GiB of {cluster.gpu.memory_gib:g} "
             f"({_gib(usable)} usable); {mem.summary()}")
 
 
@@ -66,42 +67,48 @@ def axis_reasons(row: PlanRow, model: ModelShape, cluster: Cluster, workload: Wo
         tp = row.comm["tp"]
         if cross["tp"]:
             out.append(f"tp {t} spans nodes: its per-layer all-gathers and reduce-scatters ({_gb(tp.bytes)}/step) "
-                       f"cross {_link(True, cluster)}, {tp.seconds:.2f} s exposed")
+                       f"cross {_link(tp, cluster)}, {tp.seconds:.2f} s exposed")
         elif multi_node:
-            out.append(f"tp {t} kept inside a node ({cluster.gpus_per_node} GPUs/node): its per-layer all-gathers "
-                       f"({_gb(tp.bytes)}/step, {tp.seconds:.2f} s exposed) would cross {_link(True, cluster)}")
+            half = max(t // 2, 1)  # the same group split over two nodes
+            bandwidth, latency = cluster.link(True, half)
+            across = tp.bytes / bandwidth + tp.collectives * latency
+            out.append(f"tp {t} kept inside a node ({cluster.gpus_per_node} GPUs/node): its per-layer collectives "
+                       f"({_gb(tp.bytes)}/step) take {tp.seconds:.2f} s exposed on {_link(tp, cluster)}; split "
+                       f"over two nodes they would take {across:.2f} s on {cluster.link_name(True, half)}")
         else:
-            out.append(f"tp {t} over NVLink: {_gb(tp.bytes)}/step of per-layer collectives, {tp.seconds:.2f} s exposed")
+            out.append(f"tp {t} on {_link(tp, cluster)}: {_gb(tp.bytes)}/step of per-layer collectives, "
+                       f"{tp.seconds:.2f} s exposed")
     if c > 1:
         out.append(_cp_reason(row, workload, cluster, context))
         cp = row.comm["cp"]
         method = lay.cp_comm_strategy
         if method == "ring":
-            out.append(f"ring cp sends {_gb(cp.bytes)}/step of K/V blocks over {_link(cross['cp'], cluster)}, "
+            out.append(f"ring cp sends {_gb(cp.bytes)}/step of K/V blocks over {_link(cp, cluster)}, "
                        f"overlapped with each block's attention ({row.time.exposed_comm_s.get('cp', 0):.2f} s exposed)")
         elif method == "allgather":
-            out.append(f"allgather cp: {_gb(cp.bytes)}/step, exposed; keeps the whole row's K/V and a "
-                       f"{workload.seq_len // c} x {workload.seq_len} mask per layer and computes every score "
-                       f"(no causal skip)")
+            out.append(f"allgather cp: each layer gathers the whole row's K/V ({_gb(cp.bytes)}/step over "
+                       f"{_link(cp, cluster)}, {cp.seconds:.2f} s exposed) and keeps it for backward")
         else:
             out.append(f"alltoall cp: 4 all-to-alls per layer each way ({_gb(cp.bytes)}/step, exposed) over "
-                       f"{_link(cross['cp'], cluster)}")
+                       f"{_link(cp, cluster)}")
     if r > 1:
         rep = row.comm["dp_replicate"]
         if cross["dp_replicate"]:
-            out.append(f"dp_replicate {r} across nodes: one gradient all-reduce per reduction crosses the network "
-                       f"({_gb(rep.bytes)}/step, {rep.seconds:.2f} s, overlapped with backward)")
+            out.append(f"dp_replicate {r} across nodes: one gradient all-reduce per step, on the last micro-batch, "
+                       f"crosses {_link(rep, cluster)} ({_gb(rep.bytes)}/step, {rep.seconds:.2f} s, overlapped "
+                       f"with that micro-batch's backward)")
         else:
-            out.append(f"dp_replicate {r} inside a node: gradient all-reduce {_gb(rep.bytes)}/step on NVLink")
+            out.append(f"dp_replicate {r} inside a node: gradient all-reduce {_gb(rep.bytes)}/step on "
+                       f"{_link(rep, cluster)}")
     if lay.fsdp_size > 1:
         f = row.comm["fsdp"]
         parts = f"dp_shard {s} x cp {c}" if c > 1 else f"dp_shard {s}"
         if cross["fsdp"]:
             out.append(f"FSDP over {lay.fsdp_size} GPUs ({parts}) spans nodes: weight all-gathers and gradient "
-                       f"reduce-scatters ({_gb(f.bytes)}/step, {f.seconds:.2f} s) cross the network")
+                       f"reduce-scatters ({_gb(f.bytes)}/step, {f.seconds:.2f} s) cross {_link(f, cluster)}")
         else:
             out.append(f"FSDP shards weights, gradients and AdamW states {lay.fsdp_size} ways ({parts}): "
-                       f"{_gb(f.bytes)}/step on NVLink")
+                       f"{_gb(f.bytes)}/step on {_link(f, cluster)} ({f.seconds:.2f} s, overlapped with compute)")
     return out
 
 
@@ -110,7 +117,7 @@ def knob_reasons(row: PlanRow, siblings: list[PlanRow], cluster: Cluster, model:
     """Why this checkpointing mode and micro-batch, from the other candidates of the same layout."""
     out = []
     mode = row.activation_checkpointing
-    same_b = [x for x in siblings if x.micro_batch == row.micro_batch and x.grad_sync == row.grad_sync]
+    same_b = [x for x in siblings if x.micro_batch == row.micro_batch and x.gradient_sync == row.gradient_sync]
     lighter = {x.activation_checkpointing: x for x in same_b}
     if mode != "none" and "none" in lighter:
         none = lighter["none"]
@@ -125,18 +132,24 @@ def knob_reasons(row: PlanRow, siblings: list[PlanRow], cluster: Cluster, model:
     text = f"micro-batch {row.micro_batch}"
     if row.accumulation > 1:
         text += f" x {row.accumulation} accumulation steps"
-        if row.grad_sync == "last":
-            text += (f"; gradients reduced once per step, so FSDP keeps {_gib(row.memory.accumulated_grads)} of "
-                     f"unsharded fp32 gradients between micro-batches")
-        else:
-            text += "; gradients reduced every micro-batch to keep them sharded (more traffic, less memory)"
+        if row.gradient_sync == "last_micro_batch":
+            text += (f"; gradients reduced on the last micro-batch only, so FSDP keeps "
+                     f"{_gib(row.memory.accumulated_grads)} of unsharded fp32 gradients between micro-batches")
+        elif row.layout.fsdp_size > 1:
+            text += "; FSDP reduce-scatters every micro-batch and keeps only its fp32 shard"
+            if row.layout.dp_replicate > 1:
+                text += ", replicas all-reduce on the last"
     out.append(text)
-    exposed = ", ".join(f"{k} {v:.2f}" for k, v in row.time.exposed_comm_s.items() if v > 0.0005)
-    text = f"step {row.step_s:.2f} s: compute {row.time.compute_s:.2f} s"
-    if row.time.memory_bound_s > 0.0005:
-        text += f" + memory-bound {row.time.memory_bound_s:.2f} s (recomputation, CP reorders)"
-    out.append(text + (f" + exposed comm ({exposed} s)" if exposed else ""))
+    out.append(time_reason(row))
     return out
+
+
+def time_reason(row: PlanRow) -> str:
+    """Where the step's time goes, largest parts first."""
+    parts = sorted(((v, k.replace("_", " ")) for k, v in row.time.parts.items() if v > 0.0005), reverse=True)
+    text = f"step {row.step_s:.2f} s: " + " + ".join(f"{name} {v:.2f}" for v, name in parts)
+    exposed = ", ".join(f"{k} {v:.2f}" for k, v in row.time.exposed_comm_s.items() if v > 0.0005)
+    return text + (f" + exposed comm ({exposed})" if exposed else "") + " s"
 
 
 def add_reasons(rows: list[PlanRow], candidates: dict[Layout, list[PlanRow]], model: ModelShape, cluster: Cluster,

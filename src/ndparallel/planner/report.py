@@ -5,7 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from ndparallel.planner.evaluate import PlanRow
-from ndparallel.planner.hardware import GIB
+from ndparallel.planner.gpus import DEFAULT_GPU
+from ndparallel.planner.hardware import GIB, Cluster
+from ndparallel.planner.shapes import ModelShape
+from ndparallel.planner.workload import Workload
 
 _COLUMNS = ("#", "dp_rep", "dp_shard", "cp", "tp", "cp method", "micro x acc", "AC", "sync", "GiB/GPU", "fits",
             "step s", "tok/s/GPU", "exposed comm s")
@@ -19,10 +22,37 @@ def _cells(i: int, row: PlanRow) -> list[str]:
         str(i), str(lay.dp_replicate), str(lay.dp_shard), str(lay.cp), str(lay.tp),
         lay.cp_comm_strategy if lay.cp > 1 else "-",
         f"{row.micro_batch} x {row.accumulation}", row.activation_checkpointing,
-        row.grad_sync if row.accumulation > 1 else "-",
+        row.gradient_sync.split("_")[0] if row.accumulation > 1 else "-",  # every / last
         f"{row.memory.total / GIB:.1f}", fits, f"{row.step_s:.2f}", f"{row.tokens_per_s_per_gpu:,.0f}",
         f"{exposed:.2f}",
     ]
+
+
+def header(model: ModelShape, cluster: Cluster, workload: Workload, *, gpu_given: bool = True) -> str:
+    """What was planned for, and where the speeds come from (and what is assumed)."""
+    gpu = cluster.gpu
+    options = [workload.precision] + [name for name, on in (("compile", workload.compile), ("fp8", workload.fp8))
+                                      if on]
+    if workload.lora_rank:
+        options.append(f"LoRA r={workload.lora_rank}")
+    if workload.doc_len:
+        options.append(f"packed documents of {workload.doc_len} tokens")
+    lines = [f"{model.name}: {model.params / 1e9:.2f}B parameters on {cluster.nodes} x {cluster.gpus_per_node} "
+             f"{gpu.name} ({gpu.memory_gib:g} GiB), {workload.rows} rows x {workload.seq_len} tokens per step, "
+             + ", ".join(options)]
+    if cluster.measured:
+        lines.append(f"kernel speeds: {cluster.efficiency.source}")
+    else:
+        lines.append("kernel speeds: fractions of the datasheet peaks measured on our H200 "
+                     f"({cluster.efficiency.source})")
+        if not gpu_given:
+            lines.append(f"no --gpu given: assuming {DEFAULT_GPU} ({GPUS_NOTE}); name yours with --gpu or --measure")
+        if gpu.arch != "hopper":
+            lines.append(f"{gpu.name} is not a Hopper GPU: those fractions are a guess there; --measure on one")
+    return "\n".join(lines)
+
+
+GPUS_NOTE = "8 per node on NVLink, 400 Gb/s network per GPU"
 
 
 def format_table(rows: list[PlanRow], top: int = 10, reasons_for: int = 3) -> str:

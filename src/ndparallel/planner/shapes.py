@@ -12,6 +12,7 @@ Parameter counts, with h hidden, q = heads x head_dim, kv = kv_heads x head_dim,
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import asdict, dataclass, fields
@@ -19,6 +20,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from ndparallel.errors import ConfigError
+from ndparallel.models import presets
 
 # Linear layers LoRA adapts ("all-linear"): each gets A (r x in) and B (out x r).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -67,6 +69,7 @@ class ModelShape:
         """Width of the key (and of the value) projection: kv_heads x head_dim."""
         return self.kv_heads * self.head_dim
 
+    @functools.cache  # noqa: B019 (shapes are few, immutable and hashable)
     def layer_split_params(self) -> int:
         """Parameters of one layer that tensor parallelism splits (all linears and q/k/v biases)."""
         h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
@@ -75,6 +78,7 @@ class ModelShape:
             n += q + 2 * kv
         return n
 
+    @functools.cache  # noqa: B019 (shapes are few, immutable and hashable)
     def layer_replicated_params(self) -> int:
         """Parameters of one layer every tp rank holds whole (norm weights)."""
         return 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
@@ -96,14 +100,17 @@ class ModelShape:
         """All parameters."""
         return self.layers * self.layer_params() + self.embedding_params + self.head_params + self.hidden
 
+    @functools.cache  # noqa: B019 (shapes are few, immutable and hashable)
     def split_params(self) -> int:
         """Parameters tensor parallelism splits: layer linears, embedding (vocab-parallel), lm_head."""
         return self.layers * self.layer_split_params() + self.embedding_params + self.head_params
 
+    @functools.cache  # noqa: B019 (shapes are few, immutable and hashable)
     def replicated_params(self) -> int:
         """Parameters held whole by every tp rank: the norms."""
         return self.layers * self.layer_replicated_params() + self.hidden
 
+    @functools.cache  # noqa: B019 (shapes are few, immutable and hashable)
     def matmul_params(self) -> int:
         """Weights used in matrix products per token: layer linears and the output projection (tied or not).
 
@@ -191,23 +198,16 @@ class ModelShape:
         return LlamaConfig(**common, attention_bias=False)
 
 
-PRESETS: dict[str, ModelShape] = {
-    # Llama-3.2-1B
-    "llama-1b": ModelShape(vocab=128256, hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8,
-                           head_dim=64, tied=True, name="llama-1b"),
-    # Llama-3.2-3B
-    "llama-3b": ModelShape(vocab=128256, hidden=3072, intermediate=8192, layers=28, heads=24, kv_heads=8,
-                           head_dim=128, tied=True, name="llama-3b"),
-    # Llama-3.1-8B
-    "llama-8b": ModelShape(vocab=128256, hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
-                           head_dim=128, tied=False, name="llama-8b"),
-    # Llama-3.1-70B
-    "llama-70b": ModelShape(vocab=128256, hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8,
-                            head_dim=128, tied=False, name="llama-70b"),
-    # The test suite's model (tests/scenarios.py): small enough to measure on a CPU.
-    "tiny": ModelShape(vocab=256, hidden=64, intermediate=128, layers=2, heads=8, kv_heads=8, head_dim=8,
-                       tied=False, name="tiny"),
-}
+def preset_shape(name: str) -> ModelShape | None:
+    """The shape of a preset of ``models/presets.py`` ('8b' or 'llama-8b'), or None."""
+    key = presets.canonical_name(name)
+    if key is None:
+        return None
+    return ModelShape.from_hf_config(presets.PRESETS[key], name=presets.display_name(key))
+
+
+# Every preset by the name the planner prints (llama-1b ... llama-405b, tiny, byte-tiny); both spellings load.
+PRESETS: dict[str, ModelShape] = {presets.display_name(key): preset_shape(key) for key in presets.PRESETS}
 
 
 def load_model_shape(spec: "str | dict | ModelShape | Any") -> ModelShape:
@@ -220,8 +220,9 @@ def load_model_shape(spec: "str | dict | ModelShape | Any") -> ModelShape:
     if not isinstance(spec, str):
         return ModelShape.from_hf_config(spec)
     text = spec.strip()
-    if text in PRESETS:
-        return PRESETS[text]
+    shape = preset_shape(text)
+    if shape is not None:
+        return shape
     if text.startswith("{"):
         try:
             return ModelShape.from_dict(json.loads(text), name="inline")
@@ -240,6 +241,6 @@ def load_model_shape(spec: "str | dict | ModelShape | Any") -> ModelShape:
                 ) from None
         return ModelShape.from_hf_config(data, name=os.path.basename(os.path.dirname(os.path.abspath(path))))
     raise ConfigError(
-        f"model={spec!r} is not a preset ({', '.join(PRESETS)}), a directory with config.json, a config file "
+        f"model={spec!r} is not a preset ({presets.choices()}), a directory with config.json, a config file "
         f"or inline JSON; pass one of those"
     )

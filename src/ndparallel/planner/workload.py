@@ -9,7 +9,12 @@ from ndparallel.layout import CP_METHODS
 from ndparallel.parallel.checkpointing import MODES as AC_MODES
 
 PRECISIONS = ("bf16", "fp32")
-GRAD_SYNC = ("auto", "last", "every")
+# Gradient sync under accumulation, named as the trainer's ``gradient_sync`` setting. 'every_micro_batch' (the
+# default): FSDP reduce-scatters every micro-batch and keeps only its fp32 shard; replicas (dp_replicate)
+# all-reduce once, on the last micro-batch. 'last_micro_batch': nothing is reduced until the last micro-batch;
+# every FSDP unit keeps its full unsharded fp32 gradient in between. 'auto' lets the planner try both.
+GRAD_SYNC_MODES = ("every_micro_batch", "last_micro_batch")
+GRAD_SYNC = ("auto", *GRAD_SYNC_MODES)
 
 
 @dataclass(frozen=True)
@@ -35,16 +40,23 @@ class Workload:
     optimizer state), adapters on all seven linears of each layer."""
     cp_methods: tuple[str, ...] = CP_METHODS
     """CP methods to consider when cp > 1."""
-    grad_sync: str = "auto"
-    """With gradient accumulation: 'last' reduces gradients on the last micro-batch only (FSDP keeps
-    unsharded fp32 gradients in between), 'every' reduces each micro-batch, 'auto' considers both."""
+    gradient_sync: str = "auto"
+    """With gradient accumulation: 'every_micro_batch' (reduce-scatter every micro-batch, replicas all-reduce on the
+    last), 'last_micro_batch' (reduce on the last micro-batch only; full fp32 gradients kept), 'auto' tries both."""
+    compile: bool = False
+    """torch.compile of each decoder layer and of the loss (the trainer's ``compile`` option)."""
+    fp8: bool = False
+    """float8 matmuls (tensorwise scales) in the decoder layers' linears; lm_head stays bf16."""
+    doc_len: int | None = None
+    """Packed rows of documents this long on average (attention does not cross documents); None: each row
+    is one sequence of seq_len tokens."""
 
     def __post_init__(self) -> None:
         if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
             raise ConfigError(f"seq_len={self.seq_len!r} must be a whole number of tokens >= 1")
         if (self.global_batch_rows is None) == (self.global_batch_tokens is None):
             raise ConfigError("give exactly one of global_batch_rows or global_batch_tokens (e.g. --global-batch 64)")
-        for name in ("global_batch_rows", "global_batch_tokens", "lora_rank"):
+        for name in ("global_batch_rows", "global_batch_tokens", "lora_rank", "doc_len"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name}={value!r} must be a whole number >= 1")
@@ -60,8 +72,10 @@ class Workload:
         bad = [m for m in self.cp_methods if m not in CP_METHODS]
         if bad or not self.cp_methods:
             raise ConfigError(f"cp_methods={self.cp_methods!r} must be a non-empty subset of {', '.join(CP_METHODS)}")
-        if self.grad_sync not in GRAD_SYNC:
-            raise ConfigError(f"grad_sync={self.grad_sync!r} must be one of {', '.join(GRAD_SYNC)}")
+        if self.gradient_sync not in GRAD_SYNC:
+            raise ConfigError(f"gradient_sync={self.gradient_sync!r} must be one of {', '.join(GRAD_SYNC)}")
+        if self.fp8 and self.precision != "bf16":
+            raise ConfigError("fp8 matmuls need precision='bf16' (mixed precision); drop --fp8 or use bf16")
 
     @property
     def rows(self) -> int:
@@ -78,6 +92,15 @@ class Workload:
     def compute_bytes(self) -> int:
         """Bytes per element of activations and gathered weights."""
         return 2 if self.precision == "bf16" else 4
+
+    @property
+    def attended_keys(self) -> int:
+        """Keys a query attends to at most: the document length of packed rows, else the row."""
+        return min(self.doc_len, self.seq_len) if self.doc_len else self.seq_len
+
+    @property
+    def gradient_sync_modes(self) -> tuple[str, ...]:
+        return GRAD_SYNC_MODES if self.gradient_sync == "auto" else (self.gradient_sync,)
 
     @property
     def ac_modes(self) -> tuple[str, ...]:

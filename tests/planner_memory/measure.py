@@ -1,5 +1,8 @@
 """Measure the activation memory this implementation keeps, on any device, for small models.
 
+Test and benchmark code (tests/multirank/test_planner_measure.py, benchmarks/planner_measure.py), not part of
+the library: it builds and runs whole models through ``ndparallel.parallelize``.
+
 Two counts over one forward (with the loss) of a model parallelized by ``ndparallel.parallelize``:
 
 - ``layer_saved``: bytes of the unique storages autograd saves for backward inside the last decoder layer
@@ -27,9 +30,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from ndparallel._compat import TorchDispatchMode, tree_leaves
 from ndparallel.planner.shapes import ModelShape
 
 

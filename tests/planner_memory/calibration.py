@@ -1,4 +1,4 @@
-"""Measured memory against the planner's predictions.
+"""Measured memory against the planner's predictions (test and benchmark code, outside the library).
 
 A measurement row (a dict, as stored in ``measurements.json``) names the case and the quantity measured:
 
@@ -19,7 +19,7 @@ Quantities and the prediction each is compared with:
                            vs ``activations.loss_peak``
     peak_allocated         ``torch.cuda.max_memory_allocated`` over training steps (optimizer step
                            included) vs ``estimate_memory(...).allocated``; optional keys: accumulation,
-                           grad_sync, lora_rank
+                           gradient_sync, lora_rank
     peak_total             device memory in use including context (e.g. nvidia-smi)
                            vs ``estimate_memory(...).total``; optional key: overhead_gib
 
@@ -85,7 +85,8 @@ def predict_memory(row: dict[str, Any]) -> MemoryEstimate:
                         lora_rank=row.get("lora_rank"))
     cluster = Cluster(overhead_gib=row.get("overhead_gib", Cluster.overhead_gib))
     return estimate_memory(model, layout, workload, micro_batch=b, activation_checkpointing=mode,
-                           accumulation=accumulation, grad_sync=row.get("grad_sync", "last"), cluster=cluster)
+                           accumulation=accumulation, gradient_sync=row.get("gradient_sync", "every_micro_batch"),
+                           cluster=cluster)
 
 
 def compare_to_measurements(rows: list[dict[str, Any]]) -> list[tuple[str, float, float, float]]:

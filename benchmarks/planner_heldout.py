@@ -1,0 +1,269 @@
+"""The planner against published multi-GPU training results it was not fitted to (held-out check).
+
+    PYTHONPATH=src python benchmarks/planner_heldout.py            # prints the table
+    PYTHONPATH=src python benchmarks/planner_heldout.py --write    # and rewrites benchmarks/planner_heldout.md
+
+Every number in ``PUBLISHED`` is copied from the source named on its row (torchtitan's benchmark pages;
+read 2026-12-01). None of them was used to set any planner constant: those come from our own H200
+measurements (``benchmarks/planner_fit_h200.py``) and from datasheets (``planner/gpus.py``). The
+hardware of each source is described with the source's own words (GPU model, memory, HBM bandwidth,
+power limit, network); where a source gives a range (the 500 W H100s' peak lies "between SXM and NVL"),
+the middle of it is used.
+
+For each row: the planner's tokens/s per GPU for the published layout and settings (micro-batch = the
+published local batch, no accumulation), the ratio predicted / published, the planner's peak memory
+beside the published one (torchtitan logs ``max_reserved``: the caching allocator's reservation, which
+is 10-35% above what is allocated on our H200 runs), and the layout the planner recommends for the same
+GPUs, global batch and settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+
+from ndparallel.errors import ConfigError
+from ndparallel.layout import AXES
+from ndparallel.planner.gpus import GPUS
+from ndparallel.planner.hardware import GIB, Cluster
+from ndparallel.planner.plan import plan
+from ndparallel.planner.shapes import load_model_shape
+from ndparallel.planner.workload import Workload
+
+TT = "https://github.com/pytorch/torchtitan/blob/main/"
+H100_DEC24 = TT + "benchmarks/llama3_h100_202412_torchtitan.md"
+ASYNC_TP = TT + "benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"
+H200_TRAINY = TT + "benchmarks/llama3_8b_h200_2025-06_torchtitan.md"
+A100_PERF = TT + "docs/performance.md"
+
+# Meta's Grand Teton H100 (both H100 pages): H100 SXM with 96 GB HBM2e at 2.4 TB/s, 500 W power limit ("peak
+# between SXM and NVL": 989 and 835 TFLOP/s bf16 -> 912), NVLink in the host, 400 Gb/s RDMA per GPU.
+GRAND_TETON = GPUS["h100-sxm"].with_overrides(memory_gib=94.5, hbm_gbps=2400.0, bf16_tflops=912.0,
+                                              fp8_tflops=1824.0)
+
+
+@dataclass(frozen=True)
+class Published:
+    source: str
+    table: str
+    model: str
+    gpu: object
+    gpus: int
+    layout: tuple[int, int, int, int]
+    local_batch: int
+    seq: int
+    ac: str
+    """Our checkpointing mode closest to theirs (torchtitan's per-op selective -> 'selective')."""
+    compile: bool
+    fp8: bool
+    tokens_per_s: float
+    memory_gib: float | None
+    cp_method: str = "allgather"
+    """PyTorch's experimental CP all-gathers K/V and merges blockwise: ndparallel's allgather method."""
+
+
+PUBLISHED = [
+    Published(H100_DEC24, "Table 1", "llama-8b", GRAND_TETON, 8, (1, 8, 1, 1), 2, 8192, "selective", False, False,
+              5762, 82.4),
+    Published(H100_DEC24, "Table 1", "llama-8b", GRAND_TETON, 8, (1, 8, 1, 1), 2, 8192, "selective", True, False,
+              6667, 77.0),
+    Published(H100_DEC24, "Table 1", "llama-8b", GRAND_TETON, 8, (1, 8, 1, 1), 2, 8192, "selective", True, True,
+              8532, 76.8),
+    Published(H100_DEC24, "Table 2", "llama-8b", GRAND_TETON, 8, (1, 8, 1, 1), 1, 32768, "full", True, True,
+              3890, 83.9),
+    Published(H100_DEC24, "Table 2", "llama-8b", GRAND_TETON, 8, (1, 4, 2, 1), 1, 65536, "full", True, True,
+              2540, 84.2),
+    Published(H100_DEC24, "Table 2", "llama-8b", GRAND_TETON, 8, (1, 2, 4, 1), 1, 131072, "full", True, True,
+              1071, 84.0),
+    Published(H100_DEC24, "Table 2", "llama-8b", GRAND_TETON, 8, (1, 1, 8, 1), 1, 262144, "full", True, True,
+              548, 84.5),
+    Published(H100_DEC24, "Table 3", "llama-8b", GRAND_TETON, 128, (1, 128, 1, 1), 2, 8192, "selective", False,
+              False, 5605, 67.0),
+    Published(H100_DEC24, "Table 3", "llama-8b", GRAND_TETON, 128, (1, 128, 1, 1), 2, 8192, "selective", True,
+              False, 6514, 62.0),
+    Published(H100_DEC24, "Table 3", "llama-8b", GRAND_TETON, 128, (1, 128, 1, 1), 2, 8192, "selective", True,
+              True, 8380, 61.8),
+    Published(H100_DEC24, "Table 4", "llama-70b", GRAND_TETON, 256, (1, 32, 1, 8), 16, 8192, "full", True, True,
+              829, 71.9),
+    Published(ASYNC_TP, "70B vanilla TP, bf16", "llama-70b", GRAND_TETON, 256, (1, 32, 1, 8), 16, 8192, "full",
+              True, False, 597.3, None),
+    Published(ASYNC_TP, "70B vanilla TP, float8 tensorwise", "llama-70b", GRAND_TETON, 256, (1, 32, 1, 8), 16,
+              8192, "full", True, True, 809.8, None),
+    Published(ASYNC_TP, "8B vanilla TP, bf16", "llama-8b", GRAND_TETON, 64, (1, 8, 1, 8), 12, 8192, "selective",
+              True, False, 4378, None),
+    Published(ASYNC_TP, "8B vanilla TP, float8 tensorwise", "llama-8b", GRAND_TETON, 64, (1, 8, 1, 8), 12, 8192,
+              "selective", True, True, 5078.1, None),
+    Published(H200_TRAINY, "4 nodes", "llama-8b", GPUS["h200"], 32, (1, 32, 1, 1), 2, 8192, "selective", True,
+              True, 10938, 47.96),
+    Published(H200_TRAINY, "8 nodes", "llama-8b", GPUS["h200"], 64, (1, 64, 1, 1), 2, 8192, "selective", True,
+              True, 10753, 46.97),
+    Published(A100_PERF, "Llama 3, selective op", "llama-8b", GPUS["a100-80gb"], 64, (1, 64, 1, 1), 1, 8192,
+              "selective", False, False, 2973, None),
+    Published(A100_PERF, "Llama 3, full", "llama-70b", GPUS["a100-80gb"], 64, (1, 64, 1, 1), 1, 8192, "full",
+              False, False, 331, None),
+]
+
+NOT_EXPRESSIBLE = [
+    (H100_DEC24, "Table 5 and 6: Llama 3.1 405B with pipeline parallelism (PP 8)",
+     "ndparallel has no pipeline parallelism, so the planner cannot express these runs"),
+    (ASYNC_TP, "async TP rows", "ndparallel's tensor parallelism is synchronous; async TP overlaps the collectives"),
+    (ASYNC_TP, "float8 rowwise rows", "the planner models tensorwise float8 scales only"),
+    (A100_PERF, "8B selective layer AC", "checkpointing every other layer is not one of ndparallel's modes"),
+]
+
+
+def cluster_for(row: Published) -> Cluster:
+    per_node = min(row.gpus, 8)
+    return Cluster(nodes=row.gpus // per_node, gpus_per_node=per_node, gpu=row.gpu)
+
+
+def workload_for(row: Published) -> Workload:
+    data_ranks = row.layout[0] * row.layout[1]
+    return Workload(seq_len=row.seq, global_batch_rows=row.local_batch * data_ranks,
+                    micro_batch_sizes=(row.local_batch,), activation_checkpointing=row.ac, compile=row.compile,
+                    fp8=row.fp8, cp_methods=(row.cp_method,))
+
+
+def evaluate(row: Published) -> dict:
+    model = load_model_shape(row.model)
+    cluster, work = cluster_for(row), workload_for(row)
+    fixed = plan(model, cluster, work, constraints=dict(zip(AXES, row.layout)))[0]
+    free = plan(model, cluster, Workload(**{**work.__dict__, "micro_batch_sizes": (1, 2, 4, 8, 16),
+                                            "activation_checkpointing": "auto", "cp_methods": ("allgather", "ring",
+                                                                                               "alltoall")}))
+    return {"row": row, "planned": fixed, "ratio": fixed.tokens_per_s_per_gpu / row.tokens_per_s,
+            "memory_gib": fixed.memory.total / GIB, "best": free[0]}
+
+
+def _layout(shape) -> str:
+    return "x".join(map(str, shape))
+
+
+def markdown(results: list[dict]) -> str:
+    lines = ["| source | model, GPUs | layout r x s x c x t | batch x seq | AC | compile | fp8 | published tok/s/GPU | "
+             "predicted | ratio | published GiB (reserved) | predicted GiB | fits | planner's pick |",
+             "|---|---|---|---|---|---|---|---:|---:|---:|---:|---:|---|---|"]
+    for r in results:
+        p, row, best = r["row"], r["planned"], r["best"]
+        pick = _layout(best.layout.shape) + (f" {best.layout.cp_comm_strategy}" if best.layout.cp > 1 else "")
+        pick += f", b {best.micro_batch} x {best.accumulation}, AC {best.activation_checkpointing}"
+        mem = f"{p.memory_gib:.1f}" if p.memory_gib else "-"
+        lines.append(f"| [{p.table}]({p.source}) | {p.model}, {p.gpus} | {_layout(p.layout)} | {p.local_batch} x "
+                     f"{p.seq} | {p.ac} | {'yes' if p.compile else 'no'} | {'yes' if p.fp8 else 'no'} | "
+                     f"{p.tokens_per_s:,.0f} | {row.tokens_per_s_per_gpu:,.0f} | {r['ratio']:.2f} | {mem} | "
+                     f"{r['memory_gib']:.1f} | {'yes' if row.fits else 'no'} | {pick} |")
+    return "\n".join(lines)
+
+
+INTRO = """# The planner against published multi-GPU results (held out)
+
+Generated by `PYTHONPATH=src python benchmarks/planner_heldout.py --write`. Every published number below is
+copied from the page linked on its row (torchtitan's benchmark pages and performance doc, read 2026-12-01).
+None was used to set a planner constant: those come from our own H200 measurements
+(`benchmarks/planner_fit_h200.py`, `benchmarks/results/`) and from datasheets (`src/ndparallel/planner/gpus.py`).
+The hardware of each row is described in its source's words: Meta's Grand Teton H100s are H100 SXM with
+96 GB HBM2e at 2.4 TB/s under a 500 W power limit, whose peak the source puts "between SXM and NVL"
+(989 and 835 TFLOP/s bf16), so 912 is used; the Trainy H200s are the `h200` preset with 400 Gb/s per
+GPU; the A100s are the `a100-80gb` preset (network not stated: 200 Gb/s per GPU assumed).
+
+What the planner predicts is **ndparallel's** step on that hardware and layout. The published runs are
+torchtitan's, so the ratio mixes the model's error with the two implementations' differences; the
+sections below say which is which where we can tell.
+
+Columns: the published layout and settings (micro-batch = local batch, no accumulation; torchtitan's
+per-op selective checkpointing mapped to ndparallel's `selective`); published tokens/s per GPU; the
+planner's prediction for that layout; the ratio predicted / published; memory: torchtitan logs the
+caching allocator's **reserved** peak (`max_reserved`), the planner predicts what is allocated plus a
+2 GiB overhead, so the two are not the same quantity (on our H200 the reservation is 10-35% above the
+allocated peak) and no published row reports allocated memory; the layout, micro-batch x accumulation
+and checkpointing the planner recommends for the same GPUs, global batch and compile/fp8 settings.
+
+"""
+
+ANALYSIS = """
+## Where the model is right, where it is wrong, and why
+
+**Dense FSDP / HSDP / TP, 8B-70B (15 rows).** Ratios 0.91-1.27: 14 within 25%, one outside (Table 3,
+compiled bf16, 1.27). Eager rows come out within 10% (0.96-1.09), compiled bf16 rows 1.18-1.27 (too
+fast), float8 rows 0.91-1.12. Known causes, none corrected:
+
+- torchtitan's per-op selective checkpointing recomputes every other matmul (its policy saves half of
+  the `mm` outputs); ndparallel's selective mode saves all of them, so the planner charges ~1/7 less
+  matmul work than the published runs did. Alone this explains most of the compiled-bf16 excess.
+- The 500 W power cap slows matmul-heavy steps more than the middle-of-the-range peak assumes; compiled
+  steps are more matmul-bound than eager ones (eager rows match, compiled rows are fast).
+- Float8: the planner's float8 model (matmul rate and cast traffic) rests on one H200 measurement of a
+  3B model (+7.8%); torchtitan's float8 runs also all-gather in float8 (FSDP and TP), which the planner
+  does not model, and its casts may cost less than counted.
+- Multi-node FSDP rows (Trainy H200 1.10-1.12, Table 3) depend on the corrected network model (below).
+
+**Context parallel (Table 2, 4 rows): wrong, 1.49-2.98x too fast.** The planner's drop of tokens/s from
+32k to 256k tokens is 3.6x against the published 7.1x. The step is dominated by attention at these
+lengths, and the planner runs CP blocks at the rate of SDPA's cuDNN kernel measured on our H200 at one
+GPU, while both torchtitan's CP (PyTorch's experimental context parallel) and ndparallel's ring/allgather
+blocks call aten's FlashAttention-2 kernel (`_compat.attention_forward_with_lse`), which is markedly
+slower on Hopper; the block kernel has not been timed on the H200 yet (`Efficiency.block_attention` is
+None: "as fast as SDPA's"). `benchmarks/planner_selfcheck.py` times it (`planner_probe.json`); with it in
+`benchmarks/results/h200_planner_probe.json`, `planner_fit_h200.py` takes it as measured and this page
+can be regenerated. Until then the CP rows fail the 35% bound. The published runs also compute the
+merges in fp32 (`convert_to_f32`) and round-robin load balancing, which the planner's CP-merge traffic
+covers only roughly.
+
+**Memory.** No source reports allocated memory, so the 15% criterion has no row to apply to. Beside
+the reserved figures: the 8B FSDP rows (76 and 74 GiB predicted vs 82.4 and 77.0 reserved) are in the
+expected relation; the long-sequence and TP rows are far below the published reservations because
+torchtitan's loss materializes float32 logits (16 GB at 32k tokens of a 128k vocabulary) that
+ndparallel's chunked loss never makes. The 8B TP 8, local batch 12 row (`fits: no`, 90 GiB): ndparallel's
+selective checkpointing keeps the full-width outputs of the row-parallel `o_proj` and `down_proj` before
+their reduce-scatter (measured on CPU, `tests/planner_memory`), 2 x h elements per token and layer where
+the reduce-scattered output would be 2 x h / 8; the planner is right that *ndparallel* would not fit there in that
+mode (it recommends another layout instead). Saving the reduce-scattered output instead is a fix for
+`parallel/checkpointing.py`, not for the planner.
+
+**Recommended layouts.** For the 8B at sequence 8192 on 8, 32, 64 (H200 and A100) and 128 GPUs the
+planner's pick (last column) is the published layout, FSDP over all GPUs (on 8 and 128 H100s it prefers
+micro-batch 1 x 2 without checkpointing to micro-batch 2 with it). For the other problems it picks a
+layout it predicts faster, which the pages cannot confirm or refute (they publish one layout per
+problem): 70B on 256 H100s, FSDP 128 x TP 2 with selective checkpointing and accumulation 4 instead of
+TP 8 (ndparallel's TP collectives are exposed: 5 s of a 22-23 s step at TP 8); 70B on 64 A100s, FSDP 16
+x TP 4; 8B at local batch 12 on 64 GPUs, FSDP 32 x TP 2; long sequences, alltoall CP over all 8 GPUs
+(the planner expects SDPA's kernel on whole rows, where ring and allgather blocks run the slower one).
+
+**Changes made after first seeing these numbers** (each a modelling error with a physical cause, none a
+constant set from them): a group that spans nodes with k members per node crosses the network on k NICs
+(NCCL runs one ring per NIC), not one; ring CP and all-to-all traffic keep their own rules; the float8
+cast of an input shared by q/k/v (and gate/up) is counted once (the compiled layer computes it once).
+The first moved the multi-node rows from 0.74-0.83 to 0.96-1.12; the float8 change moved the float8
+rows by up to 5%.
+
+## What the planner cannot express
+
+"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args()
+    results = []
+    for row in PUBLISHED:
+        try:
+            results.append(evaluate(row))
+        except ConfigError as exc:
+            print(f"{row.table}: {exc}", file=sys.stderr)
+    table = markdown(results)
+    print(table)
+    for r in results:
+        print(f"{r['row'].table:36s} {r['ratio']:.2f}  " + " | ".join(r["planned"].reasons[-1:]))
+    missing = "\n".join(f"- [{what}]({url}): {why}" for url, what, why in NOT_EXPRESSIBLE)
+    if args.write:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "planner_heldout.md")
+        with open(path, "w") as f:
+            f.write(INTRO + table + "\n" + ANALYSIS + missing + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""The work one GPU does in a training step, part by part, in seconds (communication apart: comm.py).
+
+Notation: b rows per micro-batch, S = seq_len, c = cp, t = tp, s = S/c tokens a rank holds, n = b*s the
+tokens of its matmuls (tensor parallelism gathers the sequence before each column-parallel linear), e
+bytes per compute element, h hidden, q = heads x head_dim, kv = kv_heads x head_dim, i intermediate, V
+vocab, L layers, d head_dim, D the keys a query sees (the row, or the document of packed rows).
+
+linear      the seven linears of each layer, (n x K) @ (K x N) with the tp-split widths, forward,
+            input gradient and weight gradient (``Rates.gemm_s`` per product; fp8 in the layers with
+            ``Workload.fp8``); lm_head (n x h) @ (h x V/t) the same; full checkpointing repeats the
+            forward. LoRA: no weight gradient for the frozen base, plus each adapter's two thin products.
+attention   flash attention, 4*d FLOPs per visible (query, key) pair and head in forward, backward
+            counted as twice that; visible pairs per row S(S+1)/2, or S(D+1)/2 for packed documents of
+            D tokens; a rank computes 1/c of them (every CP method balances the causal work: ``context.py``
+            gives each rank two mirrored chunks; alltoall splits the heads). Query rows per kernel call:
+            D without CP and with alltoall, S/(2c) for ring and allgather blocks, which run the aten flash
+            kernel (``_compat.attention_forward_with_lse``: ``Efficiency.block_attention``) where plain and
+            alltoall attention go through SDPA (cuDNN on Hopper). Full checkpointing repeats the forward;
+            selective keeps the kernel's output. Packed rows are modelled as the document-aware kernels of
+            the CP attention rewrite compute them (no work across documents).
+pointwise   the eager elementwise ops of a layer, bytes per token of the rank (``layer_pointwise_bytes``),
+            three passes (forward, and backward at twice the forward's traffic), a fourth when
+            checkpointing recomputes the forward; torch.compile runs them in ``compiled_pointwise`` of the
+            eager time. fp8 adds its casts; CP adds its merges and reorders (``cp_bytes``).
+loss        the chunked cross-entropy over n x V/t logits: 78 bytes per logit eager (forward: upcast, max,
+            subtract, exp, sum; backward: upcast, subtract, exp, scale, scatter, downcast, copy), 10 compiled
+            (one read forward, one read and one write backward, and the copy into the gradient).
+fsdp_copies FSDP2 copies into and out of its collective buffers, even on one rank: per all-gather
+            (6/f + 4) bytes per gathered parameter (fp32 shard cast into the bf16 input, output copied out),
+            per reduction (6 + 8/f) per trainable one (bf16 gradient into the fp32 input, the output
+            divided/accumulated); gathered once per micro-batch, twice when units are resharded after
+            forward. With gradient_sync 'last_micro_batch' each micro-batch but the last adds its bf16
+            gradient into the unsharded fp32 one instead of reducing it: 10 bytes per trainable parameter.
+optimizer   fused AdamW (28 bytes per local trainable parameter: read p, g, m, v, write p, m, v) and the
+            gradient clipping (12: a norm read, a scale read and write), once per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ndparallel.layout import Layout
+from ndparallel.planner.activations import kv_width_allgather, kv_width_alltoall
+from ndparallel.planner.memory import local_params, lora_params
+from ndparallel.planner.rates import Rates
+from ndparallel.planner.shapes import ModelShape
+from ndparallel.planner.workload import Workload
+
+KINDS = ("linear", "attention", "pointwise", "loss", "fsdp_copies", "optimizer")
+LOSS_BYTES_PER_LOGIT = {False: 78, True: 10}  # eager, compiled (bf16 logits)
+ADAMW_BYTES, CLIP_BYTES = 28, 12
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch's shape on one rank."""
+
+    model: ModelShape
+    layout: Layout
+    workload: Workload
+    rows: int
+    activation_checkpointing: str
+
+    @property
+    def tokens(self) -> int:
+        """n: tokens in the rank's matmuls."""
+        return self.rows * (self.workload.seq_len // self.layout.cp)
+
+    @property
+    def recompute(self) -> bool:
+        return self.activation_checkpointing != "none"
+
+
+def _linear_shapes(m: ModelShape, t: int) -> list[tuple[float, float]]:
+    """(K, N) of each linear of a layer on one tp rank: q, k, v, o, gate, up, down."""
+    h, q, kv, i = m.hidden, m.q_dim, m.kv_dim, m.intermediate
+    return [(h, q / t), (h, kv / t), (h, kv / t), (q / t, h), (h, i / t), (h, i / t), (i / t, h)]
+
+
+def linear_s(mb: MicroBatch, rates: Rates) -> float:
+    m, t, n, w = mb.model, mb.layout.tp, mb.tokens, mb.workload
+    base = "fp32" if w.precision == "fp32" else "bf16"
+    layer = "fp8" if w.fp8 else base
+    forward = backward = 0.0
+    for k, out in _linear_shapes(m, t):
+        forward += rates.gemm_s(n, out, k, layer)
+        backward += rates.gemm_s(n, k, out, layer)  # input gradient
+        if w.lora_rank:
+            r = w.lora_rank
+            forward += rates.gemm_s(n, r, k, base) + rates.gemm_s(n, out, r, base)
+            backward += 2 * (rates.gemm_s(n, k, r, base) + rates.gemm_s(n, r, out, base))
+        else:
+            backward += rates.gemm_s(k, out, n, layer)  # weight gradient
+    head_f = rates.gemm_s(n, m.vocab / t, m.hidden, base)
+    head_b = head_f * (1 if w.lora_rank else 2)
+    layers = m.layers * (forward * (2 if mb.activation_checkpointing == "full" else 1) + backward)
+    return layers + head_f + head_b
+
+
+def attention_pairs(seq: int, keys: int) -> float:
+    """Visible (query, key) pairs of one causal row of ``seq`` tokens made of documents of ``keys`` tokens."""
+    return seq * (keys + 1) / 2
+
+
+def attention_s(mb: MicroBatch, rates: Rates) -> float:
+    m, lay, w = mb.model, mb.layout, mb.workload
+    c, t = lay.cp, lay.tp
+    keys = w.attended_keys
+    flops = 4 * m.head_dim * (m.heads / t) * mb.rows * attention_pairs(w.seq_len, keys) / c
+    rows = keys if c == 1 or lay.cp_comm_strategy == "alltoall" else min(keys, w.seq_len // (2 * c))
+    fp32 = w.precision == "fp32"
+    blocks = c > 1 and lay.cp_comm_strategy != "alltoall"
+    forward = rates.attention_s(flops, m.head_dim, rows, backward=False, fp32=fp32, blocks=blocks)
+    backward = rates.attention_s(flops, m.head_dim, rows, backward=True, fp32=fp32, blocks=blocks)
+    return m.layers * (forward * (2 if mb.activation_checkpointing == "full" else 1) + backward)
+
+
+def layer_pointwise_bytes(m: ModelShape, t: int, e: int) -> float:
+    """Bytes the eager elementwise ops of one layer's forward move per token of the rank.
+
+    Counted from transformers' Llama layer: each RMSNorm (upcast, square, mean, scale, downcast, weight:
+    24 + 4e bytes per element) and residual add (3e) on the sequence-parallel shard (1/t of the tokens);
+    rotary on q and k (10e: two products, a negation, a concatenation, a sum); the attention output's
+    transpose copy (2e per q element); SiLU and the gate-up product (5e per intermediate element).
+    """
+    h, q, kv, i = m.hidden, m.q_dim, m.kv_dim, m.intermediate
+    norms_residuals = (2 * (24 + 4 * e) + 2 * 3 * e) * h / t
+    qk_norm = (24 + 4 * e) * (q + kv) / t if m.qk_norm else 0.0
+    return norms_residuals + qk_norm + (10 * e * (q + kv) + 2 * e * q + 5 * e * i) / t
+
+
+def fp8_cast_bytes(mb: MicroBatch) -> float:
+    """Per layer: the float8 casts of the linears' operands (tensorwise scales, torchao). Each distinct
+    input is cast once (q/k/v share theirs, so do gate/up: the compiled layer computes the identical cast
+    once), (2e + 1) bytes per element (amax read, scaled cast: read and write), and again as a transposed
+    copy for the weight gradient (2 bytes); each output gradient (2e + 1 + 2); each weight every
+    micro-batch, forward and transposed. Full checkpointing repeats the forward casts."""
+    m, t, e, n = mb.model, mb.layout.tp, mb.workload.compute_bytes, mb.tokens
+    inputs = n * (2 * m.hidden + (m.q_dim + m.intermediate) / t)  # attention input, o, MLP input, down
+    grads = n * sum(out for _, out in _linear_shapes(m, t))
+    weights = sum(k * out for k, out in _linear_shapes(m, t))
+    forward = (2 * e + 1) * (inputs + weights) * (2 if mb.activation_checkpointing == "full" else 1)
+    return forward + 2 * (inputs + weights) + (2 * e + 3) * grads
+
+
+def cp_bytes(mb: MicroBatch) -> float:
+    """Per layer: CP's own memory traffic. ring: (2c + 1) blocks per rank, each output and log-sum-exp
+    merged into fp32 accumulators and the fp32 dQ/dK/dV sums, about 10 passes over 4*b*(q/t)*(s/2) bytes
+    per block, plus each block's K/V expanded to the query heads under grouped-query attention (4 copies
+    of e*b*(s/2)*q/t); allgather: the gathered K/V reordered and expanded (3 copies forward, 3 backward,
+    6e*b*S*kv'/t each way) and two merges per query chunk; alltoall: reorders before and after each
+    all-to-all, 4e*b*s*(2q + 2kv'')/t."""
+    m, lay, e, b = mb.model, mb.layout, mb.workload.compute_bytes, mb.rows
+    c, t, seq = lay.cp, lay.tp, mb.workload.seq_len
+    if c == 1:
+        return 0.0
+    s = seq // c
+    passes = 2 if mb.activation_checkpointing == "full" else 1  # forward parts are repeated
+    if lay.cp_comm_strategy == "ring":
+        block = 10 * 4 * b * m.q_dim / t * s / 2
+        expand = 4 * e * b * s / 2 * m.q_dim / t if m.kv_heads != m.heads else 0.0
+        return (2 * c + 1) * (block + expand) * (1 + passes) / 2
+    if lay.cp_comm_strategy == "allgather":
+        return 6 * e * b * seq * 2 * kv_width_allgather(m) / t * (1 + passes) / 2 + 2 * 10 * 4 * b * m.q_dim / t * s
+    return 4 * e * b * s * (2 * m.q_dim + 2 * kv_width_alltoall(m, lay)) / t * (1 + passes) / 2
+
+
+def pointwise_s(mb: MicroBatch, rates: Rates) -> float:
+    m, t, e, n = mb.model, mb.layout.tp, mb.workload.compute_bytes, mb.tokens
+    passes = 3 + (1 if mb.recompute else 0)
+    eager = m.layers * layer_pointwise_bytes(m, t, e) * n * passes
+    # embedding: gather forward, fp32 scatter-add of its gradient backward (a full fp32 gradient zeroed)
+    eager += n * m.hidden * (2 * e + 8) / t + 4 * m.vocab * m.hidden / t
+    if mb.workload.fp8:
+        eager += m.layers * fp8_cast_bytes(mb)
+    return rates.pointwise_s(eager, compiled=mb.workload.compile) + rates.stream_s(m.layers * cp_bytes(mb))
+
+
+def loss_s(mb: MicroBatch, rates: Rates) -> float:
+    logits = mb.tokens * mb.model.vocab / mb.layout.tp
+    scale = mb.workload.compute_bytes / 2
+    return rates.stream_s(logits * LOSS_BYTES_PER_LOGIT[mb.workload.compile] * scale)
+
+
+def micro_batch_parts(mb: MicroBatch, rates: Rates) -> dict[str, float]:
+    """Seconds of one micro-batch's forward and backward on one GPU, by kind (no communication)."""
+    return {"linear": linear_s(mb, rates), "attention": attention_s(mb, rates),
+            "pointwise": pointwise_s(mb, rates), "loss": loss_s(mb, rates)}
+
+
+def fsdp_copy_s(model: ModelShape, layout: Layout, workload: Workload, rates: Rates, *,
+                gathers: float, reductions: float, accumulations: float = 0) -> float:
+    """FSDP2's copies into and out of its buffers for ``gathers`` all-gathers, ``reductions`` reductions and
+    ``accumulations`` unsharded accumulations of every unit (module docstring)."""
+    f, t = layout.fsdp_size, layout.tp
+    gathered = model.split_params() / t + model.replicated_params() + lora_params(model, workload.lora_rank) / t
+    trainable = lora_params(model, workload.lora_rank) / t if workload.lora_rank else gathered
+    moved = gathers * gathered * (6 / f + 4) + reductions * trainable * (6 + 8 / f) + accumulations * trainable * 10
+    return rates.stream_s(moved)
+
+
+def optimizer_s(model: ModelShape, layout: Layout, workload: Workload, rates: Rates) -> float:
+    if workload.lora_rank:
+        trainable = lora_params(model, workload.lora_rank) / (layout.tp * layout.fsdp_size)
+    else:
+        trainable = local_params(model, layout)
+    return rates.stream_s(trainable * (ADAMW_BYTES + CLIP_BYTES))
