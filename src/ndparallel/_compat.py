@@ -12,6 +12,11 @@ from typing import Sequence
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+# Observing every aten op (the planner's activation measurement, planner/measure.py): a dispatch mode,
+# and the tensors inside an op's nested outputs. No public equivalent in torch 2.11-2.13.
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
 aten = torch.ops.aten
 
 # ---------------------------------------------------------------------------------------------

@@ -27,9 +27,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from ndparallel._compat import TorchDispatchMode, tree_leaves
 from ndparallel.planner.shapes import ModelShape
 
 
