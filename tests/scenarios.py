@@ -146,8 +146,10 @@ def train_reference(model, batches, *, max_norm: float = 1.0, lora=None) -> dict
 
 
 def train_parallel(family: str, layout: dict, batches, *, model_kwargs: dict | None = None, options: dict | None = None,
-                   max_norm: float = 1.0, lora=None) -> dict:
-    """The same run through ndparallel on this rank's part of ``layout``. Rank 0 returns the full weights."""
+                   max_norm: float = 1.0, lora=None, gradient_sync: str = "every_micro_batch") -> dict:
+    """The same run through ndparallel on this rank's part of ``layout``. Rank 0 returns the full weights.
+
+    ``gradient_sync``: when FSDP reduces the gradients of accumulated micro-batches (``set_gradient_sync``)."""
     topo = ndp.Topology.build(ndp.ParallelismConfig(**layout))
     model = make_model(family, **(model_kwargs or {}))
     ndp.parallelize(model, topo, options=ndp.ParallelOptions(**{"param_dtype": None, **(options or {})}), lora=lora)
@@ -159,7 +161,7 @@ def train_parallel(family: str, layout: dict, batches, *, model_kwargs: dict | N
         n = ndp.count_tokens(sum(b.num_tokens for b in prepared), topo)
         total = 0.0
         for i, batch in enumerate(prepared):
-            ndp.set_gradient_sync(model, i == len(prepared) - 1)
+            ndp.set_gradient_sync(model, i == len(prepared) - 1, mode=gradient_sync)
             logits = model(**batch.model_inputs()).logits
             loss = ndp.token_loss(logits, batch.labels, num_tokens=n, topology=topo)
             loss.backward()

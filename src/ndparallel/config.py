@@ -109,6 +109,11 @@ class TrainConfig(BaseModel):
     """Free gathered parameters after forward (true), keep them (false), or keep them sharded over N ranks."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in CPU memory."""
+    gradient_sync: Literal["every_micro_batch", "last_micro_batch"] = "every_micro_batch"
+    """With gradient_accumulation_steps > 1: every_micro_batch reduce-scatters each micro-batch's gradients
+    into the sharded fp32 gradients (the dp_replicate all-reduce waits for the last); last_micro_batch keeps
+    full unsharded fp32 gradients between micro-batches (4 bytes x parameters / tp more per GPU) for one
+    reduce-scatter per step. The planner calls them 'every' and 'last'."""
 
     # --- parallel layout ----------------------------------------------------------------------------
     dp_replicate_size: int = Field(1, ge=1)

@@ -219,7 +219,8 @@ def run_training(cfg: TrainConfig) -> TrainResult:
     for step in range(state.step, total_steps):
         micro = [prepare_batch(**train_rows.batch(next(batches)), topology=topo, local=True, pad_token_id=pad_id)
                  for _ in range(accum)]
-        step_loss, step_tokens = forward_backward(model, micro, topo, compiled_loss=cfg.torch_compile)
+        step_loss, step_tokens = forward_backward(model, micro, topo, compiled_loss=cfg.torch_compile,
+                                                  gradient_sync=cfg.gradient_sync)
         tokens_since_log += step_tokens
         grad_norm = clip_grad_norm_(trainable, cfg.max_grad_norm)
         if cfg.nan_policy == "skip" and not _finite_everywhere(step_loss, grad_norm, topo):
@@ -297,8 +298,8 @@ def run_training(cfg: TrainConfig) -> TrainResult:
     return TrainResult(steps=state.step, final_loss=final, records=metrics.records, layout=layout)
 
 
-def forward_backward(model, micro_batches: list, topo: Topology, *, compiled_loss: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_backward(model, micro_batches: list, topo: Topology, *, compiled_loss: bool = False,
+                     gradient_sync: str = "every_micro_batch") -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step's forward and backward passes over its micro-batches (gradients summed).
 
     Returns this rank's share of the step loss and its real input tokens, as device tensors (no sync).
@@ -307,7 +308,7 @@ def forward_backward(model, micro_batches: list, topo: Topology, *, compiled_los
     step_loss = torch.zeros((), device=topo.device)
     tokens = torch.zeros((), device=topo.device)
     for i, batch in enumerate(micro_batches):
-        set_gradient_sync(model, i == len(micro_batches) - 1)
+        set_gradient_sync(model, i == len(micro_batches) - 1, mode=gradient_sync)
         logits = model(**batch.model_inputs()).logits
         loss = token_loss(logits, batch.labels, num_tokens=num_targets, topology=topo, compiled=compiled_loss)
         loss.backward()
