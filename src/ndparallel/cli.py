@@ -76,7 +76,7 @@ def _train_worker(cfg) -> int:
         run_training(cfg)
         return 0
     except NdParallelError as exc:
-        if rank == 0:
+        if rank == 0 or getattr(exc, "rank_specific", False):
             _print_error(str(exc))
         return EXIT_USER_ERROR
     except Exception as exc:  # a bug or a failing peer: one line here, the full traceback in a file
