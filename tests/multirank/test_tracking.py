@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from harness import RankFailure, run_ranks
-from trainer_helpers import run_train, tiny_config
+from trainer_helpers import tiny_config
 
 TIMING = ("data_s", "fwd_bwd_s", "optimizer_s", "checkpoint_stall_s", "step_time_s")
 
@@ -52,16 +52,41 @@ def tracked_run(tmp_path_factory):
                          wandb_project="ndp-test", wandb_name="tiny-fsdp2", wandb_run_id="ndptest01",
                          wandb_mode="offline", wandb_log_model="end", wandb_watch="gradients")
     try:
-        records = run_train(2, config)
+        results = run_ranks(2, _train_and_compare_process_state, config)
     finally:
         mp.undo()
-    return Path(config["output_dir"]), records
+    return Path(config["output_dir"]), results
+
+
+def _process_state() -> tuple:
+    import logging
+    import warnings
+
+    import transformers
+
+    return (list(warnings.filters), transformers.logging.get_verbosity(),
+            logging.getLogger("torch.distributed.tensor._redistribute").level)
+
+
+def _train_and_compare_process_state(config: dict):
+    """Train; and the host process's warning filters and log levels are the same after it as before."""
+    from ndparallel.config import parse_config
+    from ndparallel.train import run_training
+
+    before = _process_state()
+    result = run_training(parse_config(config))
+    return result.records, before == _process_state()
+
+
+def test_run_leaves_warning_filters_and_log_levels_as_they_were(tracked_run):
+    _, results = tracked_run
+    assert [same for _, same in results] == [True, True]  # rank 0 and rank 1 (which hid all warnings)
 
 
 def test_tensorboard_gets_metrics_config_and_layout(tracked_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    out, records = tracked_run
+    out, records = tracked_run[0], tracked_run[1][0][0]
     assert len(list((out / "tensorboard").iterdir())) == 1  # rank 0 only
     acc = EventAccumulator(str(out / "tensorboard"))
     acc.Reload()
@@ -75,7 +100,7 @@ def test_tensorboard_gets_metrics_config_and_layout(tracked_run):
 
 
 def test_wandb_offline_run_has_metrics_config_layout_and_model(tracked_run):
-    out, records = tracked_run
+    out, records = tracked_run[0], tracked_run[1][0][0]
     runs = list((out / "wandb").glob("offline-run-*-ndptest01"))
     assert len(runs) == 1 and not list((out / "wandb").glob("*run-*[!1]"))  # one run: rank 0 only
     parsed = wandb_records(next(runs[0].glob("*.wandb")))
@@ -99,7 +124,7 @@ def test_wandb_offline_run_has_metrics_config_layout_and_model(tracked_run):
 
 
 def test_metrics_time_each_phase(tracked_run):
-    _, records = tracked_run
+    records = tracked_run[1][0][0]
     for r in records:
         assert all(isinstance(r[k], float) and r[k] >= 0 for k in TIMING), r
         # on CPU the phases are host time inside the step: they cannot add up to more than it
