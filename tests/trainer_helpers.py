@@ -48,6 +48,7 @@ def tiny_config(tmp: Path, **overrides) -> dict:
         "output_dir": str(tmp / "out"),
         "logging_steps": 1,
         "seed": 1,
+        "use_tensorboard": False,  # ~1 s of import per run; tests/multirank/test_tracking.py turns it on
     }
     config.update(overrides)
     return config
