@@ -6,7 +6,7 @@
 offload: the same 1B-shaped run (5 steps, seq 2048) with and without ``cpu_offload: true``. Passes when the
 offloaded run trains (FSDP2 accepts its CPU parameters), its losses follow the plain run's (bf16 compute:
 relative difference <= 2e-2) and its peak GPU memory is lower.
-oom: an 8B-shaped run that cannot fit one GPU (seq 8192, no activation checkpointing) with
+oom: an 8B-shaped run that cannot fit one GPU (seq 16384, no activation checkpointing) with
 ``cuda_memory_snapshot: true``. Passes when it exits with status 2 and one line naming the step, the
 layout and the planner's suggestion, and the memory snapshot file exists.
 Results: $OUT/trainer_checks.json; one PASS/FAIL line per check.
@@ -33,7 +33,8 @@ def train(config: dict, out: Path, name: str) -> tuple[int, str, list[dict]]:
     config = {**BASE, **config, "output_dir": str(run_dir / "run"), "dataset_prepared_path": str(out / "prepared")}
     path = run_dir / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    proc = subprocess.run([sys.executable, "-m", "ndparallel.cli", "train", str(path)], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "ndparallel.cli", "train", str(path), "--nproc-per-node", "1"],
+                          capture_output=True, text=True)
     (run_dir / "stdout.txt").write_text(proc.stdout)
     (run_dir / "stderr.txt").write_text(proc.stderr)
     metrics = run_dir / "run" / "metrics.jsonl"
@@ -58,7 +59,7 @@ def check_offload(out: Path, tiny: bool = False) -> dict:
 
 
 def check_oom(out: Path) -> dict:
-    code, err, _ = train({"model_shape": "8b", "sequence_len": 8192, "max_steps": 2, "bf16": True,
+    code, err, _ = train({"model_shape": "8b", "sequence_len": 16384, "max_steps": 2, "bf16": True,
                           "cuda_memory_snapshot": True}, out, "oom")
     lines = [line for line in err.splitlines() if line.startswith("ndparallel:")]
     snapshot = out / "oom" / "run" / "logs" / "memory-snapshot-rank0.pickle"
