@@ -10,7 +10,7 @@ _SUFFIXES = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
 def human_count(value: float) -> str:
     """3 significant digits with k/M/G/T: 51081 -> '51.1k', 950 -> '950', 0.1234 -> '0.123'."""
     for scale, suffix in _SUFFIXES:
-        if abs(value) >= scale * 0.9995:  # 999,960 is '1.00M', not '1000k'
+        if abs(value) >= scale * 0.9995:  # 999,960 is '1M', not '1000k'
             return f"{_three_digits(value / scale)}{suffix}"
     return _three_digits(value)
 
