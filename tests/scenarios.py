@@ -108,15 +108,58 @@ def reference_mask(mb: dict, window: int | None = None) -> dict:
     return inputs
 
 
+def plain_targets(labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                  position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Each token's target is the next token's label (-100: none): none at a row's end, before a packed
+    document's start (the next position id is 0) or at padding. Plain torch, not ndparallel's."""
+    if attention_mask is not None:
+        labels = labels.masked_fill(attention_mask == 0, -100)
+    targets = torch.full_like(labels, -100)
+    targets[:, :-1] = labels[:, 1:]
+    if position_ids is not None:
+        targets[:, :-1] = targets[:, :-1].masked_fill(position_ids[:, 1:] == 0, -100)
+    return targets
+
+
 def _labels(mb: dict) -> torch.Tensor:
-    labels = mb["input_ids"]
-    if "attention_mask" in mb:
-        labels = labels.masked_fill(mb["attention_mask"] == 0, ndp.IGNORE_INDEX)
-    return ndp.shift_labels(labels, mb.get("position_ids"))
+    return plain_targets(mb["input_ids"], mb.get("attention_mask"), mb.get("position_ids"))
+
+
+def peft_lora(model, spec):
+    """peft's LoRA with ``spec``'s settings (an ndparallel ``LoraSpec``, read as plain values); the adapters
+    start from ndparallel's seeded values (A; B = 0), so both start at the same point."""
+    from peft import LoraConfig, get_peft_model
+
+    from ndparallel.lora import init_lora_tensor
+
+    peft_model = get_peft_model(model, LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
+                                                  target_modules=spec.target_modules or "all-linear",
+                                                  modules_to_save=spec.modules_to_save or None))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if ".lora_" in name:
+                param.copy_(init_lora_tensor(_from_peft_name(name), tuple(param.shape), spec.seed, param.device))
+    return peft_model
+
+
+def _from_peft_name(name: str) -> str | None:
+    """peft's state-dict name as ndparallel's (transformers' + .lora_A/.lora_B); None for peft's frozen copy."""
+    if ".original_module." in name:
+        return None
+    name = name.removeprefix("base_model.model.").replace(".modules_to_save.default.", ".")
+    return name.replace(".base_layer.", ".").replace(".default.", ".")
+
+
+def train_reference_peft(model, batches, lora, *, max_norm: float = 1.0) -> dict:
+    """``train_reference`` with the adapters made by peft instead of ndparallel's attach_lora."""
+    result = train_reference(peft_lora(model, lora), batches, max_norm=max_norm)
+    result["weights"] = {_from_peft_name(k): v for k, v in result["weights"].items() if _from_peft_name(k)}
+    return result
 
 
 def train_reference(model, batches, *, max_norm: float = 1.0, lora=None) -> dict:
-    """Plain PyTorch, one process: the numbers every layout must reproduce."""
+    """Plain PyTorch, one process: the numbers every layout must reproduce. ``lora``: adapters added by
+    ndparallel's attach_lora (``train_reference_peft`` adds them with peft)."""
     window = getattr(model.config, "sliding_window", None)
     if lora is not None:
         from ndparallel.lora import attach_lora
@@ -130,7 +173,7 @@ def train_reference(model, batches, *, max_norm: float = 1.0, lora=None) -> dict
     losses, norms = [], []
     for step in batches:
         labels = [_labels(mb) for mb in step]
-        n = sum(int((lab != ndp.IGNORE_INDEX).sum()) for lab in labels)
+        n = sum(int((lab != -100).sum()) for lab in labels)
         total = 0.0
         for mb, lab in zip(step, labels):
             logits = model(**reference_mask(mb, window)).logits
@@ -146,8 +189,10 @@ def train_reference(model, batches, *, max_norm: float = 1.0, lora=None) -> dict
 
 
 def train_parallel(family: str, layout: dict, batches, *, model_kwargs: dict | None = None, options: dict | None = None,
-                   max_norm: float = 1.0, lora=None) -> dict:
-    """The same run through ndparallel on this rank's part of ``layout``. Rank 0 returns the full weights."""
+                   max_norm: float = 1.0, lora=None, gradient_sync: str = "every_micro_batch") -> dict:
+    """The same run through ndparallel on this rank's part of ``layout``. Rank 0 returns the full weights.
+
+    ``gradient_sync``: when FSDP reduces the gradients of accumulated micro-batches (``set_gradient_sync``)."""
     topo = ndp.Topology.build(ndp.ParallelismConfig(**layout))
     model = make_model(family, **(model_kwargs or {}))
     ndp.parallelize(model, topo, options=ndp.ParallelOptions(**{"param_dtype": None, **(options or {})}), lora=lora)
@@ -159,7 +204,7 @@ def train_parallel(family: str, layout: dict, batches, *, model_kwargs: dict | N
         n = ndp.count_tokens(sum(b.num_tokens for b in prepared), topo)
         total = 0.0
         for i, batch in enumerate(prepared):
-            ndp.set_gradient_sync(model, i == len(prepared) - 1)
+            ndp.set_gradient_sync(model, i == len(prepared) - 1, mode=gradient_sync)
             logits = model(**batch.model_inputs()).logits
             loss = ndp.token_loss(logits, batch.labels, num_tokens=n, topology=topo)
             loss.backward()

@@ -48,6 +48,7 @@ def tiny_config(tmp: Path, **overrides) -> dict:
         "output_dir": str(tmp / "out"),
         "logging_steps": 1,
         "seed": 1,
+        "use_tensorboard": False,  # ~1 s of import per run; tests/multirank/test_tracking.py turns it on
     }
     config.update(overrides)
     return config
@@ -100,3 +101,60 @@ def _full(value):
 
 def losses(records: list[dict]) -> list[float]:
     return [r["loss"] for r in records]
+
+
+def plain_reference(config: dict) -> dict:
+    """``ndparallel train``'s run at world 1 redone with plain transformers + torch (+ peft for LoRA): the
+    model from ``base_model``, the token-weighted loss over shifted labels with a block-diagonal causal mask
+    for packed documents, AdamW (no decay on 1-D tensors), warm-up then cosine, clipping. Only the data (the
+    packed rows and their order) comes from ndparallel's data pipeline, which tests/unit/test_data_* check.
+    LoRA adapters start from ndparallel's seeded init (B = 0, so the model starts as the base model).
+    Returns per-step losses and gradient norms (before clipping)."""
+    import math
+
+    from transformers import AutoModelForCausalLM
+
+    from ndparallel.config import parse_config
+    from ndparallel.data import DataOrder, DatasetSpec, build_rows_distributed, load_tokenizer
+    from ndparallel.lora import LoraSpec
+    from scenarios import peft_lora, plain_targets, reference_mask
+
+    cfg = parse_config(config)
+    rows, _ = build_rows_distributed([DatasetSpec(**d.model_dump()) for d in cfg.datasets],
+                                     load_tokenizer(cfg.tokenizer_config or cfg.base_model), is_main=True,
+                                     barrier=lambda: None, seq_len=cfg.sequence_len, packing=cfg.sample_packing,
+                                     cache_dir=cfg.dataset_prepared_path, seed=cfg.seed)
+    batches = iter(DataOrder(len(rows), rows_per_rank=cfg.micro_batch_size, batch_rank=0, batch_ranks=1,
+                             seed=cfg.seed))
+    model = AutoModelForCausalLM.from_pretrained(cfg.base_model, attn_implementation="sdpa", dtype=torch.float32)
+    if cfg.adapter == "lora":
+        model = peft_lora(model, LoraSpec.from_config(cfg))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+                             {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
+    warmup, total = cfg.warmup_steps, cfg.max_steps
+
+    def factor(step: int) -> float:  # warm-up, then cosine to 0
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    losses, norms = [], []
+    for _ in range(total):
+        micro = [rows.batch(next(batches)) for _ in range(cfg.gradient_accumulation_steps)]
+        targets = [plain_targets(mb["labels"], mb["attention_mask"], mb["position_ids"]) for mb in micro]
+        count = sum(int((t != -100).sum()) for t in targets)
+        total_loss = 0.0
+        for mb, target in zip(micro, targets):
+            logits = model(**reference_mask(mb)).logits
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum") / count
+            loss.backward()
+            total_loss += loss.item()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)))
+        opt.step()
+        schedule.step()
+        opt.zero_grad()
+        losses.append(total_loss)
+    return {"losses": losses, "grad_norms": norms}

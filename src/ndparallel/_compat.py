@@ -6,12 +6,19 @@ Everything here exists because PyTorch has no public equivalent yet in the versi
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import warnings
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _python_dispatch, _pytree
+
+# Observing every aten op (the planner's activation measurement, planner/measure.py): a dispatch mode,
+# and the tensors inside an op's nested outputs. No public equivalent in torch 2.11-2.13.
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 aten = torch.ops.aten
 
@@ -88,12 +95,35 @@ SDPA_KERNEL_OPS = frozenset({
 })
 
 
-def quiet_redistribute_hints() -> None:
+@contextlib.contextmanager
+def quiet_redistribute_hints() -> Iterator[None]:
     """DTensor logs a performance hint from a private module whenever a norm over two mesh dims is reduced
-    in two steps (the gradient clipping does this once per step); users cannot act on it."""
-    import logging
+    in two steps (the gradient clipping does this once per step); users cannot act on it. Silenced inside
+    the block only; the logger's level is restored after it."""
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+def local_region(t) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global offsets, sizes) of the box of a DTensor's global tensor that this rank holds: the same box
+    distributed checkpointing reads and writes for it (DTensor's checkpoint protocol)."""
+    chunk = t.__create_chunk_list__()[0]
+    return tuple(int(x) for x in chunk.offsets), tuple(int(x) for x in chunk.sizes)
+
+
+def record_memory_history(enabled: bool, max_entries: int = 100_000) -> None:
+    """Start (or stop) recording every CUDA allocation with its stack, for a memory snapshot."""
+    torch.cuda.memory._record_memory_history("all" if enabled else None, max_entries=max_entries)
+
+
+def dump_memory_snapshot(path) -> None:
+    """Write the recorded allocation history (a pickle for pytorch.org/memory_viz)."""
+    torch.cuda.memory._dump_snapshot(str(path))
 
 
 def scale_tensors_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:

@@ -90,7 +90,7 @@ def _train_worker(cfg) -> int:
         run_training(cfg)
         return 0
     except NdParallelError as exc:
-        if rank == 0:
+        if rank == 0 or getattr(exc, "rank_specific", False):
             _print_error(str(exc))
         return EXIT_USER_ERROR
     except Exception as exc:  # a bug or a failing peer: one line here, the full traceback in a file
@@ -257,19 +257,29 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     exp.set_defaults(func=cmd_export)
 
+    plan = sub.add_parser("plan", help="recommend layouts for a model, a cluster and a sequence length")
     try:
         from ndparallel.planner import add_plan_arguments, run_plan
-
-        plan = sub.add_parser("plan", help="recommend layouts for a model, a cluster and a sequence length")
+    except ImportError as exc:  # the other commands still work; `plan` says why it cannot
+        plan.set_defaults(func=lambda _args, why=f"{type(exc).__name__}: {exc}": _plan_unavailable(why),
+                          any_arguments=True)
+    else:
         add_plan_arguments(plan)
         plan.set_defaults(func=run_plan)
-    except ImportError:
-        pass
     return parser
 
 
+def _plan_unavailable(why: str) -> int:
+    _print_error(f"`ndparallel plan` is unavailable: importing ndparallel.planner failed ({why}); "
+                 f"reinstall ndparallel or report this as a bug")
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "any_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return args.func(args)
 
 

@@ -109,6 +109,11 @@ class TrainConfig(BaseModel):
     """Free gathered parameters after forward (true), keep them (false), or keep them sharded over N ranks."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in CPU memory."""
+    gradient_sync: Literal["every_micro_batch", "last_micro_batch"] = "every_micro_batch"
+    """With gradient_accumulation_steps > 1: every_micro_batch reduce-scatters each micro-batch's gradients
+    into the sharded fp32 gradients (the dp_replicate all-reduce waits for the last); last_micro_batch keeps
+    full unsharded fp32 gradients between micro-batches (4 bytes x parameters / tp more per GPU) for one
+    reduce-scatter per step. The planner calls them 'every' and 'last'."""
 
     # --- parallel layout ----------------------------------------------------------------------------
     dp_replicate_size: int = Field(1, ge=1)
@@ -141,6 +146,31 @@ class TrainConfig(BaseModel):
     nan_policy: Literal["stop", "skip"] = "stop"
     """A non-finite loss or gradient norm: stop the run (keeping the last good checkpoint), or skip the step
     (costs a host sync per step)."""
+
+    cuda_memory_snapshot: bool = False
+    """On CUDA, record the allocator's history (a little overhead) and on out-of-memory write
+    output_dir/logs/memory-snapshot-rank<R>.pickle (drag it into pytorch.org/memory_viz)."""
+
+    # --- experiment tracking, rank 0 only (Axolotl's names) -----------------------------------------
+    use_tensorboard: bool | None = None
+    """TensorBoard events in output_dir/tensorboard: true, false, or null (when tensorboard is installed)."""
+    wandb_project: str | None = None
+    """Log to Weights & Biases under this project (pip install 'ndparallel[wandb]')."""
+    wandb_entity: str | None = None
+    """W&B team or user the project belongs to (default: yours)."""
+    wandb_name: str | None = None
+    """Display name of the W&B run."""
+    wandb_run_id: str | None = None
+    """W&B run id; an existing id resumes that run (its charts continue)."""
+    wandb_mode: Literal["online", "offline", "disabled"] | None = None
+    """online, offline (kept under output_dir/wandb for `wandb sync`) or disabled; default: W&B's own
+    (WANDB_MODE)."""
+    wandb_watch: str | bool | None = None
+    """Accepted for Axolotl configs; per-parameter histograms are not logged (parameters are sharded over
+    ranks): the global grad_norm is."""
+    wandb_log_model: Literal["checkpoint", "end", "false"] | bool | None = None
+    """checkpoint: each saved checkpoint directory as a W&B model artifact; end (or true): the final adapter,
+    HF export or last checkpoint; false/null: none."""
 
     # --- fine-tuning adapters (Axolotl's names) -----------------------------------------------------
     adapter: Literal["lora"] | None = None

@@ -1,4 +1,4 @@
-"""What the user sees: a rank-0 progress bar, ``metrics.jsonl``, TensorBoard events, a closing summary.
+"""What the user sees: a rank-0 progress bar, ``metrics.jsonl``, the trackers (TensorBoard, W&B), a summary.
 
 Throughput: ``tokens`` counts the real (non-padding) input tokens processed over all data ranks.
 MFU uses FLOPs/token = 6 * (non-embedding params + lm_head params) + 12 * layers * hidden * seq
@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from ndparallel.progress import human_seconds, progress_fields, timing_line
 
 # Dense bf16 peak FLOP/s per device, by a substring of the device name.
 _PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "L4": 121e12}
@@ -45,14 +47,14 @@ def flops_per_token(config: Any, seq_len: int) -> float:
 class MetricsLogger:
     """Rank 0 writes; other ranks construct it with ``enabled=False`` and stay silent."""
 
-    def __init__(self, output_dir: str | Path, *, enabled: bool, total_steps: int, tensorboard: bool = True,
+    def __init__(self, output_dir: str | Path, *, enabled: bool, total_steps: int, trackers: list | None = None,
                  start_step: int = 0) -> None:
         self.enabled = enabled
         self.start = time.perf_counter()
         self.total_steps = total_steps
         self.records: list[dict] = []
         self._bar = None
-        self._tb = None
+        self.trackers = trackers or []  # TensorBoard / W&B (ndparallel.tracking), rank 0 only
         if not enabled:
             return
         self.path = Path(output_dir) / "metrics.jsonl"
@@ -61,13 +63,6 @@ class MetricsLogger:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(str(Path(output_dir) / "tensorboard"))
-            except Exception:  # tensorboard not installed: metrics.jsonl is enough
-                self._tb = None
 
     def advance(self, steps: int = 1) -> None:
         if self._bar is not None:
@@ -79,17 +74,22 @@ class MetricsLogger:
         self.records.append(record)
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
-        shown = {k: record[k] for k in ("loss", "eval_loss", "grad_norm", "tokens_per_s") if record.get(k) is not None}
+        shown = progress_fields(record)
         if self._bar is not None:
-            self._bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in shown.items()})
+            self._bar.set_postfix(shown)
         else:
             elapsed = time.perf_counter() - self.start
-            print(f"step {record['step']}/{self.total_steps} " + " ".join(f"{k} {v:.4g}" for k, v in shown.items())
-                  + f" ({elapsed:.0f} s)", flush=True)
-        if self._tb is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self._tb.add_scalar(key, value, record["step"])
+            timing = timing_line(record)
+            print(f"step {record['step']}/{self.total_steps} " + " ".join(f"{k} {v}" for k, v in shown.items())
+                  + (f" | {timing}" if timing else "") + f" ({human_seconds(elapsed)})", flush=True)
+        for tracker in self.trackers:
+            tracker.log(record)
+
+    def artifact(self, path: Path, *, name: str) -> None:
+        """A directory (checkpoint, adapter, export) as an artifact of the trackers that keep them (W&B)."""
+        for tracker in self.trackers:
+            if hasattr(tracker, "artifact"):
+                tracker.artifact(path, name=name)
 
     def message(self, text: str) -> None:
         if not self.enabled:
@@ -99,8 +99,8 @@ class MetricsLogger:
         else:
             print(text, flush=True)
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
         if self._bar is not None:
             self._bar.close()
-        if self._tb is not None:
-            self._tb.close()
+        for tracker in self.trackers:
+            tracker.close(failed=failed)

@@ -4,21 +4,24 @@ Run it on every rank (the CLI starts the processes). Order of work:
 1. check everything a user can get wrong (config, model shapes vs layout, data) before the first
    collective, identically on every rank;
 2. build the mesh, the data (tokenized once, cached), the model straight into its layout;
-3. the loop: micro-batches -> token-weighted loss -> backward (gradient sync on the last micro-batch
-   only) -> clip -> step; the host waits for the device only at logging, eval and save steps.
+3. the loop (``_train_loop``): ``train_step`` (micro-batches -> token-weighted loss -> backward, each
+   micro-batch's gradients reduce-scattered -> clip -> step) hands a ``StepResult`` to the ``LogWindow``
+   (window.py), which sums steps, times their phases and applies the NaN policy; the host waits for the
+   device only at logging, eval and save steps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
-import resource
 import shutil
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -28,15 +31,20 @@ from ndparallel import checkpoint as ckpt
 from ndparallel.batching import prepare_batch
 from ndparallel.config import TrainConfig
 from ndparallel.data import DataOrder, DatasetSpec, build_rows_distributed, load_tokenizer
-from ndparallel.errors import ConfigError, NumericsError
+from ndparallel.errors import ConfigError
 from ndparallel.layout import Layout
 from ndparallel.lora import LoraSpec, save_peft_adapter
 from ndparallel.metrics import MetricsLogger, device_peak_flops, flops_per_token
 from ndparallel.models.build import materialize, meta_model, model_config_for
+from ndparallel.oom import DeviceMemoryError, device_memory_gib, layout_text, memory_history, oom_message, write_snapshot
 from ndparallel.parallelize import ParallelOptions, parallelize
-from ndparallel.step import build_optimizer, clip_grad_norm_, count_tokens, reduce_loss, set_gradient_sync, token_loss
+from ndparallel.progress import human_seconds
+from ndparallel.step import build_optimizer, clip_grad_norm_, count_tokens, set_gradient_sync, token_loss
+from ndparallel.steptime import PhaseTimer
 from ndparallel.topology import Topology, default_device_type, init_distributed
+from ndparallel.tracking import check_trackers_installed, open_trackers, wandb_wanted
 from ndparallel.validate import resolve_data_path
+from ndparallel.window import LogWindow, StepResult
 
 log = logging.getLogger("ndparallel")
 
@@ -72,15 +80,23 @@ def lr_factor(step: int, *, warmup: int, total: int, kind: str) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress)) if kind == "cosine" else 1.0 - progress
 
 
-def _quiet_libraries(rank: int) -> None:
-    # Messages users cannot act on; ranks other than 0 stay silent unless they fail.
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    _compat.quiet_redistribute_hints()
+@contextlib.contextmanager
+def quiet_libraries(rank: int) -> Iterator[None]:
+    """Inside the block: messages users cannot act on are hidden, and ranks other than 0 stay silent unless
+    they fail. The caller's warning filters and log levels are restored after it (a library must not change
+    its host process's settings)."""
     import transformers
 
-    transformers.logging.set_verbosity_error()
-    if rank != 0:
-        warnings.filterwarnings("ignore")
+    verbosity = transformers.logging.get_verbosity()
+    with warnings.catch_warnings(), _compat.quiet_redistribute_hints():
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+        if rank != 0:
+            warnings.simplefilter("ignore")
+        transformers.logging.set_verbosity_error()
+        try:
+            yield
+        finally:
+            transformers.logging.set_verbosity(verbosity)
 
 
 @dataclass
@@ -105,6 +121,10 @@ class TrainingRun:
     layout_reason: str | None
     load_s: float | None = None
 
+    @property
+    def trainable(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
 
 def setup(cfg: TrainConfig) -> TrainingRun:
     """Check the config, build mesh, data, model and optimizer, and resume if asked (on every rank)."""
@@ -113,8 +133,6 @@ def setup(cfg: TrainConfig) -> TrainingRun:
         raise ConfigError("device: cuda, but this machine has no CUDA GPU (or torch is a CPU build); set device: "
                           "cpu or auto")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    _quiet_libraries(rank)
     torch.manual_seed(cfg.seed)
 
     # 1. Checks that need no communication: the same answer on every rank.
@@ -122,19 +140,13 @@ def setup(cfg: TrainConfig) -> TrainingRun:
                                     overrides=cfg.model_config_overrides, max_position_embeddings=cfg.sequence_len)
     layout, layout_reason = resolve_layout(cfg, world, model_config)
     layout.check_model(model_config, seq_len=cfg.sequence_len)
+    check_trackers_installed(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer_config or cfg.base_model)
     if len(tokenizer) > model_config.vocab_size:
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
                           f"{model_config.vocab_size}; use the model's own tokenizer or raise vocab_size")
     output_dir = Path(cfg.output_dir)
-    resume_dir = ckpt.find_resume(output_dir, cfg.resume_from_checkpoint)
-    if resume_dir is None and ckpt.has_checkpoints(output_dir) and not cfg.overwrite_output_dir:
-        raise ConfigError(f"output_dir {str(output_dir)!r} already holds checkpoints; resume with "
-                          f"resume_from_checkpoint: latest, choose another output_dir, or set overwrite_output_dir: true")
-    export_dir = output_dir / "hf"
-    if cfg.export_hf and export_dir.exists() and any(export_dir.iterdir()) and not cfg.overwrite_output_dir:
-        raise ConfigError(f"export_hf would replace {str(export_dir)!r}, which is not empty; move it away, choose "
-                          f"another output_dir, or set overwrite_output_dir: true")
+    resume_dir = _check_output_dir(cfg, output_dir)
 
     # 2. Mesh, data, model.
     init_distributed(device_type=device_type, timeout_s=cfg.process_group_timeout_s)
@@ -145,16 +157,7 @@ def setup(cfg: TrainConfig) -> TrainingRun:
         specs, tokenizer, seq_len=cfg.sequence_len, packing=cfg.sample_packing, cache_dir=cache_dir,
         long_rows=cfg.long_rows, eval_fraction=cfg.val_set_size, seed=cfg.seed,
         is_main=topo.is_main, barrier=dist.barrier)
-    bf16 = cfg.bf16 if cfg.bf16 != "auto" else device_type == "cuda"
-    options = ParallelOptions(param_dtype="bfloat16" if bf16 else None, reduce_dtype="float32",
-                              activation_checkpointing=cfg.ac_mode, compile=cfg.torch_compile,
-                              fsdp_wrap=cfg.fsdp_wrap, reshard_after_forward=cfg.reshard_after_forward,
-                              cpu_offload=cfg.cpu_offload)
-    model = meta_model(model_config)
-    lora = LoraSpec.from_config(cfg)
-    parallelize(model, topo, options=options, lora=lora)
-    materialize(model, topo.device, weights_dir=cfg.base_model, seed=cfg.seed)
-    model.train()
+    model, lora = _build_model(cfg, model_config, topo)
     optimizer = build_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                 betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
                                 fused=None if cfg.optimizer != "adamw_torch" else False)
@@ -183,122 +186,191 @@ def setup(cfg: TrainConfig) -> TrainingRun:
                        load_s=load_s)
 
 
-def run_training(cfg: TrainConfig) -> TrainResult:
-    run = setup(cfg)
-    topo, model, optimizer, scheduler, order = run.topo, run.model, run.optimizer, run.scheduler, run.order
-    state, total_steps, lora, tokenizer = run.state, run.total_steps, run.lora, run.tokenizer
-    train_rows, eval_rows, resume_dir = run.train_rows, run.eval_rows, run.resume_dir
-    layout = topo.layout
-    accum = cfg.gradient_accumulation_steps
-    output_dir = Path(cfg.output_dir)
+def _check_output_dir(cfg: TrainConfig, output_dir: Path) -> Path | None:
+    """The checkpoint to resume from; refuses to mix a fresh run into another run's checkpoints or export."""
+    resume_dir = ckpt.find_resume(output_dir, cfg.resume_from_checkpoint)
+    if resume_dir is None and ckpt.has_checkpoints(output_dir) and not cfg.overwrite_output_dir:
+        raise ConfigError(f"output_dir {str(output_dir)!r} already holds checkpoints; resume with "
+                          f"resume_from_checkpoint: latest, choose another output_dir, or set overwrite_output_dir: true")
     export_dir = output_dir / "hf"
-    metrics = MetricsLogger(output_dir, enabled=topo.is_main, total_steps=total_steps, start_step=state.step)
+    if cfg.export_hf and export_dir.exists() and any(export_dir.iterdir()) and not cfg.overwrite_output_dir:
+        raise ConfigError(f"export_hf would replace {str(export_dir)!r}, which is not empty; move it away, choose "
+                          f"another output_dir, or set overwrite_output_dir: true")
+    return resume_dir
+
+
+def _build_model(cfg: TrainConfig, model_config, topo: Topology) -> tuple[torch.nn.Module, LoraSpec | None]:
+    """The model built on the meta device, parallelized, then filled shard by shard (offloaded: on the CPU)."""
+    bf16 = cfg.bf16 if cfg.bf16 != "auto" else topo.device.type == "cuda"
+    options = ParallelOptions(param_dtype="bfloat16" if bf16 else None, reduce_dtype="float32",
+                              activation_checkpointing=cfg.ac_mode, compile=cfg.torch_compile,
+                              fsdp_wrap=cfg.fsdp_wrap, reshard_after_forward=cfg.reshard_after_forward,
+                              cpu_offload=cfg.cpu_offload)
+    model = meta_model(model_config)
+    lora = LoraSpec.from_config(cfg)
+    parallelize(model, topo, options=options, lora=lora)
+    materialize(model, topo.device, weights_dir=cfg.base_model, seed=cfg.seed, offload_params=cfg.cpu_offload)
+    model.train()
+    return model, lora
+
+
+def run_training(cfg: TrainConfig) -> TrainResult:
+    """Set up and train, on every rank. Warning filters and log levels are the caller's again afterwards."""
+    with quiet_libraries(int(os.environ.get("RANK", "0"))):
+        run = setup(cfg)
+        metrics = _open_metrics(run)
+        failed = True
+        try:
+            _train_loop(run, metrics)
+            _finish(run, metrics)
+            failed = False
+        finally:
+            metrics.close(failed=failed)
+    final = metrics.records[-1]["loss"] if metrics.records else None
+    if run.topo.is_main:
+        _summary(metrics.records, Path(cfg.output_dir))
+    return TrainResult(steps=run.state.step, final_loss=final, records=metrics.records, layout=run.topo.layout)
+
+
+def _open_metrics(run: TrainingRun) -> MetricsLogger:
+    """Rank 0's progress line, metrics.jsonl and trackers, and the run's opening lines."""
+    cfg, topo, state = run.cfg, run.topo, run.state
+    output_dir = Path(cfg.output_dir)
+    trackers = []
     if topo.is_main:
-        metrics.message(topo.describe())
-        if run.layout_reason:
-            metrics.message(f"layout chosen by the planner: {run.layout_reason}")
-        metrics.message(f"data: {len(train_rows)} rows of {cfg.sequence_len} tokens; {run.steps_per_epoch} steps "
-                        f"per epoch; {total_steps} steps"
-                        + (f"; resumed at step {state.step} from {resume_dir} (loaded in {run.load_s:.1f} s)"
-                           if resume_dir else ""))
+        lay = topo.layout
+        trackers = open_trackers(cfg, output_dir, layout_text=topo.describe(),
+                                 layout={"dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "cp": lay.cp,
+                                         "tp": lay.tp, "cp_comm_strategy": lay.cp_comm_strategy,
+                                         "world_size": lay.world_size})
+    metrics = MetricsLogger(output_dir, enabled=topo.is_main, total_steps=run.total_steps, start_step=state.step,
+                            trackers=trackers)
+    metrics.message(topo.describe())
+    if run.layout_reason:
+        metrics.message(f"layout chosen by the planner: {run.layout_reason}")
+    metrics.message(f"data: {len(run.train_rows)} rows of {cfg.sequence_len} tokens; {run.steps_per_epoch} steps "
+                    f"per epoch; {run.total_steps} steps"
+                    + (f"; resumed at step {state.step} from {run.resume_dir} (loaded in {human_seconds(run.load_s)})"
+                       if run.resume_dir else ""))
+    if cfg.wandb_watch not in (None, False, "false") and wandb_wanted(cfg):
+        metrics.message(f"wandb_watch: {cfg.wandb_watch} is not logged (parameters are sharded over ranks); "
+                        f"the global grad_norm is")
+    return metrics
 
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    flops_tok = flops_per_token(run.model_config, cfg.sequence_len)
-    peak = device_peak_flops(topo.device)
-    pad_id = tokenizer.pad_token_id
-    batches = iter(order)
-    tokens_since_log = torch.zeros((), device=topo.device)
-    last_time, last_step = time.perf_counter(), state.step
-    loss_since_log = torch.zeros((), device=topo.device)
-    steps_in_window = 0
-    saved_step = state.step if resume_dir is not None else None
-    first_bad = torch.full((), -1, dtype=torch.long, device=topo.device)
-    skipped = 0
 
-    # 3. The loop.
-    for step in range(state.step, total_steps):
-        micro = [prepare_batch(**train_rows.batch(next(batches)), topology=topo, local=True, pad_token_id=pad_id)
-                 for _ in range(accum)]
-        step_loss, step_tokens = forward_backward(model, micro, topo, compiled_loss=cfg.torch_compile)
-        tokens_since_log += step_tokens
-        grad_norm = clip_grad_norm_(trainable, cfg.max_grad_norm)
-        if cfg.nan_policy == "skip" and not _finite_everywhere(step_loss, grad_norm, topo):
-            optimizer.zero_grad(set_to_none=True)
-            skipped += 1
-            metrics.message(f"step {step + 1}: non-finite loss or gradient norm; step skipped (nan_policy: skip)")
-        else:
-            # Remember the first non-finite step on the device; it is looked at when logging or saving.
-            finite = torch.isfinite(step_loss) & torch.isfinite(grad_norm)
-            first_bad = torch.where(~finite & (first_bad < 0), step + 1, first_bad)
+def _train_loop(run: TrainingRun, metrics: MetricsLogger) -> None:
+    """Optimizer steps from the resumed step to the last: step, then save and log when due."""
+    cfg, topo, state = run.cfg, run.topo, run.state
+    window = LogWindow(topo, nan_policy=cfg.nan_policy, flops_per_token=flops_per_token(run.model_config,
+                       cfg.sequence_len), peak_flops=device_peak_flops(topo.device))
+    saved = ckpt.checkpoints_dir(Path(cfg.output_dir)) / f"step-{state.step}" if run.resume_dir else None
+    batches = iter(run.order)
+    with memory_history(cfg.cuda_memory_snapshot, topo.device):
+        for step in range(state.step, run.total_steps):
+            try:
+                with window.timer.phase("data"):
+                    micro = [prepare_batch(**run.train_rows.batch(next(batches)), topology=topo, local=True,
+                                           pad_token_id=run.tokenizer.pad_token_id)
+                             for _ in range(cfg.gradient_accumulation_steps)]
+                window.add(step + 1, train_step(run, micro, window.timer))
+            except torch.OutOfMemoryError:
+                raise _out_of_memory(run, step + 1) from None
+            state.step = step + 1
+            metrics.advance()
+            if window.skipped_now:
+                metrics.message(f"step {state.step}: non-finite loss or gradient norm; step skipped "
+                                f"(nan_policy: skip)")
+            last = state.step == run.total_steps
+            saving = bool(cfg.save_steps and state.step % cfg.save_steps == 0) or last
+            logging_now = state.step % cfg.logging_steps == 0 or last
+            if logging_now or saving:
+                window.raise_if_not_finite(saved)  # never log on, never save weights after a non-finite update
+            if saving:
+                saved = _save(run, metrics, window)
+            if logging_now:
+                _log(run, metrics, window, last)
+
+
+def train_step(run: TrainingRun, micro_batches: list, timer: PhaseTimer) -> StepResult:
+    """One optimizer step over its micro-batches: forward and backward, clip, update (or skip, by the NaN
+    policy). Returns device tensors; nothing here waits for the device unless ``nan_policy: skip``."""
+    cfg, topo, optimizer = run.cfg, run.topo, run.optimizer
+    with timer.phase("fwd_bwd"):
+        loss, tokens = forward_backward(run.model, micro_batches, topo, compiled_loss=cfg.torch_compile,
+                                        gradient_sync=cfg.gradient_sync)
+    with timer.phase("optimizer"):
+        grad_norm = clip_grad_norm_(run.trainable, cfg.max_grad_norm)
+        skip = cfg.nan_policy == "skip" and not _finite_everywhere(loss, grad_norm, topo)
+        if not skip:
             optimizer.step()
-        scheduler.step()
+        run.scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        loss_since_log += step_loss
-        steps_in_window += 1
-        state.step = step + 1
-        metrics.advance()
+    return StepResult(loss=loss, grad_norm=grad_norm, tokens=tokens, skipped=skip)
 
-        last = state.step == total_steps
-        saving = bool(cfg.save_steps and state.step % cfg.save_steps == 0) or last
-        logging_now = state.step % cfg.logging_steps == 0 or last
-        if (logging_now or saving) and cfg.nan_policy == "stop":
-            bad = _first_bad_step(first_bad, topo)
-            if bad is not None:  # never log on, never save weights that saw a non-finite update
-                kept = (f"; the last good checkpoint is {output_dir / 'checkpoints' / f'step-{saved_step}'}"
-                        if saved_step else "; no checkpoint was saved before it")
-                raise NumericsError(f"step {bad}: the loss or the gradient norm is not finite; training stopped{kept}. "
-                                    f"Lower learning_rate or set max_grad_norm, or set nan_policy: skip to skip such "
-                                    f"steps")
-        if logging_now:
-            loss_value = reduce_loss(loss_since_log, topo).item() / steps_in_window
-            norm_value = grad_norm.item()
-            dist.all_reduce(tokens_since_log, group=topo.loss.get_group())
-            now = time.perf_counter()
-            tokens = tokens_since_log.item()
-            state.tokens += int(tokens)
-            tps = tokens / max(now - last_time, 1e-9)
-            record = {"step": state.step, "loss": loss_value, "grad_norm": norm_value,
-                      "lr": scheduler.get_last_lr()[0], "tokens": state.tokens, "tokens_per_s": tps,
-                      "tokens_per_s_per_device": tps / topo.world_size,
-                      "mfu": (tps * flops_tok / (peak * topo.world_size)) if peak else None,
-                      "peak_memory_gib": _peak_memory_gib(topo.device),
-                      "step_time_s": (now - last_time) / max(1, state.step - last_step), "skipped_steps": skipped}
-            if eval_rows is not None and (cfg.eval_steps is None or state.step % cfg.eval_steps == 0 or last):
-                record["eval_loss"] = evaluate(model, eval_rows, topo, cfg.micro_batch_size, pad_id)
-            metrics.log(record)
-            tokens_since_log.zero_()
-            loss_since_log.zero_()
-            steps_in_window = 0
-            last_time, last_step = time.perf_counter(), state.step
-        if saving:
-            save_start = time.perf_counter()
-            ckpt.save(output_dir, state=state, model=model, optimizer=optimizer, scheduler=scheduler, order=order,
-                      topology=topo, config=cfg, keep=cfg.save_total_limit, tokenizer=tokenizer,
-                      extra={"lora": asdict(lora)} if lora is not None else None)
-            saved_step = state.step
-            save_s = time.perf_counter() - save_start
-            metrics.message(f"step {state.step}: checkpoint saved in {save_s:.1f} s")
-            last_time += save_s  # throughput is training time only
 
-    if lora is not None:
-        save_peft_adapter(model, lora, output_dir / "adapter", base_model=cfg.base_model, write=topo.is_main)
+def _out_of_memory(run: TrainingRun, step: int) -> DeviceMemoryError:
+    """The one-line error for a CUDA out-of-memory at ``step`` (with a snapshot when asked for)."""
+    topo, cfg = run.topo, run.cfg
+    if topo.device.type != "cuda":
+        return DeviceMemoryError(f"step {step}: out of memory on rank {topo.rank} ({topo.device.type}) with "
+                                 f"{layout_text(topo.layout)}; lower micro_batch_size or sequence_len")
+    snapshot = write_snapshot(Path(cfg.output_dir), topo.rank, topo.device, cfg.cuda_memory_snapshot)
+    used, total = device_memory_gib(topo.device)
+    return DeviceMemoryError(oom_message(step=step, rank=topo.rank, cfg=cfg, model_config=run.model_config,
+                                         layout=topo.layout, used_gib=used, total_gib=total, snapshot=snapshot))
+
+
+def _save(run: TrainingRun, metrics: MetricsLogger, window: LogWindow) -> Path:
+    cfg, state = run.cfg, run.state
+    start = time.perf_counter()
+    path = ckpt.save(Path(cfg.output_dir), state=state, model=run.model, optimizer=run.optimizer,
+                     scheduler=run.scheduler, order=run.order, topology=run.topo, config=cfg,
+                     keep=cfg.save_total_limit, tokenizer=run.tokenizer,
+                     extra={"lora": asdict(run.lora)} if run.lora is not None else None)
+    stall = time.perf_counter() - start
+    window.timer.add("checkpoint_stall", stall)
+    metrics.message(f"step {state.step}: checkpoint saved in {human_seconds(stall)}")
+    if cfg.wandb_log_model == "checkpoint":
+        metrics.artifact(path, name=f"checkpoint-step-{state.step}")
+    return path
+
+
+def _log(run: TrainingRun, metrics: MetricsLogger, window: LogWindow, last: bool) -> None:
+    cfg, topo, state = run.cfg, run.topo, run.state
+    record = window.close(state.step, lr=run.scheduler.get_last_lr()[0])
+    state.tokens += record.pop("window_tokens")
+    record["tokens"] = state.tokens
+    if run.eval_rows is not None and (cfg.eval_steps is None or state.step % cfg.eval_steps == 0 or last):
+        record["eval_loss"] = evaluate(run.model, run.eval_rows, topo, cfg.micro_batch_size,
+                                       run.tokenizer.pad_token_id)
+    metrics.log(record)
+    window.restart()  # evaluation and logging do not count as training time
+
+
+def _finish(run: TrainingRun, metrics: MetricsLogger) -> None:
+    """After the last step: the LoRA adapter, the Hugging Face export, and the model artifact."""
+    cfg, topo = run.cfg, run.topo
+    output_dir = Path(cfg.output_dir)
+    final = ckpt.checkpoints_dir(output_dir) / f"step-{run.state.step}"
+    if run.lora is not None:
+        final = output_dir / "adapter"
+        save_peft_adapter(run.model, run.lora, final, base_model=cfg.base_model, write=topo.is_main)
     if cfg.export_hf:
+        export_dir = output_dir / "hf"
         if topo.is_main:
             from ndparallel.export import export_checkpoint
 
             shutil.rmtree(export_dir, ignore_errors=True)  # checked at start: empty, or overwrite_output_dir
-            export_checkpoint(output_dir, export_dir, merge_lora=lora is not None, dtype="bfloat16")
+            export_checkpoint(output_dir, export_dir, merge_lora=run.lora is not None, dtype="bfloat16")
             metrics.message(f"exported a Hugging Face model to {export_dir}")
+        final = export_dir
         dist.barrier()
-    metrics.close()
-    final = metrics.records[-1]["loss"] if metrics.records else None
-    if topo.is_main:
-        _summary(metrics.records, output_dir)
-    return TrainResult(steps=state.step, final_loss=final, records=metrics.records, layout=layout)
+    if cfg.wandb_log_model in ("end", True):
+        metrics.artifact(final, name="model")
 
 
-def forward_backward(model, micro_batches: list, topo: Topology, *, compiled_loss: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_backward(model, micro_batches: list, topo: Topology, *, compiled_loss: bool = False,
+                     gradient_sync: str = "every_micro_batch") -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step's forward and backward passes over its micro-batches (gradients summed).
 
     Returns this rank's share of the step loss and its real input tokens, as device tensors (no sync).
@@ -307,7 +379,7 @@ def forward_backward(model, micro_batches: list, topo: Topology, *, compiled_los
     step_loss = torch.zeros((), device=topo.device)
     tokens = torch.zeros((), device=topo.device)
     for i, batch in enumerate(micro_batches):
-        set_gradient_sync(model, i == len(micro_batches) - 1)
+        set_gradient_sync(model, i == len(micro_batches) - 1, mode=gradient_sync)
         logits = model(**batch.model_inputs()).logits
         loss = token_loss(logits, batch.labels, num_tokens=num_targets, topology=topo, compiled=compiled_loss)
         loss.backward()
@@ -316,25 +388,10 @@ def forward_backward(model, micro_batches: list, topo: Topology, *, compiled_los
     return step_loss, tokens
 
 
-def _first_bad_step(first_bad: torch.Tensor, topo: Topology) -> int | None:
-    """The earliest step any rank saw a non-finite loss or gradient norm at, or None (two tiny all-reduces)."""
-    never = torch.iinfo(torch.long).max
-    step = torch.where(first_bad < 0, never, first_bad).clone()
-    dist.all_reduce(step, op=dist.ReduceOp.MIN)
-    value = int(step.item())
-    return None if value == never else value
-
-
 def _finite_everywhere(loss: torch.Tensor, grad_norm: torch.Tensor, topo: Topology) -> bool:
     flag = (torch.isfinite(loss) & torch.isfinite(grad_norm)).float()
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=topo.loss.get_group())
     return bool(flag.item())
-
-
-def _peak_memory_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux: peak resident set
 
 
 @torch.no_grad()

@@ -12,7 +12,15 @@ import torch
 
 from harness import run_ranks
 from ndparallel.lora import LoraSpec
-from scenarios import assert_parity, make_batches, make_model, train_parallel, train_reference, world_size
+from scenarios import (
+    assert_parity,
+    make_batches,
+    make_model,
+    train_parallel,
+    train_reference,
+    train_reference_peft,
+    world_size,
+)
 
 STEPS = 5
 SPEC_QV = LoraSpec(r=4, alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"], seed=3)
@@ -55,3 +63,14 @@ def test_lora_layout_matches_one_process(layout, family, data, spec_name, parity
         if "lora_" in name or any(t in name for t in trained_modules):
             continue
         assert torch.equal(value, base[name]), f"frozen weight {name} changed"
+
+
+@pytest.mark.parametrize("family, data, spec_name", [("llama", "packed", "qv"), ("qwen3", "pad", "all")])
+def test_attach_lora_reference_matches_peft(family, data, spec_name, parity_record):
+    """The one-process LoRA reference above adds adapters with ndparallel's attach_lora; the same run with
+    peft's adapters (plain transformers + torch + peft) gives the same losses, norms and weights, so every
+    layout compared with it is compared with peft too."""
+    spec = {"qv": SPEC_QV, "all": SPEC_ALL}[spec_name]
+    peft = train_reference_peft(make_model(family), _batches(data), spec)
+    parity_record(assert_parity(peft, _reference(family, data, spec_name)))
+

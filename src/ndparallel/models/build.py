@@ -1,8 +1,9 @@
 """Build a model straight into its layout: skeleton on the meta device, parallelize, then fill each rank's
 shards from a safetensors checkpoint or from a layout-independent random init.
 
-No rank ever holds the whole model: one full tensor at a time is read (or generated) and only this
-rank's slice of it is kept. The random init is seeded per parameter name, so every layout starts from
+No rank ever holds the whole model: from a checkpoint each rank reads only the slices it keeps (safetensors
+``get_slice``), casts them on the host and copies them to its device; a random init is generated one full
+tensor at a time and sliced. The random init is seeded per parameter name, so every layout starts from
 the same weights (and the single-process run too) — what makes ``train`` runs comparable across layouts.
 """
 
@@ -62,12 +63,16 @@ def meta_model(config: PretrainedConfig) -> nn.Module:
     return model
 
 
-def materialize(model: nn.Module, device: torch.device, *, weights_dir: str | None, seed: int) -> None:
-    """Give a parallelized meta model real storage on ``device`` and fill this rank's shards.
+def materialize(model: nn.Module, device: torch.device, *, weights_dir: str | None, seed: int,
+                offload_params: bool = False) -> None:
+    """Give a parallelized meta model real storage and fill this rank's shards.
 
-    ``weights_dir``: read each tensor from its safetensors file; else a per-name seeded random init.
+    ``weights_dir``: read this rank's slice of each tensor from its safetensors file; else a per-name seeded
+    random init (generated whole on ``device``, so every layout starts from the same weights).
+    ``offload_params``: parameters get CPU storage (FSDP's ``cpu_offload`` keeps its shards there and copies
+    each unit to ``device`` when it runs); buffers (rotary tables) always live on ``device``.
     """
-    model.to_empty(device=device)
+    model.to_empty(device=torch.device("cpu") if offload_params else device)
     reader = _SafetensorsReader(weights_dir) if weights_dir else None
     init_std = getattr(model.config, "initializer_range", 0.02)
     owners = _owning_modules(model)
@@ -76,15 +81,11 @@ def materialize(model: nn.Module, device: torch.device, *, weights_dir: str | No
             key = _compat.canonical_name(name)
             lora_init = init_lora_tensor(key, tuple(param.shape), seed, device)
             if lora_init is not None:  # adapters start fresh, whatever the base weights
-                full = lora_init
+                _copy_shard(param, lora_init)
             elif reader is not None:
-                full = reader.get(key)
-                if tuple(full.shape) != tuple(param.shape):
-                    raise ModelError(f"{key}: the weights in {weights_dir!r} have shape {tuple(full.shape)} but the model "
-                                     f"expects {tuple(param.shape)}; config.json and the weights disagree")
+                reader.read_into(key, param)
             else:
-                full = _init_tensor(key, owners[name], tuple(param.shape), init_std, seed, device)
-            _copy_shard(param, full)
+                _copy_shard(param, _init_tensor(key, owners[name], tuple(param.shape), init_std, seed, device))
         restore_buffers(model, device)
     if reader is not None:
         tied = model.get_output_embeddings() is not None and \
@@ -100,6 +101,17 @@ def _copy_shard(target: torch.Tensor, full: torch.Tensor) -> None:
         target.to_local().copy_(local)
     else:
         target.copy_(full)
+
+
+def _local_box(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | None]:
+    """This rank's storage of ``param`` and the index of the global tensor it holds (None: not one box)."""
+    if not isinstance(param, DTensor):
+        return param, tuple(slice(0, n) for n in param.shape)
+    local = param.to_local()
+    offsets, sizes = _compat.local_region(param)
+    if tuple(sizes) != tuple(local.shape):
+        return local, None
+    return local, tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
 
 
 def _owning_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -133,7 +145,7 @@ def restore_buffers(model: nn.Module, device: torch.device) -> None:
         with torch.device(device):
             fresh = type(module)(config=module.config)
         for buffer_name, value in fresh.named_buffers(recurse=False):
-            local[buffer_name].copy_(value)
+            setattr(module, buffer_name, value.to(local[buffer_name].dtype))  # on ``device``, persistence kept
 
 
 class _SafetensorsReader:
@@ -161,16 +173,30 @@ class _SafetensorsReader:
         self.directory = directory
         self.used: set[str] = set()
 
-    def get(self, key: str) -> torch.Tensor:
+    def read_into(self, key: str, param: torch.Tensor) -> None:
+        """Fill this rank's part of ``param`` from the weight ``key``: only that slice is read from disk, cast
+        to the parameter's dtype on the host, then copied to the parameter's device."""
         if key not in self.files:
             raise ModelError(f"base_model {self.directory!r}: no weight named {key!r} in its safetensors files "
                              f"(is it a checkpoint of another architecture?)")
         self.used.add(key)
+        local, box = _local_box(param)
         try:
             with safe_open(self.files[key], framework="pt") as f:
-                return f.get_tensor(key)
+                stored = f.get_slice(key)
+                shape = tuple(stored.get_shape())
+                if shape != tuple(param.shape):
+                    raise ModelError(f"{key}: the weights in {self.directory!r} have shape {shape} but the model "
+                                     f"expects {tuple(param.shape)}; config.json and the weights disagree")
+                if box is None:  # a placement whose local part is not one box: read it whole, slice in memory
+                    _copy_shard(param, stored[:])
+                    return
+                part = stored[box] if local.numel() else torch.empty(local.shape)
+        except ModelError:
+            raise
         except Exception as exc:  # a truncated or corrupted file
             raise ModelError(f"cannot read {key!r} from {str(self.files[key])!r}: {exc}; the file may be truncated") from None
+        local.copy_(part.to(local.dtype))
 
     def check_all_used(self, *, ignore: set[str]) -> None:
         unused = sorted(set(self.files) - self.used - ignore)

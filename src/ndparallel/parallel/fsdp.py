@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from ndparallel import _compat
 from ndparallel.errors import ConfigError
@@ -27,13 +28,7 @@ def apply_fsdp(
     cpu_offload: bool = False,
 ) -> None:
     """Shard ``parts.model`` in place. ``wrap`` is 'block', 'model' or N (groups of N decoder layers)."""
-    shard_size = dp_mesh.size(dp_mesh.ndim - 1)
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        if not (1 < reshard_after_forward < shard_size and shard_size % reshard_after_forward == 0):
-            raise ConfigError(
-                f"reshard_after_forward={reshard_after_forward} must be a divisor of the FSDP shard size "
-                f"{shard_size} other than 1 and {shard_size} (or true/false)"
-            )
+    _check_reshard(reshard_after_forward, shard_size=dp_mesh.size(dp_mesh.ndim - 1), parts=parts)
     if dp_mesh.size() == 1:
         # Nothing to gather from other ranks: keep the (mixed-precision) copies from forward to backward
         # instead of casting them again.
@@ -53,9 +48,10 @@ def apply_fsdp(
         raise ConfigError(f"fsdp_wrap={wrap!r} must be 'block', 'model' or a positive number of layers per unit")
 
     for i, group in enumerate(groups):
-        # The last unit runs first in backward: keeping it gathered saves one all-gather.
+        # The last unit runs first in backward: keeping it gathered saves one all-gather. The others keep
+        # the setting as given (an int N means: sharded over N ranks between forward and backward).
         last = i == len(groups) - 1
-        fully_shard(group[0] if len(group) == 1 else group, reshard_after_forward=reshard_after_forward and not last,
+        fully_shard(group[0] if len(group) == 1 else group, reshard_after_forward=False if last else reshard_after_forward,
                     **common)
     if groups and not parts.tied:
         # Embedding and head in units of their own, so a large vocabulary is not held gathered all step.
@@ -65,3 +61,16 @@ def apply_fsdp(
     for module in parts.model.modules():
         if isinstance(module, FSDPModule):
             _compat.set_gradient_sum(module)
+
+
+def _check_reshard(reshard_after_forward: bool | int, *, shard_size: int, parts: DecoderParts) -> None:
+    """An int N keeps gathered parameters sharded over N ranks between forward and backward."""
+    if not isinstance(reshard_after_forward, int) or isinstance(reshard_after_forward, bool):
+        return
+    if any(isinstance(p, DTensor) for p in parts.model.parameters()):
+        # FSDP2 cannot reshard a tensor-parallel (DTensor) parameter to a smaller group after forward.
+        raise ConfigError(f"reshard_after_forward={reshard_after_forward} (a number of ranks) cannot be combined with "
+                          f"tensor_parallel_size > 1; use true or false")
+    if not (1 < reshard_after_forward < shard_size and shard_size % reshard_after_forward == 0):
+        raise ConfigError(f"reshard_after_forward={reshard_after_forward} must be a divisor of the FSDP shard size "
+                          f"{shard_size} other than 1 and {shard_size} (or true/false)")
