@@ -64,7 +64,7 @@ def measure(args, topo, mode: str) -> dict:
         ndp.set_gradient_sync(model, True, mode=mode)
         _micro_batch(model, topo, ids[1])
         opt.step()
-    shard = topo.dp.size(topo.dp.ndim - 1)
+    shard = topo.fully_shard_mesh.size(topo.fully_shard_mesh.ndim - 1)
     unsharded = 4 * sum(p.numel() for p in model.parameters()) / topo.layout.tp  # fp32, this rank's TP shard
     expected = unsharded if mode == "last_micro_batch" else unsharded / shard
     del model, opt
