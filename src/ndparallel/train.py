@@ -64,7 +64,8 @@ def resolve_layout(cfg: TrainConfig, world_size: int, model_config) -> tuple[Lay
 
         layout, reason = best_layout(model_config, world_size, cfg.sequence_len,
                                      micro_batch_size=cfg.micro_batch_size, cp_comm_strategy=cfg.cp_comm_strategy,
-                                     activation_checkpointing=cfg.ac_mode,
+                                     activation_checkpointing=cfg.ac_mode, compile=cfg.torch_compile,
+                                     gradient_sync=cfg.gradient_sync,
                                      lora_rank=cfg.lora_r if cfg.adapter == "lora" else None)
         return layout, reason
     return cfg.parallelism().resolve(world_size), None
