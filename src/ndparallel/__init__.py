@@ -9,6 +9,8 @@ Library use (the loop you would write, done right)::
     n = ndparallel.count_tokens(batch.num_tokens, topo)              # global target tokens
     loss = ndparallel.token_loss(model(**batch.model_inputs()).logits, batch.labels, num_tokens=n, topology=topo)
     loss.backward(); ndparallel.clip_grad_norm_(model.parameters(), 1.0); opt.step(); opt.zero_grad()
+    ckpt = ndparallel.Checkpointer("out/checkpoints", async_save=True)      # resume on any layout:
+    ckpt.save(step, {"model": model, "optimizer": opt}); ckpt.load({"model": model, "optimizer": opt})
 """
 
 from ndparallel.batching import IGNORE_INDEX, Batch, prepare_batch, shift_labels
@@ -21,6 +23,7 @@ from ndparallel.errors import (
     NdParallelError,
     NumericsError,
 )
+from ndparallel.checkpoint import Checkpointer, ModelState, OptimizerState
 from ndparallel.layout import Layout, ParallelismConfig
 from ndparallel.parallel.context import cp_gather, cp_shard
 from ndparallel.parallelize import ParallelOptions, parallelize
@@ -42,5 +45,5 @@ __all__ = [
     "CheckpointError", "ConfigError", "DataError", "LayoutError", "ModelError", "NdParallelError", "NumericsError",
     "Layout", "ParallelismConfig", "cp_gather", "cp_shard", "ParallelOptions", "parallelize",
     "build_optimizer", "clip_grad_norm_", "count_tokens", "gather_logits", "reduce_loss", "set_gradient_sync", "token_loss",
-    "Topology", "init_distributed",
+    "Topology", "init_distributed", "Checkpointer", "ModelState", "OptimizerState",
 ]

@@ -99,6 +99,7 @@ class TrainingRun:
     eval_rows: object
     lora: LoraSpec | None
     state: ckpt.TrainState
+    checkpointer: ckpt.Checkpointer
     total_steps: int
     steps_per_epoch: int
     resume_dir: Path | None
@@ -166,11 +167,13 @@ def setup(cfg: TrainConfig) -> TrainingRun:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, warmup=cfg.warmup_steps, total=total_steps, kind=cfg.lr_scheduler))
     state = ckpt.TrainState()
+    checkpointer = ckpt.trainer_checkpointer(output_dir, keep=cfg.save_total_limit, async_save=cfg.async_save,
+                                             timeout_s=cfg.process_group_timeout_s)
     load_s = None
     if resume_dir is not None:
         load_start = time.perf_counter()
-        state = ckpt.load(resume_dir, model=model, optimizer=optimizer, scheduler=scheduler, order=order,
-                          topology=topo, config=cfg)
+        state = ckpt.load(checkpointer, resume_dir, model=model, optimizer=optimizer, scheduler=scheduler,
+                          order=order)
         load_s = time.perf_counter() - load_start
         # The schedule resumes at the saved step, with this config's learning rate (it may have changed).
         scheduler.base_lrs = [cfg.learning_rate for _ in scheduler.base_lrs]
@@ -178,13 +181,19 @@ def setup(cfg: TrainConfig) -> TrainingRun:
             group["lr"] = base * factor(scheduler.last_epoch)
     return TrainingRun(cfg=cfg, topo=topo, model_config=model_config, tokenizer=tokenizer, model=model,
                        optimizer=optimizer, scheduler=scheduler, order=order, train_rows=train_rows,
-                       eval_rows=eval_rows, lora=lora, state=state, total_steps=total_steps,
+                       eval_rows=eval_rows, lora=lora, state=state, checkpointer=checkpointer, total_steps=total_steps,
                        steps_per_epoch=steps_per_epoch, resume_dir=resume_dir, layout_reason=layout_reason,
                        load_s=load_s)
 
 
 def run_training(cfg: TrainConfig) -> TrainResult:
     run = setup(cfg)
+    with run.checkpointer:  # on the way out, also on failure: finish the checkpoint save in flight
+        return _train(run)
+
+
+def _train(run: TrainingRun) -> TrainResult:
+    cfg = run.cfg
     topo, model, optimizer, scheduler, order = run.topo, run.model, run.optimizer, run.scheduler, run.order
     state, total_steps, lora, tokenizer = run.state, run.total_steps, run.lora, run.tokenizer
     train_rows, eval_rows, resume_dir = run.train_rows, run.eval_rows, run.resume_dir
@@ -211,7 +220,7 @@ def run_training(cfg: TrainConfig) -> TrainResult:
     last_time, last_step = time.perf_counter(), state.step
     loss_since_log = torch.zeros((), device=topo.device)
     steps_in_window = 0
-    saved_step = state.step if resume_dir is not None else None
+    saved_step = resume_dir.name if resume_dir is not None else None
     first_bad = torch.full((), -1, dtype=torch.long, device=topo.device)
     skipped = 0
 
@@ -244,7 +253,7 @@ def run_training(cfg: TrainConfig) -> TrainResult:
         if (logging_now or saving) and cfg.nan_policy == "stop":
             bad = _first_bad_step(first_bad, topo)
             if bad is not None:  # never log on, never save weights that saw a non-finite update
-                kept = (f"; the last good checkpoint is {output_dir / 'checkpoints' / f'step-{saved_step}'}"
+                kept = (f"; the last good checkpoint is {output_dir / 'checkpoints' / saved_step}"
                         if saved_step else "; no checkpoint was saved before it")
                 raise NumericsError(f"step {bad}: the loss or the gradient norm is not finite; training stopped{kept}. "
                                     f"Lower learning_rate or set max_grad_norm, or set nan_policy: skip to skip such "
@@ -272,13 +281,18 @@ def run_training(cfg: TrainConfig) -> TrainResult:
             last_time, last_step = time.perf_counter(), state.step
         if saving:
             save_start = time.perf_counter()
-            ckpt.save(output_dir, state=state, model=model, optimizer=optimizer, scheduler=scheduler, order=order,
-                      topology=topo, config=cfg, keep=cfg.save_total_limit, tokenizer=tokenizer,
-                      extra={"lora": asdict(lora)} if lora is not None else None)
-            saved_step = state.step
+            saved = ckpt.TrainState(step=state.step, tokens=state.tokens + _unlogged_tokens(tokens_since_log, topo))
+            path = ckpt.save(run.checkpointer, state=saved, model=model, optimizer=optimizer, scheduler=scheduler,
+                             order=order, topology=topo, config=cfg, tokenizer=tokenizer,
+                             extra={"lora": asdict(lora)} if lora is not None else None)
+            saved_step = path.name
             save_s = time.perf_counter() - save_start
-            metrics.message(f"step {state.step}: checkpoint saved in {save_s:.1f} s")
+            metrics.message(f"step {state.step}: checkpoint {path.name} " + (
+                f"writing in the background (training paused {save_s:.2f} s)" if cfg.async_save
+                else f"saved in {save_s:.1f} s"))
             last_time += save_s  # throughput is training time only
+
+    run.checkpointer.wait()  # the last checkpoint is complete before anything reads it
 
     if lora is not None:
         save_peft_adapter(model, lora, output_dir / "adapter", base_model=cfg.base_model, write=topo.is_main)
@@ -314,6 +328,13 @@ def forward_backward(model, micro_batches: list, topo: Topology, *, compiled_los
         step_loss += loss.detach()
         tokens += batch.num_input_tokens
     return step_loss, tokens
+
+
+def _unlogged_tokens(tokens_since_log: torch.Tensor, topo: Topology) -> int:
+    """Tokens of the steps since the last logging step, over all ranks (a save between logging steps)."""
+    window = tokens_since_log.clone()
+    dist.all_reduce(window, group=topo.loss.get_group())
+    return int(window.item())
 
 
 def _first_bad_step(first_bad: torch.Tensor, topo: Topology) -> int | None:
