@@ -134,11 +134,15 @@ def _run_mode(args, topo, mode: str, root: Path) -> dict:
     load_s = time.perf_counter() - load_start
     exact = _all_ranks(_fingerprint(model, optimizer) == fingerprint, topo.device)
     ckpt.close()
+    size_gb = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e9
+    dist.barrier()
+    if topo.is_main:  # free the disk for the next mode
+        shutil.rmtree(root, ignore_errors=True)
     return {"mode": mode, "shape": args.shape, "world": topo.world_size, "seq": args.seq,
             "median_step_s": round(median, 4), "save_call_s": [round(t, 3) for t in calls],
             "stall_s": [round(t, 3) for t in stalls], "steps_until_published": [len(e) - args.gap for e in after],
             "load_s": round(load_s, 2), "exact": exact,
-            "checkpoint_gb": round(sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e9, 2)}
+            "checkpoint_gb": round(size_gb, 2)}
 
 
 def main() -> None:

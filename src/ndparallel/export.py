@@ -8,7 +8,8 @@ written with ``save_pretrained`` (config.json, safetensors shards + index) besid
 LoRA runs export their adapter in the PEFT format, or merged into the base weights.
 
 Plain functions for other callers (e.g. exporting a live model gathered into one process):
-``write_hf_directory(model, out_dir, ...)`` writes any full, unsharded transformers model (or its adapter).
+``cpu_model(config, dtype=..., lora=...)`` builds the one-process model to fill; ``write_hf_directory(model,
+out_dir, ...)`` writes any full, unsharded transformers model (or its PEFT adapter, or merged).
 """
 
 from __future__ import annotations
@@ -55,17 +56,28 @@ def load_hf_config(path: Path):
     return AutoConfig.for_model(kind, **data)
 
 
-def load_full_model(path: Path, *, dtype: torch.dtype, with_adapters: bool = False):
-    """The model of checkpoint ``path`` in one process, on CPU. Returns (model, adapter_spec or None)."""
-    from ndparallel.lora import LoraSpec, attach_lora
+def cpu_model(config, *, dtype: torch.dtype, lora=None):
+    """A transformers model of ``config`` on CPU, weights uninitialized (fill them, then ``restore_buffers``);
+    with ``lora`` (a ``LoraSpec``) its adapters attached."""
+    from ndparallel.lora import attach_lora
 
-    config = load_hf_config(path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    spec = LoraSpec.from_checkpoint(path)
-    if spec is not None and with_adapters:
-        attach_lora(model, spec, tp_mesh=None)
-    model.to_empty(device="cpu")
+    if lora is not None:
+        attach_lora(model, lora, tp_mesh=None)
+    return model.to_empty(device="cpu")
+
+
+def load_full_model(path: Path, *, dtype: torch.dtype, with_adapters: bool = False):
+    """The model of checkpoint ``path`` in one process, on CPU. Returns (model, adapter_spec or None)."""
+    from ndparallel.lora import LoraSpec
+
+    try:
+        spec = LoraSpec.from_checkpoint(path)
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{str(path / 'extra.json')!r} does not describe LoRA adapters ({type(exc).__name__}: "
+                              f"{exc})") from None
+    model = cpu_model(load_hf_config(path), dtype=dtype, lora=spec if with_adapters else None)
     state = model.state_dict()
     load_tensors(path, {f"{MODEL_STATE}.{name}": value for name, value in state.items()}, distributed=False)
     model.load_state_dict(state, strict=False)
@@ -75,7 +87,8 @@ def load_full_model(path: Path, *, dtype: torch.dtype, with_adapters: bool = Fal
 
 
 def write_hf_directory(model, out_dir: str | Path, *, dtype: torch.dtype, lora=None, merge_lora: bool = False,
-                       base_model: str | None = None, tokenizer_dir: Path | None = None) -> Path:
+                       base_model: str | None = None, tokenizer_dir: Path | None = None,
+                       max_shard_size: str = "2GB") -> Path:
     """Write a full (unsharded, one-process) transformers ``model`` as a Hugging Face directory.
 
     With ``lora`` (a ``LoraSpec`` whose adapters are attached): a PEFT adapter directory, or with
@@ -92,7 +105,7 @@ def write_hf_directory(model, out_dir: str | Path, *, dtype: torch.dtype, lora=N
     else:
         if lora is not None:
             merge_lora_weights(model, lora)
-        model.to(dtype).save_pretrained(out, safe_serialization=True, max_shard_size="2GB")
+        model.to(dtype).save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
     if tokenizer_dir is not None and tokenizer_dir.is_dir():
         for item in tokenizer_dir.iterdir():  # checked by the guard: plain files inside the checkpoint
             if item.is_file():

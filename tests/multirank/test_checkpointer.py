@@ -113,3 +113,35 @@ def test_resume_on_another_layout_continues_like_one_process(saved, layout, worl
     diff = max_rel_diff(resumed["losses"], reference[SAVE_AT:])
     parity_record({"loss": diff})
     assert diff < 1e-5
+
+
+def _failing_save(root: str) -> dict:
+    """An asynchronous save whose publication fails on rank 0 (a full disk): every rank gets the error."""
+    import torch.distributed as dist
+
+    from ndparallel.checkpoint import store
+
+    model = torch.nn.Linear(4, 4)
+    ckpt = ndp.Checkpointer(root, async_save=True)
+    ckpt.save(1, {"model": model})
+    ckpt.wait()
+    if dist.get_rank() == 0:
+        def full_disk(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        store.publish = full_disk
+    ckpt.save(2, {"model": model})  # returns: the write goes on in the background
+    try:
+        ckpt.close()
+    except ndp.CheckpointError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+def test_a_failed_asynchronous_save_is_one_error_on_every_rank(tmp_path):
+    results = run_ranks(2, _failing_save, str(tmp_path / "checkpoints"))
+    for result in results:
+        assert result["error"] and "\n" not in result["error"]
+        assert "saving the checkpoint step-2 failed" in result["error"] and "'latest' are unchanged" in result["error"]
+    assert results[0]["error"].count("No space left on device") == 1
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step-1"
