@@ -11,14 +11,15 @@ AdamW, bf16 compute on CUDA) trains on synthetic tokens and saves ``--saves`` ti
 then ``--gap`` more steps, then the next save: so each stall is the save's own, not a queue behind a slow
 disk. Only one checkpoint is kept on disk (the previous one is deleted before the next save).
 
-Stall per save = time inside ``save()`` + the extra time of the steps until the state is copied (an
-asynchronous save makes the next optimizer step wait for the copy to host memory), measured against the
-median step time without saves; every step ends with a device synchronize. The first save of a mode
-includes allocating the (pinned) host buffers; later ones reuse them.
+Stall per save (``stall_s``) = time inside ``save()`` + the time optimizer steps were held until the
+state was copied to host memory (measured by the Checkpointer). ``step_excess_s`` adds everything else
+the save cost the steps until it was published (on a CPU host the writer thread shares the cores; on a
+GPU the copy shares PCIe), against the median step time without a save; every step ends with a device
+synchronize. The first save of a mode includes allocating the (pinned) host buffers; later ones reuse them.
 
-Exactness: at the first save the model and optimizer state are fingerprinted (float64 sums of every
-local shard); after training has gone on, that checkpoint is loaded back and fingerprinted again: the
-two must be equal (``exact``). Results: a JSON line per mode in ``$OUT/bench_checkpoint.jsonl`` (or --out).
+Exactness: at the last save the model and optimizer state are fingerprinted (float64 sums of every local
+shard); after training has gone on, that checkpoint is loaded back and fingerprinted again: the two must
+be equal (``exact``). Results: a JSON line per mode in ``$OUT/bench_checkpoint.jsonl`` (or --out).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def _saves(args, topo, model, optimizer, vocab: int, ckpt: ndp.Checkpointer, roo
     """Train with ``--saves`` saves; per save: seconds in save(), step times after it; the last save's
     directory and the fingerprint of the state it holds."""
     states = {"model": model, "optimizer": optimizer}
-    plain, calls, after, step = [], [], [], 0
+    plain, calls, stalls, after, step = [], [], [], [], 0
     for _ in range(args.warmup + args.gap):
         seconds = _train_step(args, topo, model, optimizer, vocab, step)
         plain += [seconds] if step >= args.warmup else []
@@ -117,17 +118,18 @@ def _saves(args, topo, model, optimizer, vocab: int, ckpt: ndp.Checkpointer, roo
             if published_after is None and _all_ranks(not ckpt.in_flight, topo.device):
                 published_after = len(extra)
         after.append(extra)
+        stalls.append(ckpt.stall_s)  # save() plus optimizer steps held until the state was copied
     ckpt.wait()
-    return plain, calls, after, path, fingerprint
+    return plain, calls, stalls, after, path, fingerprint
 
 
 def _run_mode(args, topo, mode: str, root: Path) -> dict:
     model, optimizer, vocab = _build(args, topo)
     ckpt = ndp.Checkpointer(root, async_save=mode == "async")
-    plain, calls, after, path, fingerprint = _saves(args, topo, model, optimizer, vocab, ckpt, root)
+    plain, calls, stalls, after, path, fingerprint = _saves(args, topo, model, optimizer, vocab, ckpt, root)
     median = statistics.median(plain + [t for extra in after for t in extra[-args.gap:]])
-    # The copy to host memory overlaps the first step(s) after the save; their excess is part of the stall.
-    stalls = [call + sum(max(0.0, t - median) for t in extra[:2]) for call, extra in zip(calls, after)]
+    # Everything the save cost the steps around it (also sharing the host or PCIe with the writer).
+    excess = [call + sum(max(0.0, t - median) for t in extra[:-args.gap]) for call, extra in zip(calls, after)]
     load_start = time.perf_counter()
     ckpt.load({"model": model, "optimizer": optimizer}, path)
     _sync(topo.device)
@@ -140,7 +142,8 @@ def _run_mode(args, topo, mode: str, root: Path) -> dict:
         shutil.rmtree(root, ignore_errors=True)
     return {"mode": mode, "shape": args.shape, "world": topo.world_size, "seq": args.seq,
             "median_step_s": round(median, 4), "save_call_s": [round(t, 3) for t in calls],
-            "stall_s": [round(t, 3) for t in stalls], "steps_until_published": [len(e) - args.gap for e in after],
+            "stall_s": [round(t, 3) for t in stalls], "step_excess_s": [round(t, 3) for t in excess],
+            "steps_until_published": [len(e) - args.gap for e in after],
             "load_s": round(load_s, 2), "exact": exact,
             "checkpoint_gb": round(size_gb, 2)}
 
@@ -172,7 +175,8 @@ def main() -> None:
         if topo.is_main:
             r = results[-1]
             print(f"{mode:5s} {args.shape} world {topo.world_size}: stall per save {r['stall_s']} s (save() "
-                  f"{r['save_call_s']} s), median step {r['median_step_s']} s, load {r['load_s']} s, "
+                  f"{r['save_call_s']} s; extra step time until published {r['step_excess_s']} s), median step "
+                  f"{r['median_step_s']} s, load {r['load_s']} s, "
                   f"{r['checkpoint_gb']} GB, exact resume: {r['exact']}", flush=True)
     if topo.is_main:
         Path(args.out).mkdir(parents=True, exist_ok=True)

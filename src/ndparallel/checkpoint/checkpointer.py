@@ -81,6 +81,8 @@ class Checkpointer:
         self._stager = None
         self._in_flight: _InFlight | None = None
         self.last_publish_s: float | None = None
+        self.stall_s = 0.0
+        """Seconds training waited for the latest save: inside ``save`` plus optimizer steps held for the copy."""
 
     @property
     def is_main(self) -> bool:
@@ -106,6 +108,7 @@ class Checkpointer:
         called on the main rank to write more files into the checkpoint (a config, a tokenizer).
         """
         self.wait()  # at most one save in flight
+        start = time.perf_counter()
         adapted = adapt(states)
         name = store.free_name(self.root, step)
         partial = self.root / f"{store.PARTIAL_PREFIX}{name}"
@@ -131,6 +134,7 @@ class Checkpointer:
             self._save_in_background(step, name, partial, index, tensors, writer, optimizers_of(adapted))
         else:
             self._save_now(name, partial, index, tensors, writer)
+        self.stall_s = time.perf_counter() - start
         return self.root / name
 
     def _save_now(self, name: str, partial: Path, index: dict, tensors: dict, writer) -> None:
@@ -184,11 +188,13 @@ class Checkpointer:
     def wait_for_staging(self) -> None:
         """Block until the save in flight has copied the state (then the state may change again)."""
         flight = self._in_flight
-        if flight is not None and flight.staging is not None:
+        if flight is not None and flight.staging is not None and not flight.staging.done():
+            start = time.perf_counter()
             try:
                 flight.staging.result()
             except (Exception, CheckpointException):
                 pass  # the write fails too; wait() reports it on every rank
+            self.stall_s += time.perf_counter() - start
 
     def wait(self, *, raise_errors: bool = True) -> None:
         """Block until the save in flight is written and published; its failure raises on every rank."""
