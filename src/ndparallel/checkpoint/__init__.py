@@ -9,8 +9,8 @@ asynchronous, and loaded without trusting anything read from disk.
 - ``training.py``: the trainer's states and facts (layout, model shape) on top of the Checkpointer.
 """
 
-from ndparallel.checkpoint.checkpointer import Checkpointer, Restored
-from ndparallel.checkpoint.loading import load_tensors, open_checkpoint
+from ndparallel.checkpoint.checkpointer import Checkpointer
+from ndparallel.checkpoint.loading import Restored, load_tensors, open_checkpoint
 from ndparallel.checkpoint.states import ModelState, OptimizerState
 from ndparallel.checkpoint.training import (
     DataPosition,

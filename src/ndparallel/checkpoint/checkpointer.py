@@ -39,18 +39,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ndparallel.checkpoint import codec, guard, loading, store
+from ndparallel.checkpoint import codec, loading, store
+from ndparallel.checkpoint.loading import Restored
 from ndparallel.checkpoint.states import adapt, optimizers_of
 from ndparallel.errors import CheckpointError
-
-
-@dataclass
-class Restored:
-    """What ``load`` restored: the step it was saved at, where from, and the metadata saved with it."""
-
-    step: int
-    path: Path
-    meta: dict = field(default_factory=dict)
 
 
 @dataclass

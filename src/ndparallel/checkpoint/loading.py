@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,11 +58,18 @@ def open_checkpoint(path: Path) -> dict:
     return index
 
 
-def load(path: Path, states: dict[str, Any], *, rank: int, world_size: int, rng: bool, process_group,
-         distributed: bool):
-    """Restore adapted ``states`` (see ``states.adapt``) from checkpoint ``path``; returns ``Restored``."""
-    from ndparallel.checkpoint.checkpointer import Restored
+@dataclass
+class Restored:
+    """What a load restored: the step it was saved at, where from, and the metadata saved with it."""
 
+    step: int
+    path: Path
+    meta: dict = field(default_factory=dict)
+
+
+def load(path: Path, states: dict[str, Any], *, rank: int, world_size: int, rng: bool, process_group,
+         distributed: bool) -> Restored:
+    """Restore adapted ``states`` (see ``states.adapt``) from checkpoint ``path``."""
     index = open_checkpoint(path)
     missing = [name for name in states if name not in index["states"]]
     if missing:
@@ -94,7 +102,8 @@ def _targets(states: dict[str, Any], skeletons: dict, tensor_index: Metadata, pa
     for name, obj in states.items():
         current.update(codec.split_state(name, obj.state_dict())[1])
     wanted = [k for name in states for k in codec.tensor_keys(skeletons[name])]
-    extra = [k for k in current if k not in set(wanted)]
+    wanted_set = set(wanted)
+    extra = [k for k in current if k not in wanted_set]
     if extra:
         raise CheckpointError(f"checkpoint {str(path)!r} has no tensor {extra[0]!r} ({len(extra)} missing in all); "
                               f"it was saved from another model or setup (adapters, tied weights?)")
