@@ -25,6 +25,7 @@ be equal (``exact``). Results: a JSON line per mode in ``$OUT/bench_checkpoint.j
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -170,6 +171,7 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
         dist.barrier()
         results.append(_run_mode(args, topo, mode, root))
+        gc.collect()  # the mode's model and optimizer (FSDP keeps reference cycles) before the next one
         if topo.device.type == "cuda":
             torch.cuda.empty_cache()
         if topo.is_main:

@@ -84,3 +84,14 @@ def test_a_state_that_json_cannot_hold_is_refused_at_save_time(tmp_path):
         split_state("s", {"fn": lambda: 0})
     with pytest.raises(CheckpointError, match="'thing' is a object, which cannot be checkpointed"):
         Checkpointer(tmp_path).save(1, {"thing": object()})
+
+
+def test_loading_into_another_shape_or_model_says_what_differs(tmp_path):
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(1, {"model": torch.nn.Linear(3, 2)})
+    with pytest.raises(CheckpointError, match=r"'model.weight' has shape \(2, 3\) there and \(4, 3\) here"):
+        ckpt.load({"model": torch.nn.Linear(3, 4)})
+    with pytest.raises(CheckpointError, match=r"has no tensor 'model.0.weight'"):
+        ckpt.load({"model": torch.nn.Sequential(torch.nn.Linear(3, 2))})
+    with pytest.raises(CheckpointError, match=r"holds \['model'\], not \['optimizer'\]"):
+        ckpt.load({"optimizer": {}})
