@@ -10,6 +10,9 @@ A training state is a dict of named objects (``{"model": model, "optimizer": opt
   the one ``nn.Module`` of the state (with several models, wrap it: ``OptimizerState(model, optimizer)``);
 - any object with ``state_dict()`` / ``load_state_dict()`` (a scheduler, a data loader, your own);
 - a plain dict, restored in place.
+
+Tensors that are not DTensors are taken as the same on every rank (torch.distributed.checkpoint stores one
+copy); non-tensor values may differ per rank (they are kept per rank, see ``loading``).
 """
 
 from __future__ import annotations
