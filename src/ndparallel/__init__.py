@@ -9,6 +9,8 @@ Library use (the loop you would write, done right)::
     n = ndparallel.count_tokens(batch.num_tokens, topo)              # global target tokens
     loss = ndparallel.token_loss(model(**batch.model_inputs()).logits, batch.labels, num_tokens=n, topology=topo)
     loss.backward(); ndparallel.clip_grad_norm_(model.parameters(), 1.0); opt.step(); opt.zero_grad()
+    ckpt = ndparallel.Checkpointer("out/checkpoints", async_save=True)      # resume on any layout:
+    ckpt.save(step, {"model": model, "optimizer": opt}); ckpt.load({"model": model, "optimizer": opt})
 """
 
 from ndparallel.batching import IGNORE_INDEX, Batch, prepare_batch, shift_labels
@@ -21,6 +23,7 @@ from ndparallel.errors import (
     NdParallelError,
     NumericsError,
 )
+from ndparallel.checkpoint import Checkpointer, ModelState, OptimizerState
 from ndparallel.layout import Layout
 from ndparallel.lora import LoraSpec
 from ndparallel.parallel.cp_layout import cp_gather, cp_shard
@@ -45,5 +48,5 @@ __all__ = [
     "CheckpointError", "ConfigError", "DataError", "LayoutError", "ModelError", "NdParallelError", "NumericsError",
     "Layout", "LoraSpec", "ParallelismConfig", "TorchContextParallelConfig", "TorchTensorParallelConfig", "cp_gather", "cp_shard", "ParallelOptions", "parallelize", "load_pretrained", "save_pretrained",
     "build_optimizer", "clip_grad_norm_", "count_tokens", "gather_logits", "reduce_loss", "set_gradient_sync", "token_loss",
-    "Topology", "init_distributed",
+    "Topology", "init_distributed", "Checkpointer", "ModelState", "OptimizerState",
 ]

@@ -285,3 +285,35 @@ def _pad_lse(lse: torch.Tensor) -> torch.Tensor:
     # The memory-efficient backward reads lse padded to a multiple of 32 rows.
     pad = (-lse.shape[-1]) % 32
     return torch.nn.functional.pad(lse, (0, pad)) if pad else lse.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# Distributed-checkpoint index: the classes and functions its pickle names.
+#
+# torch.distributed.checkpoint writes its index (``.metadata``) with plain pickle. ndparallel reads it with
+# an unpickler that resolves exactly these (module, qualified name) pairs and nothing else; three of them
+# are private to PyTorch (the storage-location record, the memory-format enum, the layout lookup).
+# ---------------------------------------------------------------------------------------------
+
+
+def dcp_index_globals() -> dict[tuple[str, str], object]:
+    """Every global a torch.distributed.checkpoint index may reference (checked on torch 2.11 and 2.13)."""
+    import pathlib
+
+    import torch.serialization
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    table: dict[tuple[str, str], object] = {
+        ("torch.distributed.checkpoint.metadata", name): getattr(metadata, name)
+        for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                     "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+    }
+    table[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
+    table[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    table[("torch", "Size")] = torch.Size
+    table[("pathlib", "PosixPath")] = pathlib.PosixPath
+    table[("pathlib", "PurePosixPath")] = pathlib.PurePosixPath
+    for value in vars(torch).values():  # the dtypes, by the name pickle writes for them (torch.float32 ...)
+        if isinstance(value, torch.dtype):
+            table[("torch", str(value).removeprefix("torch."))] = value
+    return table

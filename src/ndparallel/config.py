@@ -136,7 +136,11 @@ class TrainConfig(BaseModel):
     save_steps: int | None = Field(None, ge=1)
     """Save a sharded checkpoint every N steps (and always at the end)."""
     save_total_limit: int | None = Field(3, ge=1)
-    """Keep the last K checkpoints."""
+    """Keep the K most recently saved checkpoints (never deleting the one just written or the one 'latest' names)."""
+    async_save: bool = True
+    """Write checkpoints in the background: training waits only while the state is copied to host memory
+    (pinned, overlapped with the next step on CUDA); 'latest' moves once the files are written and flushed.
+    Needs host memory for one copy of this rank's share of the model and optimizer state."""
     resume_from_checkpoint: str | None = None
     """'latest' or a checkpoint directory to resume from."""
     export_hf: bool = False

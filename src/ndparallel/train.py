@@ -116,6 +116,7 @@ class TrainingRun:
     eval_rows: object
     lora: LoraSpec | None
     state: ckpt.TrainState
+    checkpointer: ckpt.Checkpointer
     total_steps: int
     steps_per_epoch: int
     resume_dir: Path | None
@@ -170,11 +171,13 @@ def setup(cfg: TrainConfig) -> TrainingRun:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, warmup=cfg.warmup_steps, total=total_steps, kind=cfg.lr_scheduler))
     state = ckpt.TrainState()
+    checkpointer = ckpt.trainer_checkpointer(output_dir, keep=cfg.save_total_limit, async_save=cfg.async_save,
+                                             timeout_s=cfg.process_group_timeout_s)
     load_s = None
     if resume_dir is not None:
         load_start = time.perf_counter()
-        state = ckpt.load(resume_dir, model=model, optimizer=optimizer, scheduler=scheduler, order=order,
-                          topology=topo, config=cfg)
+        state = ckpt.load(checkpointer, resume_dir, model=model, optimizer=optimizer, scheduler=scheduler,
+                          order=order)
         load_s = time.perf_counter() - load_start
         # The schedule resumes at the saved step, with this config's learning rate (it may have changed).
         scheduler.base_lrs = [cfg.learning_rate for _ in scheduler.base_lrs]
@@ -182,7 +185,7 @@ def setup(cfg: TrainConfig) -> TrainingRun:
             group["lr"] = base * factor(scheduler.last_epoch)
     return TrainingRun(cfg=cfg, topo=topo, model_config=model_config, tokenizer=tokenizer, model=model,
                        optimizer=optimizer, scheduler=scheduler, order=order, train_rows=train_rows,
-                       eval_rows=eval_rows, lora=lora, state=state, total_steps=total_steps,
+                       eval_rows=eval_rows, lora=lora, state=state, checkpointer=checkpointer, total_steps=total_steps,
                        steps_per_epoch=steps_per_epoch, resume_dir=resume_dir, layout_reason=layout_reason,
                        load_s=load_s)
 
@@ -222,8 +225,10 @@ def run_training(cfg: TrainConfig) -> TrainResult:
         metrics = _open_metrics(run)
         failed = True
         try:
-            _train_loop(run, metrics)
-            _finish(run, metrics)
+            with run.checkpointer:  # on the way out, also on failure: finish the checkpoint save in flight
+                _train_loop(run, metrics)
+                run.checkpointer.wait()  # the last checkpoint is complete before anything reads it
+                _finish(run, metrics)
             failed = False
         finally:
             metrics.close(failed=failed)
@@ -264,7 +269,7 @@ def _train_loop(run: TrainingRun, metrics: MetricsLogger) -> None:
     cfg, topo, state = run.cfg, run.topo, run.state
     window = LogWindow(topo, nan_policy=cfg.nan_policy, flops_per_token=flops_per_token(run.model_config,
                        cfg.sequence_len), peak_flops=device_peak_flops(topo.device))
-    saved = ckpt.checkpoints_dir(Path(cfg.output_dir)) / f"step-{state.step}" if run.resume_dir else None
+    saved = run.resume_dir
     batches = iter(run.order)
     with memory_history(cfg.cuda_memory_snapshot, topo.device):
         for step in range(state.step, run.total_steps):
@@ -324,14 +329,18 @@ def _out_of_memory(run: TrainingRun, step: int) -> DeviceMemoryError:
 def _save(run: TrainingRun, metrics: MetricsLogger, window: LogWindow) -> Path:
     cfg, state = run.cfg, run.state
     start = time.perf_counter()
-    path = ckpt.save(Path(cfg.output_dir), state=state, model=run.model, optimizer=run.optimizer,
+    # Tokens of the steps since the last log line belong to this checkpoint too (a save between log lines).
+    saved = ckpt.TrainState(step=state.step, tokens=state.tokens + window.tokens_so_far())
+    path = ckpt.save(run.checkpointer, state=saved, model=run.model, optimizer=run.optimizer,
                      scheduler=run.scheduler, order=run.order, topology=run.topo, config=cfg,
-                     keep=cfg.save_total_limit, tokenizer=run.tokenizer,
-                     extra={"lora": asdict(run.lora)} if run.lora is not None else None)
+                     tokenizer=run.tokenizer, extra={"lora": asdict(run.lora)} if run.lora is not None else None)
     stall = time.perf_counter() - start
     window.timer.add("checkpoint_stall", stall)
-    metrics.message(f"step {state.step}: checkpoint saved in {human_seconds(stall)}")
+    metrics.message(f"step {state.step}: checkpoint {path.name} " + (
+        f"writing in the background (training paused {human_seconds(stall)})" if cfg.async_save
+        else f"saved in {human_seconds(stall)}"))
     if cfg.wandb_log_model == "checkpoint":
+        run.checkpointer.wait()  # an uploaded checkpoint must be complete: this save is not in the background
         metrics.artifact(path, name=f"checkpoint-step-{state.step}")
     return path
 
@@ -352,7 +361,7 @@ def _finish(run: TrainingRun, metrics: MetricsLogger) -> None:
     """After the last step: the LoRA adapter, the Hugging Face export, and the model artifact."""
     cfg, topo = run.cfg, run.topo
     output_dir = Path(cfg.output_dir)
-    final = ckpt.checkpoints_dir(output_dir) / f"step-{run.state.step}"
+    final = run.checkpointer.latest()
     if run.lora is not None:
         final = output_dir / "adapter"
         save_peft_adapter(run.model, run.lora, final, base_model=cfg.base_model, write=topo.is_main)

@@ -82,6 +82,12 @@ class LogWindow:
         raise NumericsError(f"step {bad}: the loss or the gradient norm is not finite; training stopped{kept}. "
                             f"Lower learning_rate or set max_grad_norm, or set nan_policy: skip to skip such steps")
 
+    def tokens_so_far(self) -> int:
+        """Tokens of this window's steps over all ranks (for a checkpoint saved between log lines; a collective)."""
+        window = self.tokens.clone()
+        dist.all_reduce(window, group=self.topo.loss.get_group())
+        return int(window.item())
+
     def close(self, step: int, *, lr: float) -> dict:
         """The metrics record of the window ending at ``step`` (collectives; waits for the device).
 

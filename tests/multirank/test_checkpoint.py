@@ -1,15 +1,15 @@
-"""Checkpoints: exact resume, resume under another layout and world size, HF export, bad checkpoints."""
+"""Checkpoints of the trainer: exact resume (the fixture saves asynchronously), resume under another layout
+and world size, HF export, and checkpoints that are damaged or malicious, refused on every rank."""
 
 from __future__ import annotations
 
-import os
-import pickle
 import shutil
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import malicious
 import ndparallel as ndp
 from harness import run_ranks
 from ndparallel.errors import CheckpointError
@@ -36,8 +36,8 @@ def test_layout_of_a_checkpoint(saved):
     tmp, _, _ = saved
     root = tmp / "out" / "checkpoints"
     assert (root / "latest").read_text() == "step-6"
-    for name in ("COMPLETE", "trainer_state.json", "config.yaml", "hf_config.json", "tokenizer", "model_optim/.metadata",
-                 "rng/rank-7.pt"):
+    for name in ("COMPLETE", "index.json", "config.yaml", "hf_config.json", "tokenizer", "tensors/.metadata",
+                 "ranks/rank-7.json"):
         assert (_step3(tmp) / name).exists(), name
     assert not list(root.glob(".partial-*"))
 
@@ -58,16 +58,23 @@ def _loaded_state(config: dict, checkpoint: str):
     return {"state": full_state(run.model, run.optimizer), "data": run.order.state_dict(), "step": run.state.step}
 
 
+@pytest.fixture(scope="module")
+def loaded_on_8(saved):
+    """What the saving layout loads from step-3 (the reference for every other layout)."""
+    tmp, config, _ = saved
+    return run_ranks(8, _loaded_state, config, str(_step3(tmp)))[0]
+
+
 @pytest.mark.parametrize("layout, world", [
     (dict(s=4), 4),                        # 2x2x2 on 8 ranks -> FSDP 4 on 4
     (dict(c=2, t=2, method="alltoall"), 4),  # -> TP 2 x CP 2 on 4
     (dict(r=2, t=1), 2),                    # -> plain replicas on 2
     (dict(), 1),                            # -> one process
 ], ids=["fsdp4", "cp2-tp2", "ddp2", "single"])
-def test_resume_on_another_layout(saved, layout, world, parity_record):
+def test_resume_on_another_layout(saved, loaded_on_8, layout, world, parity_record):
     tmp, config, uninterrupted = saved
     checkpoint = str(_step3(tmp))
-    original = run_ranks(8, _loaded_state, config, checkpoint)[0]
+    original = loaded_on_8
     new_config = {**layout_config(config, **layout), "output_dir": str(tmp / f"reshard-{world}-{len(layout)}")}
     moved = run_ranks(world, _loaded_state, new_config, checkpoint)[0]
     assert moved["step"] == 3
@@ -117,71 +124,141 @@ def test_export_gives_the_parallel_models_logits(saved, tmp_path):
         export_checkpoint(tmp / "out", out)
 
 
-def _resume_error(config: dict, checkpoint: str):
+
+
+# --- damaged and malicious checkpoints ------------------------------------------------------------------
+
+def _damage(tmp, kind: str) -> tuple[str, str, str]:
+    """A copy of step-3 damaged in one way: (output_dir, resume value, text the refusal must contain)."""
+    bad = tmp / "bad" / kind
+    shutil.rmtree(bad, ignore_errors=True)
+    shutil.copytree(_step3(tmp), bad / "checkpoints" / "step-3", symlinks=True)
+    ckpt = bad / "checkpoints" / "step-3"
+    (bad / "checkpoints" / "latest").write_text("step-3")
+    if kind == "truncated-shard":
+        shard = sorted((ckpt / "tensors").glob("*.distcp"))[0]
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
+        return str(bad), str(ckpt), "is truncated: it has"
+    if kind == "corrupted-index":
+        (ckpt / "tensors" / ".metadata").write_bytes(b"\x80\x04garbage")
+        return str(bad), str(ckpt), "is not a readable checkpoint index"
+    if kind == "missing-complete":
+        (ckpt / "COMPLETE").unlink()
+        return str(bad), str(ckpt), "COMPLETE is missing"
+    if kind == "format-1":
+        (ckpt / "index.json").rename(ckpt / "trainer_state.json")
+        return str(bad), str(ckpt), "written by an earlier ndparallel (format 1"
+    if kind.startswith("latest-"):
+        latest = bad / "checkpoints" / "latest"
+        if kind == "latest-symlink":  # a link, even to a valid name: latest is a plain file ndparallel writes
+            latest.unlink()
+            (bad / "elsewhere").write_text("step-3")
+            latest.symlink_to(bad / "elsewhere")
+        else:
+            latest.write_text("step-99" if kind == "latest-dangling" else "../../../etc")
+        return str(bad), "latest", {"latest-dangling": "points at 'step-99', which does not exist",
+                                    "latest-escape": "which is not a checkpoint of this directory",
+                                    "latest-symlink": "is not a plain file"}[kind]
+    if kind == "no-checkpoint":
+        shutil.rmtree(bad / "checkpoints")
+        return str(bad), "latest", "does not exist"
+    if kind == "partial":
+        ckpt.rename(bad / "checkpoints" / ".partial-step-4")
+        return str(bad), str(bad / "checkpoints" / ".partial-step-4"), "interrupted save"
+    marker, outside = tmp / "bad" / f"marker-{kind}", tmp / "bad" / f"outside-{kind}"
+    outside.mkdir(exist_ok=True)
+    return str(bad), str(ckpt), malicious.tamper(ckpt, kind, marker, outside)
+
+
+DAMAGED = ["truncated-shard", "corrupted-index", "missing-complete", "format-1", "latest-dangling", "latest-escape",
+           "latest-symlink", "no-checkpoint", "partial"]
+
+
+@pytest.fixture(scope="module")
+def bad_checkpoints(saved):
+    tmp, _, _ = saved
+    return {kind: _damage(tmp, kind) for kind in DAMAGED + malicious.KINDS}
+
+
+def _resume_errors(config: dict, cases: dict) -> dict:
+    """On this rank, resume from each case; the error (None: it resumed)."""
     from ndparallel.config import parse_config
     from ndparallel.train import setup
 
-    try:
-        setup(parse_config({**config, "resume_from_checkpoint": checkpoint}))
-    except CheckpointError as exc:
-        return str(exc)
-    return None
+    errors = {}
+    for kind, (output_dir, resume, _) in cases.items():
+        try:
+            setup(parse_config({**config, "output_dir": output_dir, "resume_from_checkpoint": resume})).checkpointer.close()
+            errors[kind] = None
+        except CheckpointError as exc:
+            errors[kind] = str(exc)
+    return errors
 
 
-def _damage(tmp, kind: str):
-    """A copy of step-3 damaged in one way; returns (resume value, expected message)."""
-    bad = tmp / f"bad-{kind}"
-    shutil.rmtree(bad, ignore_errors=True)
-    shutil.copytree(_step3(tmp), bad / "checkpoints" / "step-3")
-    ckpt = bad / "checkpoints" / "step-3"
-    if kind == "truncated-shard":
-        shard = sorted((ckpt / "model_optim").glob("*.distcp"))[0]
-        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
-        return str(ckpt), "cannot read the shards"
-    if kind == "corrupted-metadata":
-        (ckpt / "model_optim" / ".metadata").write_bytes(b"\x80\x04garbage")
-        return str(ckpt), "is corrupted"
-    if kind == "malicious-metadata":  # an index that would run code when unpickled
-        (ckpt / "model_optim" / ".metadata").write_bytes(pickle.dumps(_Exploit()))
-        return str(ckpt), "references code (refusing to load posix.system)"
-    if kind == "missing-complete":
-        (ckpt / "COMPLETE").unlink()
-        return str(ckpt), "COMPLETE is missing"
-    if kind == "latest-dangling":
-        (bad / "checkpoints" / "latest").write_text("step-99")
-        return "latest", "points at 'step-99', which does not exist"
-    if kind == "no-checkpoint":
-        shutil.rmtree(bad / "checkpoints")
-        return "latest", "does not exist"
-    if kind == "missing-dir":
-        return str(bad / "nowhere"), "is not a directory"
-    if kind == "partial":
-        (bad / "checkpoints" / ".partial-step-4").mkdir()
-        return str(bad / "checkpoints" / ".partial-step-4"), "interrupted save"
-    raise AssertionError(kind)
+def _check_refusals(errors: dict, cases: dict) -> list[str]:
+    problems = []
+    for kind, (_, _, expected) in cases.items():
+        message = errors[kind]
+        if not expected:
+            if message is not None:
+                problems.append(f"{kind}: refused ({message})")
+        elif message is None or expected not in message or "\n" in message:
+            problems.append(f"{kind}: {message!r} (wanted one line with {expected!r})")
+    return problems
 
 
-class _Exploit:
-    def __reduce__(self):
-        return (os.system, ("echo pwned",))
-
-
-BAD = ["truncated-shard", "corrupted-metadata", "malicious-metadata", "missing-complete", "latest-dangling", "no-checkpoint", "missing-dir",
-       "partial"]
-
-
-@pytest.mark.parametrize("kind", BAD)
-def test_bad_checkpoints_fail_clearly_on_every_rank(saved, kind):
+def test_damaged_and_malicious_checkpoints_are_refused_on_every_rank(saved, bad_checkpoints):
     tmp, config, _ = saved
-    resume, expected = _damage(tmp, kind)
-    small = {**layout_config(config, s=2), "output_dir": str(tmp / f"bad-{kind}")}
-    messages = run_ranks(2, _resume_error, small, resume, timeout_s=120)
-    assert all(m is not None and expected in m for m in messages), messages
+    small = layout_config(config, s=2)
+    per_rank = run_ranks(2, _resume_errors, small, bad_checkpoints, timeout_s=300)
+    problems = [f"rank {r}: {p}" for r, errors in enumerate(per_rank) for p in _check_refusals(errors, bad_checkpoints)]
+    assert not problems, "\n".join(problems)
+    assert not list((tmp / "bad").glob("marker-*")), "a payload ran"
+
+
+def test_export_goes_through_the_same_guard(saved, bad_checkpoints, tmp_path):
+    """Export refuses what it would read; the per-rank state files it never opens (their payloads stay inert)."""
+    from ndparallel.export import export_checkpoint
+
+    tmp, _, _ = saved
+    unread = {"rank-file-reduce", "rank-file-build", "state-json-unknown-entry"}
+    bad_checkpoints = {k: (*v[:2], "" if k in unread else v[2]) for k, v in bad_checkpoints.items()}
+    errors = {}
+    for kind, (output_dir, resume, _) in bad_checkpoints.items():
+        try:
+            export_checkpoint(output_dir if resume == "latest" else resume, tmp_path / kind, dtype="float32")
+            errors[kind] = None
+        except CheckpointError as exc:
+            errors[kind] = str(exc)
+    problems = _check_refusals(errors, bad_checkpoints)
+    assert not problems, "\n".join(problems)
+    assert not list((tmp / "bad").glob("marker-*")), "a payload ran"
+
+
+def test_the_payloads_are_live(tmp_path):
+    """Without the guard each payload runs: plain pickle for the index, torch.load for shard items."""
+    marker = tmp_path / "marker"
+    for name, data in malicious.payloads(marker).items():
+        assert malicious.payload_is_live(data, marker), name
+        if name in ("dotted-name", "reduce", "build", "newobj"):
+            assert malicious.payload_is_live(malicious.torch_saved(data), marker, torch_load=True), name
 
 
 def test_checkpoint_of_another_model_shape_is_refused(saved):
     tmp, config, _ = saved
     other = {**layout_config(config, s=2), "model_config_overrides": {"vocab_size": 320, "intermediate_size": 192},
              "output_dir": str(tmp / "other-shape")}
-    messages = run_ranks(2, _resume_error, other, str(_step3(tmp)), timeout_s=120)
-    assert all("another model shape" in m and "intermediate_size: checkpoint 128 vs model 192" in m for m in messages)
+    cases = {"shape": (str(tmp / "other-shape"), str(_step3(tmp)),
+                       "intermediate_size: checkpoint 128 vs model 192")}
+    errors = run_ranks(2, _resume_errors, other, cases, timeout_s=120)
+    assert all(not _check_refusals(e, cases) for e in errors), errors
+
+
+def test_tokens_resume_from_a_save_between_logging_steps(tmp_path):
+    """Saved at step 3 while logging every 2 steps: the resumed run's token count goes on from step 3's."""
+    config = tiny_config(tmp_path, max_steps=4, save_steps=3, logging_steps=2, micro_batch_size=4)
+    uninterrupted = run_train(1, config)
+    resumed = run_train(1, {**config, "output_dir": str(tmp_path / "resumed"),
+                            "resume_from_checkpoint": str(tmp_path / "out" / "checkpoints" / "step-3")})
+    assert [r["step"] for r in resumed] == [4]
+    assert resumed[-1]["tokens"] == uninterrupted[-1]["tokens"]

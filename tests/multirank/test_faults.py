@@ -73,18 +73,17 @@ def test_killed_rank_ends_the_job_and_resume_reproduces_the_run(tmp_path, parity
 
 
 def _save_crash(config: dict, crash_point: str):
-    """Train; during the save of the last step die (like SIGKILL) at ``crash_point`` on every rank."""
-    import ndparallel.checkpoint as ckpt
+    """Train; during the save of the last step die (like SIGKILL) at ``crash_point`` (on the rank publishing)."""
+    from ndparallel.checkpoint import store
     from ndparallel.config import parse_config
     from ndparallel.train import run_training
 
-    real_save, real_write = ckpt.dcp.save, ckpt._write_atomic
+    real_publish, real_write = store.publish, store.write_atomic
 
-    def dying_save(state, checkpoint_id):
-        if "step-6" in checkpoint_id and crash_point == "shards":
-            real_save(state, checkpoint_id=checkpoint_id)
+    def dying_publish(partial, root, name, index, keep):
+        if name == "step-6" and crash_point == "shards":  # every rank's shards are written
             os._exit(137)
-        return real_save(state, checkpoint_id=checkpoint_id)
+        return real_publish(partial, root, name, index, keep)
 
     def dying_write(path, text):
         if ((crash_point == "complete" and path.name == "COMPLETE" and "step-6" in str(path))
@@ -92,7 +91,7 @@ def _save_crash(config: dict, crash_point: str):
             os._exit(137)
         return real_write(path, text)
 
-    ckpt.dcp.save, ckpt._write_atomic = dying_save, dying_write
+    store.publish, store.write_atomic = dying_publish, dying_write
     run_training(parse_config(config))
 
 

@@ -1,0 +1,108 @@
+"""What a checkpoint holds: your objects, each turned into a state dict and back.
+
+A training state is a dict of named objects (``{"model": model, "optimizer": opt, "scheduler": sched,
+"data": loader}``). Each value is one of:
+
+- an ``nn.Module`` (plain, or parallelized by ndparallel: FSDP2 / tensor-parallel DTensors): saved with
+  ``torch.distributed.checkpoint.state_dict.get_model_state_dict``, keyed by parameter name with each
+  tensor's global shape, so it loads into any other layout;
+- a ``torch.optim.Optimizer``: keyed by parameter name the same way (so it reshards too); it belongs to
+  the one ``nn.Module`` of the state (with several models, wrap it: ``OptimizerState(model, optimizer)``);
+- any object with ``state_dict()`` / ``load_state_dict()`` (a scheduler, a data loader, your own);
+- a plain dict, restored in place.
+
+Tensors that are not DTensors are taken as the same on every rank (torch.distributed.checkpoint stores one
+copy); non-tensor values may differ per rank (they are kept per rank, see ``loading``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from ndparallel.errors import CheckpointError
+
+_SHARDED = StateDictOptions(full_state_dict=False, cpu_offload=False)
+
+
+class ModelState:
+    """A model's state by parameter name, each tensor sharded as it lives (DTensor under FSDP/TP)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model, options=_SHARDED)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state, options=_SHARDED)
+
+
+class OptimizerState:
+    """An optimizer's state keyed by the names of ``model``'s parameters (not by position)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer, options=_SHARDED)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=_SHARDED)
+
+
+class _DictState:
+    def __init__(self, target: dict) -> None:
+        self.target = target
+
+    def state_dict(self) -> dict:
+        return self.target
+
+    def load_state_dict(self, state: dict) -> None:
+        self.target.clear()
+        self.target.update(state)
+
+
+def adapt(states: dict[str, Any]) -> dict[str, Any]:
+    """Each named object as something with ``state_dict`` / ``load_state_dict``."""
+    if not isinstance(states, dict) or not states or not all(isinstance(k, str) and k for k in states):
+        raise CheckpointError("the training state must be a non-empty dict of named objects, e.g. {'model': model, "
+                              "'optimizer': optimizer}")
+    models = [v for v in states.values() if isinstance(v, nn.Module)]
+    adapted = {}
+    for name, obj in states.items():
+        if isinstance(obj, nn.Module):
+            adapted[name] = ModelState(obj)
+        elif isinstance(obj, torch.optim.Optimizer):
+            if len(models) != 1:
+                raise CheckpointError(f"the optimizer {name!r} needs its model: the state holds {len(models)} "
+                                      f"nn.Module objects; give OptimizerState(model, optimizer) instead")
+            adapted[name] = OptimizerState(models[0], obj)
+        elif isinstance(obj, dict):
+            adapted[name] = _DictState(obj)
+        elif callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
+            adapted[name] = obj
+        else:
+            raise CheckpointError(f"{name!r} is a {type(obj).__name__}, which cannot be checkpointed: give an "
+                                  f"nn.Module, an optimizer, a dict, or an object with state_dict() and "
+                                  f"load_state_dict()")
+    return adapted
+
+
+def optimizers_of(states: dict[str, Any]) -> list[torch.optim.Optimizer]:
+    """The optimizers among the (adapted) states: their step must not run while a save still copies."""
+    found = []
+    for obj in states.values():
+        optimizer = obj.optimizer if isinstance(obj, OptimizerState) else obj
+        if isinstance(optimizer, torch.optim.Optimizer):
+            found.append(optimizer)
+    return found
