@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Pretrain
 from ndparallel import _compat
 from ndparallel.errors import ModelError
 from ndparallel.lora import init_lora_tensor
+from ndparallel.parallel.single_rank import reallocate
 
 # Llama-shaped presets for pre-training from scratch (model_shape). Dims of Llama 3.2 1B/3B and Llama 3 8B.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -81,6 +82,7 @@ def materialize(model: nn.Module, device: torch.device, *, weights_dir: str | No
     ``weights_dir``: read each tensor from its safetensors file; else a per-name seeded random init.
     """
     model.to_empty(device=device)
+    reallocate(model)  # a one-rank model keeps its parameters in flat buffers (parallel/single_rank.py)
     reader = _SafetensorsReader(weights_dir) if weights_dir else None
     init_std = getattr(model.config, "initializer_range", 0.02)
     owners = _owning_modules(model)

@@ -42,16 +42,7 @@ def apply_fsdp(
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     common = dict(mesh=dp_mesh, mp_policy=mp, offload_policy=offload)
 
-    layers = list(parts.layers)
-    if wrap == "model":
-        groups: list[list[torch.nn.Module]] = []
-    elif wrap == "block":
-        groups = [[layer] for layer in layers]
-    elif isinstance(wrap, int) and wrap >= 1:
-        groups = [layers[i : i + wrap] for i in range(0, len(layers), wrap)]
-    else:
-        raise ConfigError(f"fsdp_wrap={wrap!r} must be 'block', 'model' or a positive number of layers per unit")
-
+    groups = wrap_units(list(parts.layers), wrap)
     for i, group in enumerate(groups):
         # The last unit runs first in backward: keeping it gathered saves one all-gather.
         last = i == len(groups) - 1
@@ -65,3 +56,14 @@ def apply_fsdp(
     for module in parts.model.modules():
         if isinstance(module, FSDPModule):
             _compat.set_gradient_sum(module)
+
+
+def wrap_units(layers: list[torch.nn.Module], wrap: str | int) -> list[list[torch.nn.Module]]:
+    """The decoder layers grouped into FSDP units ('model': none, the root unit holds them all)."""
+    if wrap == "model":
+        return []
+    if wrap == "block":
+        return [[layer] for layer in layers]
+    if isinstance(wrap, int) and not isinstance(wrap, bool) and wrap >= 1:
+        return [layers[i : i + wrap] for i in range(0, len(layers), wrap)]
+    raise ConfigError(f"fsdp_wrap={wrap!r} must be 'block', 'model' or a positive number of layers per unit")
