@@ -61,6 +61,12 @@ class FlatAdamW(torch.optim.AdamW):
         self.compiled = compiled
         self._plans: dict[int, _GroupPlan] = {}
 
+    def state_dict(self) -> dict:
+        packed = super().state_dict()
+        # A group shares one step counter; give each parameter its own, as torch's AdamW expects.
+        packed["state"] = {i: {**s, "step": s["step"].clone()} for i, s in packed["state"].items()}
+        return packed
+
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)
         self._plans.clear()  # the loaded moments are new tensors: copied into the flat buffers at the next step

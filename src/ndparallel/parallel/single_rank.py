@@ -192,14 +192,16 @@ class SingleRankParams:
         self.swapped_in = False
         self._backward_pending = False
 
-    def _pre_forward(self, module, args) -> None:
+    def _pre_forward(self, module, args, kwargs):
         if not self.is_flat():  # first forward after a move, ``to_empty`` or ``.data`` assignment
             self.allocate(keep_values=True)
         if self.compute_dtype is None:
-            return
+            return None
         if not self.swapped_in:
             self.refresh_stale()
             self.swap_in()
+        # Floating-point inputs in the compute dtype, as FSDP's mixed precision casts them.
+        return _cast_floats(args, self.compute_dtype), _cast_floats(kwargs, self.compute_dtype)
 
     def _post_forward(self, module, args, output) -> None:
         if not self.swapped_in:
@@ -225,7 +227,7 @@ class SingleRankParams:
 
     def install_hooks(self) -> None:
         self._hooks = [
-            self.model.register_forward_pre_hook(self._pre_forward),
+            self.model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
             self.model.register_forward_hook(self._post_forward),
             self.model.register_state_dict_pre_hook(self._before_state_dict),
             self.model.register_load_state_dict_pre_hook(self._before_state_dict),
@@ -234,6 +236,16 @@ class SingleRankParams:
 
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _cast_floats(value, dtype: torch.dtype):
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast_floats(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floats(v, dtype) for k, v in value.items()}
+    return value
 
 
 def _tensors(output) -> list[torch.Tensor]:
