@@ -1,5 +1,6 @@
 """Apply every strategy to a Hugging Face decoder model, in the one order that composes.
 
+0. FP8 (optional) swaps the chosen linears for torchao's ``Float8Linear`` before anything splits them.
 1. Tensor parallel first: it replaces weights by DTensors split over ``tp`` and installs sequence
    parallelism. Everything after it sees the split model. LoRA adapters (optional) come right after,
    placed to match the split of the layer each adapts.
@@ -27,6 +28,7 @@ from ndparallel.models.decoder import decoder_parts
 from ndparallel.parallel.checkpointing import apply_activation_checkpointing
 from ndparallel.parallel.compile import apply_compile
 from ndparallel.parallel.context import apply_context_parallel
+from ndparallel.parallel.float8 import Fp8Spec, check_fp8_supported, convert_to_fp8
 from ndparallel.parallel.fsdp import apply_fsdp, wrap_units
 from ndparallel.parallel.single_rank import apply_single_rank, eligible
 from ndparallel.parallel.tensor import apply_tensor_parallel
@@ -66,6 +68,8 @@ class ParallelOptions:
     sharded over this many ranks (int; e.g. the GPUs of one node)."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in CPU memory."""
+    fp8: Fp8Spec | bool | None = None
+    """FP8 linears (torchao float8): True for the default ``Fp8Spec``, or a spec; None/False: bf16."""
     single_rank_fsdp: bool = False
     """Wrap with FSDP2 even when the world is one rank. By default one rank keeps its parameters in flat
     buffers instead (same numbers, less copying); this restores the FSDP path (for comparisons)."""
@@ -81,6 +85,13 @@ def parallelize(model: nn.Module, topology: Topology, *, options: ParallelOption
     options = options or ParallelOptions()
     parts = decoder_parts(model)
     topology.layout.check_model(model.config)
+    fp8 = Fp8Spec() if options.fp8 is True else options.fp8 or None
+    if fp8 is not None:
+        check_fp8_supported(topology.device, fp8)
+        if lora is not None:
+            raise ConfigError("fp8: true with adapter: lora is not supported (LoRA's adapters are far below FP8's "
+                              "useful size and its frozen-base path is not validated); set fp8: false")
+        convert_to_fp8(parts, fp8, fsdp_size=1 if options.cpu_offload else topology.layout.fsdp_size)
     apply_tensor_parallel(parts, topology.tp)
     if lora is not None:
         attach_lora(model, lora, tp_mesh=topology.tp)

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from ndparallel import _compat
 from ndparallel.loss import cross_entropy_sum
 from ndparallel.optim import FlatAdamW
+from ndparallel.parallel.float8 import fp8_post_step_hook
 from ndparallel.parallel.single_rank import single_rank_state
 from ndparallel.topology import Topology
 
@@ -133,7 +134,12 @@ def build_optimizer(
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     flat = single_rank_state(model)
     if flat is not None and fused is not False:
-        return FlatAdamW(groups, flat=flat, lr=lr, betas=betas, eps=eps)
-    if fused is None:
-        fused = all(p.is_cuda for p in decay + no_decay) and bool(decay + no_decay)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
+        optimizer = FlatAdamW(groups, flat=flat, lr=lr, betas=betas, eps=eps)
+    else:
+        if fused is None:
+            fused = all(p.is_cuda for p in decay + no_decay) and bool(decay + no_decay)
+        optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
+    scales = fp8_post_step_hook(model)  # float8 all-gather: every weight's scale in one all-reduce per step
+    if scales is not None:
+        optimizer.register_step_post_hook(scales)
+    return optimizer

@@ -33,6 +33,7 @@ from ndparallel.layout import Layout
 from ndparallel.lora import LoraSpec, save_peft_adapter
 from ndparallel.metrics import MetricsLogger, device_peak_flops, flops_per_token
 from ndparallel.models.build import materialize, meta_model, model_config_for
+from ndparallel.parallel.float8 import Fp8Spec
 from ndparallel.parallelize import ParallelOptions, parallelize
 from ndparallel.step import build_optimizer, clip_grad_norm_, count_tokens, reduce_loss, set_gradient_sync, token_loss
 from ndparallel.topology import Topology, default_device_type, init_distributed
@@ -60,6 +61,14 @@ def resolve_layout(cfg: TrainConfig, world_size: int, model_config) -> tuple[Lay
                                      lora_rank=cfg.lora_r if cfg.adapter == "lora" else None)
         return layout, reason
     return cfg.parallelism().resolve(world_size), None
+
+
+def fp8_spec(cfg: TrainConfig) -> Fp8Spec | None:
+    if not cfg.fp8:
+        return None
+    return Fp8Spec(recipe=cfg.fp8_recipe, keep_bf16_layers=tuple(cfg.fp8_keep_bf16_layers),
+                   keep_bf16_modules=tuple(cfg.fp8_keep_bf16_modules), min_features=cfg.fp8_min_features,
+                   fsdp_float8_all_gather=cfg.fp8_enable_fsdp_float8_all_gather)
 
 
 def lr_factor(step: int, *, warmup: int, total: int, kind: str) -> float:
@@ -149,7 +158,7 @@ def setup(cfg: TrainConfig) -> TrainingRun:
     options = ParallelOptions(param_dtype="bfloat16" if bf16 else None, reduce_dtype="float32",
                               activation_checkpointing=cfg.ac_mode, compile=cfg.torch_compile,
                               fsdp_wrap=cfg.fsdp_wrap, reshard_after_forward=cfg.reshard_after_forward,
-                              cpu_offload=cfg.cpu_offload)
+                              cpu_offload=cfg.cpu_offload, fp8=fp8_spec(cfg))
     model = meta_model(model_config)
     lora = LoraSpec.from_config(cfg)
     parallelize(model, topo, options=options, lora=lora)
