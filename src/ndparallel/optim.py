@@ -28,6 +28,8 @@ import torch
 from ndparallel.errors import ConfigError
 from ndparallel.parallel.single_rank import SingleRankParams
 
+CHUNK = 2**30
+
 
 def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                   hyper: torch.Tensor, compute: torch.Tensor | None = None) -> None:
@@ -174,7 +176,12 @@ class _GroupPlan:
         self.step_count += 1
         hyper = _hyper(group, float(self.step_count), self.master.device)
         update = _compiled_update() if compiled else adamw_update_
-        update(self.master, self.grad, self.exp_avg, self.exp_avg_sq, hyper, self.compute)
+        # Slices of at most CHUNK elements: generated kernels index with 32-bit integers (a 3B model's
+        # matrices are 3.2e9 elements); one extra launch per 2^30 elements costs nothing.
+        for s in range(0, self.end - self.start, CHUNK):
+            e = min(s + CHUNK, self.end - self.start)
+            update(self.master[s:e], self.grad[s:e], self.exp_avg[s:e], self.exp_avg_sq[s:e], hyper,
+                   None if self.compute is None else self.compute[s:e])
         if self.compute is not None:
             self.flat.mark_synced(self.start, self.end)
 
