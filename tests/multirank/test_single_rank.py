@@ -29,3 +29,29 @@ def test_bf16_without_fsdp_matches_fsdp_on_one_rank(parity_record):
     parity_record({"loss": max_rel_diff(flat["losses"], fsdp["losses"]), "weights": weight_diff})
     assert weight_diff <= 1e-6, f"weights differ by {weight_diff:.2e} in {where}"
     assert all(w.dtype.is_floating_point and w.element_size() == 4 for w in flat["weights"].values())  # fp32 masters
+
+
+def _built_from_meta() -> dict:
+    import torch
+
+    import ndparallel as ndp
+    from ndparallel.models.build import materialize, meta_model, model_config_for
+    from ndparallel.parallel.single_rank import single_rank_state
+
+    topo = ndp.Topology.build(ndp.ParallelismConfig(dp_shard_size=1))
+    model = meta_model(model_config_for(base_model=None, model_shape="tiny", overrides={}, max_position_embeddings=64))
+    ndp.parallelize(model, topo, options=ndp.ParallelOptions(param_dtype="bfloat16"))
+    materialize(model, topo.device, weights_dir=None, seed=0)  # to_empty makes new parameters: re-flattened
+    opt = ndp.build_optimizer(model, lr=1e-3)
+    batch = ndp.prepare_batch(torch.randint(0, 256, (2, 64)), topo)
+    ndp.token_loss(model(**batch.model_inputs()).logits, batch.labels, num_tokens=batch.num_tokens.float(),
+                   topology=topo).backward()
+    opt.step()
+    flat = single_rank_state(model)
+    return {"flat": flat.is_flat(), "fused_groups": len(opt._plans), "compute": str(flat.compute_flat.dtype),
+            "grads_in_buffer": all(p.grad.data_ptr() >= flat.grad_flat.data_ptr() for p in model.parameters())}
+
+
+def test_a_model_built_on_meta_trains_on_the_flat_buffers():
+    got = run_ranks(1, _built_from_meta)[0]
+    assert got == {"flat": True, "fused_groups": 2, "compute": "torch.bfloat16", "grads_in_buffer": True}

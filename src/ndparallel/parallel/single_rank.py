@@ -83,15 +83,20 @@ class SingleRankParams:
         return None
 
     def is_flat(self) -> bool:
-        """Every master is still the view of the flat buffer it was given (nothing replaced its storage)."""
+        """Every registered master is still the view of the flat buffer it was given: nothing replaced the
+        parameter (``to_empty`` from meta makes new ones) or its storage (``.data =``, ``.to()``)."""
         if self.master_flat is None:
             return False
         base = self.master_flat.data_ptr()
         size = self.master_flat.element_size()
-        return all(slot.master.data_ptr() == base + slot.offset * size for slot in self.slots)
+        return all(slot.master.data_ptr() == base + slot.offset * size for slot in self.slots) and (
+            self.swapped_in or all(getattr(module, name) is slot.master
+                                   for slot in self.slots for module, name in slot.owners))
 
     def allocate(self, *, keep_values: bool) -> None:
         """Give every master a view of a new flat buffer on its device (values copied if ``keep_values``)."""
+        self.swap_out()
+        self.slots = collect_slots(self.model)  # the parameters registered now (to_empty replaces them)
         device = self.slots[0].master.device
         dtype = self.slots[0].master.dtype
         offset = 0
@@ -261,12 +266,9 @@ def eligible(model: nn.Module) -> bool:
     return bool(params) and len({(p.dtype, p.device) for p in params}) == 1 and params[0].is_floating_point()
 
 
-def apply_single_rank(model: nn.Module, *, param_dtype: torch.dtype | None) -> SingleRankParams:
-    """Set up masters, compute copies and gradient buffers for ``model`` (see the module docstring).
-
-    A model on the meta device gets its buffers when ``materialize`` (or the first forward) finds it on
-    a real device.
-    """
+def collect_slots(model: nn.Module) -> list[Slot]:
+    """One slot per distinct parameter (tied weights share one), in flat-buffer order: trainable matrices,
+    trainable vectors, frozen (so the optimizer's two groups are contiguous ranges)."""
     owners: dict[int, Slot] = {}
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
@@ -274,8 +276,16 @@ def apply_single_rank(model: nn.Module, *, param_dtype: torch.dtype | None) -> S
             if slot is None:
                 slot = owners[id(param)] = Slot(master=param, owners=[])
             slot.owners.append((module, name))
-    # Trainable matrices, trainable vectors, frozen: the optimizer's groups are contiguous ranges.
-    order = sorted(owners.values(), key=lambda s: (not s.master.requires_grad, s.master.dim() < 2))
+    return sorted(owners.values(), key=lambda s: (not s.master.requires_grad, s.master.dim() < 2))
+
+
+def apply_single_rank(model: nn.Module, *, param_dtype: torch.dtype | None) -> SingleRankParams:
+    """Set up masters, compute copies and gradient buffers for ``model`` (see the module docstring).
+
+    A model on the meta device gets its buffers when ``materialize`` (or the first forward) finds it on
+    a real device.
+    """
+    order = collect_slots(model)
     master_dtype = order[0].master.dtype
     compute_dtype = param_dtype if param_dtype is not None and param_dtype != master_dtype else None
     state = SingleRankParams(model=model, compute_dtype=compute_dtype, slots=order)
