@@ -13,8 +13,9 @@ Rows (``--rows``, default ``ndparallel,accelerate-compile,fsdp2-compile``):
   ndparallel              per-block torch.compile, compiled fused loss (one rank: flat buffers, no FSDP)
   ndparallel-fsdp         the same, FSDP2 even on one rank (the path before the one-rank work) [extra]
   ndparallel-eager        no compile [extra]
-  ndparallel-fp8[-all|-rowwise]  fp8: true, tensorwise; -all keeps only lm_head and small linears bf16;
-                          -rowwise: the rowwise recipe [extra]
+  ndparallel-fp8[-all|-head|-rowwise]  fp8: true, tensorwise, the default rule; -all: every decoder
+                          layer converted (lm_head and small linears bf16); -head: lm_head too;
+                          -rowwise: the rowwise recipe, default rule [extra]
   accelerate-compile      PEER BEST: Accelerate 1.15 FSDP2 plugin (bf16 params, fp32 reduce) with its
                           regional compilation (TorchDynamoPlugin(use_regional_compilation=True): every
                           decoder layer and the other leaves compiled in place)
@@ -64,6 +65,7 @@ NDP_ROWS = {  # name -> ParallelOptions overrides
     "ndparallel-eager": {"compile": False},
     "ndparallel-fp8": {"compile": True, "fp8": {}},
     "ndparallel-fp8-all": {"compile": True, "fp8": {"keep_bf16_layers": ()}},
+    "ndparallel-fp8-head": {"compile": True, "fp8": {"keep_bf16_layers": (), "keep_bf16_modules": ()}},
     "ndparallel-fp8-rowwise": {"compile": True, "fp8": {"recipe": "rowwise"}},
 }
 PEER_ROWS = {"accelerate-compile", "accelerate-eager", "fsdp2-compile", "fsdp2-eager", "plain-eager"}
@@ -269,11 +271,11 @@ def _reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def run_isolated(name: str, port: int) -> dict:
+def run_isolated(name: str) -> dict:
     """The row in a fresh Python process (same arguments); its result comes back through a file."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "row.json")
-        env = {**os.environ, "MASTER_PORT": str(port)}
+        env = {**os.environ, "MASTER_PORT": str(_free_port())}
         cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--child-row", name, "--child-out", out]
         proc = subprocess.run(cmd, env=env)
         if proc.returncode != 0 or not os.path.exists(out):
@@ -282,11 +284,19 @@ def run_isolated(name: str, port: int) -> dict:
             return json.load(f)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def one_process_env() -> None:
-    """A run without torchrun: the variables torchrun would set (Accelerate reads them)."""
+    """A run without torchrun: the variables torchrun would set (Accelerate reads them), on a free port."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29531")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
 
 
 def setup(args, device_type: str):
@@ -372,9 +382,9 @@ def main() -> int:
         return 0
     isolate = args.isolate if args.isolate is not None else (device_type == "cuda" and topo.world_size == 1)
     results = []
-    for k, name in enumerate(r for r in args.rows.split(",") if r):
+    for name in (r for r in args.rows.split(",") if r):
         if isolate and name not in NDP_ROWS:
-            results.append(run_isolated(name, port=int(os.environ["MASTER_PORT"]) + 1 + k))
+            results.append(run_isolated(name))
         elif topo.layout.cp > 1 and name not in NDP_ROWS:
             results.append({"row": name, "error": "the peers have no context parallelism here"})
         else:

@@ -11,7 +11,7 @@
 #             ndparallel fp8 (tensorwise, default rule); profiles of the two ndparallel bf16 rows
 #   1b-main   1B seq 4096 x 2: the same four bf16 rows and profiles
 #   checks    one-rank path vs FSDP path exactness on the GPU; fp8 vs bf16 over 200 steps
-#   3b-fp8    fp8 with every block layer converted, and the rowwise recipe (extras)
+#   3b-fp8    fp8 with every decoder layer converted, also lm_head, and the rowwise recipe (extras)
 #   1b-eager  Accelerate without compile (extra)
 # Outputs (5 files): session.log (everything printed, the tables), bench.jsonl, profiles.txt, checks.txt,
 # fp8_loss.jsonl.
@@ -44,6 +44,7 @@ S1=(--shape 1b --seq 4096 --micro-batch 2)
 part 3b-main 200 "${BENCH[@]}" "${S3[@]}" --rows ndparallel,ndparallel-fsdp,accelerate-compile,fsdp2-compile,ndparallel-fp8
 part 1b-main 120 "${BENCH[@]}" "${S1[@]}" --rows ndparallel,ndparallel-fsdp,accelerate-compile,fsdp2-compile
 part checks 80 python3 benchmarks/gpu_perf_checks.py --out "$OUT"
-part 3b-fp8 90 "${BENCH[@]}" "${S3[@]}" --rows ndparallel-fp8-all,ndparallel-fp8-rowwise --profile-rows none
+part 3b-fp8 90 "${BENCH[@]}" "${S3[@]}" --rows ndparallel-fp8-all,ndparallel-fp8-head,ndparallel-fp8-rowwise \
+  --profile-rows none
 part 1b-eager 40 "${BENCH[@]}" "${S1[@]}" --rows accelerate-eager
 echo "[$(date +%T)] session done in $SECONDS s"
