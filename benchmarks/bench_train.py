@@ -252,18 +252,26 @@ def run_row(name: str, args, topo, config) -> dict:
         result = {"row": name, "s_per_step": seconds, "tokens_per_step": row.tokens_per_step, "devices": row.devices,
                   "peak_gib": _peak_gib(topo.device), "setup_and_warmup_s": ready_s}
         if args.profile and name in args.profile_rows.split(",") and topo.is_main:
-            from profile_step import profile_steps
-
-            device = torch.cuda.get_device_name() if topo.device.type == "cuda" else "cpu"
-            report = profile_steps(row.phases(10_000), steps=3, title=f"{name}: {args.shape} seq {args.seq} x "
-                                   f"{args.micro_batch}, {device}, torch {torch.__version__}")
-            with open(args.profile, "a") as f:
-                f.write(report + "\n\n")
+            _profile(row, name, args, topo)
         del row
     except Exception as exc:  # report, keep the other rows
         result = {"row": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     _reset(topo.device)
     return result
+
+
+def _profile(row: Row, name: str, args, topo) -> None:
+    """Append profile_step's report of 3 steps of ``row`` to ``args.profile`` (a failure is reported there)."""
+    from profile_step import profile_steps
+
+    device = torch.cuda.get_device_name() if topo.device.type == "cuda" else "cpu"
+    title = f"{name}: {args.shape} seq {args.seq} x {args.micro_batch}, {device}, torch {torch.__version__}"
+    try:
+        report = profile_steps(row.phases(10_000), steps=3, title=title)
+    except Exception as exc:
+        report = f"== {title}\nprofile failed: {type(exc).__name__}: {str(exc)[:300]}"
+    with open(args.profile, "a") as f:
+        f.write(report + "\n\n")
 
 
 def _reset_peak(device: torch.device) -> None:

@@ -6,7 +6,8 @@
 # Needs the torchao wheel carried in .whl/ (torchao-0.18.0-cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl);
 # it is unpacked into a private folder on PYTHONPATH, nothing is installed into the machine's Python.
 # Parts, most important first; each runs only if its minimum time is left of BUDGET seconds (default 450)
-# and is stopped when the budget ends (rows finished so far are already in session.log):
+# and is stopped when the budget ends (rows finished so far are already in session.log). Parts skipped for
+# time run in a second call: PARTS="1b-main checks" bash benchmarks/gpu_perf_session.sh (appends to $OUT).
 #   3b-main   3B seq 8192 x 1: ndparallel, ndparallel on FSDP (before), Accelerate + compile, FSDP2 + compile,
 #             ndparallel fp8 (tensorwise, default rule); profiles of the two ndparallel bf16 rows
 #   1b-main   1B seq 4096 x 2: the same four bf16 rows and profiles
@@ -30,15 +31,17 @@ python3 -c "import torch, transformers, accelerate, torchao; print('torch', torc
 transformers.__version__, 'accelerate', accelerate.__version__, 'torchao', torchao.__version__)" 2>&1 | tail -1
 
 left() { echo $(( BUDGET - SECONDS )); }
+PARTS=${PARTS:-3b-main 1b-main checks 3b-fp8 1b-eager}
 part() {  # part NAME MIN_SECONDS COMMAND...
   local name=$1 need=$2; shift 2
-  if (( $(left) < need )); then echo "[skip] $name: $(left) s left, needs $need"; return; fi
+  [[ " $PARTS " == *" $name "* ]] || return 0
+  if (( $(left) < need )); then echo "[skip] $name: $(left) s left, needs $need (rerun with PARTS=\"$name ...\")"; return; fi
   echo "[$(date +%T)] start $name ($(left) s left)"
   timeout "$(left)" "$@"
   echo "[$(date +%T)] end $name: exit $? ($(left) s left)"
 }
 
-BENCH=(python3 benchmarks/bench_train.py --steps 8 --warmup 3 --json "$OUT/bench.jsonl" --profile "$OUT/profiles.txt")
+BENCH=(python3 benchmarks/bench_train.py --steps 8 --warmup 2 --json "$OUT/bench.jsonl" --profile "$OUT/profiles.txt")
 S3=(--shape 3b --seq 8192 --micro-batch 1)
 S1=(--shape 1b --seq 4096 --micro-batch 2)
 part 3b-main 200 "${BENCH[@]}" "${S3[@]}" --rows ndparallel,ndparallel-fsdp,accelerate-compile,fsdp2-compile,ndparallel-fp8
