@@ -17,6 +17,9 @@ This module computes the same numbers with the least memory traffic:
   buffer) as soon as autograd finishes it, and later micro-batches add to it in fp32: what FSDP's
   reduce-scatter to ``reduce_dtype`` computes on one rank.
 
+Between a forward and the end of its backward the modules hold the compute copies (as FSDP's modules
+hold their unsharded parameters); ``state_dict()`` swaps the masters back first in any case.
+
 Layout of the flat buffers (N = total elements, each tensor starting at a multiple of ALIGN elements):
 trainable matrices, then trainable vectors (norm weights, biases), then frozen tensors; gradients only
 for the trainable prefix. ``build_optimizer``'s two groups (weight decay on matrices, none on vectors)
