@@ -22,6 +22,9 @@ Rows (``--rows``, default ``ndparallel,accelerate-compile,fsdp2-compile``):
   fsdp2-compile           PEER BEST: plain PyTorch fully_shard per decoder layer + root, same mixed
                           precision, each decoder layer compiled in place (``layer.compile()``)
   accelerate-eager, fsdp2-eager   the peers without compile [extra]
+  accelerate-compile-noreshard, fsdp2-compile-noreshard   the peers keeping gathered parameters from
+                          forward to backward (reshard_after_forward=False: faster on one GPU, more
+                          memory; ndparallel's FSDP path does this on one rank) [extra]
   plain-eager             one device, no FSDP: fp32 weights under bf16 autocast [extra]
 
 Every row: the same Llama-shaped model (random init), the same synthetic full rows, AdamW (lr 1e-4,
@@ -68,7 +71,8 @@ NDP_ROWS = {  # name -> ParallelOptions overrides
     "ndparallel-fp8-head": {"compile": True, "fp8": {"keep_bf16_layers": (), "keep_bf16_modules": ()}},
     "ndparallel-fp8-rowwise": {"compile": True, "fp8": {"recipe": "rowwise"}},
 }
-PEER_ROWS = {"accelerate-compile", "accelerate-eager", "fsdp2-compile", "fsdp2-eager", "plain-eager"}
+PEER_ROWS = {"accelerate-compile", "accelerate-compile-noreshard", "accelerate-eager", "fsdp2-compile",
+             "fsdp2-compile-noreshard", "fsdp2-eager", "plain-eager"}
 
 
 def synthetic(rows: int, seq: int, vocab: int, step: int) -> torch.Tensor:
@@ -151,7 +155,8 @@ def _hf_phases(forward, params: list, opt, clip, backward, *, rows: int, rank_ro
     return phases
 
 
-def build_fsdp2_row(topo, config, *, seq: int, micro_batch: int, compile_: bool, fp32: bool) -> Row:
+def build_fsdp2_row(topo, config, *, seq: int, micro_batch: int, compile_: bool, fp32: bool,
+                    reshard: bool = True) -> Row:
     """Plain PyTorch FSDP2: fully_shard per decoder layer and the root, bf16 params / fp32 reduce."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -160,8 +165,8 @@ def build_fsdp2_row(topo, config, *, seq: int, micro_batch: int, compile_: bool,
     for layer in model.model.layers:
         if compile_:
             layer.compile()
-        fully_shard(layer, mesh=topo.fsdp, mp_policy=mp)
-    fully_shard(model, mesh=topo.fsdp, mp_policy=mp)
+        fully_shard(layer, mesh=topo.fsdp, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=topo.fsdp, mp_policy=mp, reshard_after_forward=reshard)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=topo.device.type == "cuda")
     rows = micro_batch * topo.layout.batch_size
@@ -172,7 +177,7 @@ def build_fsdp2_row(topo, config, *, seq: int, micro_batch: int, compile_: bool,
 
 
 def build_accelerate_row(topo, config, *, seq: int, micro_batch: int, compile_: bool, fp32: bool,
-                         ac: str = "none") -> Row:
+                         ac: str = "none", reshard: bool = True) -> Row:
     """Accelerate's FSDP2 plugin (ParallelismConfig when tp > 1) with its regional compilation."""
     from accelerate import Accelerator
     from accelerate.utils import FullyShardedDataParallelPlugin, ParallelismConfig, TorchDynamoPlugin
@@ -181,7 +186,7 @@ def build_accelerate_row(topo, config, *, seq: int, micro_batch: int, compile_: 
     model = _hf_model(config, topo.device)
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-        transformer_cls_names_to_wrap=[type(model.model.layers[0]).__name__], reshard_after_forward=True,
+        transformer_cls_names_to_wrap=[type(model.model.layers[0]).__name__], reshard_after_forward=reshard,
         activation_checkpointing=ac != "none",
         mixed_precision_policy=None if fp32 else MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                                        reduce_dtype=torch.float32))
@@ -223,11 +228,13 @@ def build_row(name: str, args, topo, config) -> Row:
         return build_ndparallel_row(topo, config, **common, ac=args.ac, fp32=args.fp32, fsdp_wrap=args.fsdp_wrap,
                                     **{"compile_": NDP_ROWS[name]["compile"],
                                        **{k: v for k, v in NDP_ROWS[name].items() if k != "compile"}})
-    compile_ = name.endswith("-compile")
-    if name.startswith("accelerate"):
-        return build_accelerate_row(topo, config, **common, compile_=compile_, fp32=args.fp32, ac=args.ac)
-    if name.startswith("fsdp2"):
-        return build_fsdp2_row(topo, config, **common, compile_=compile_, fp32=args.fp32)
+    compile_ = "-compile" in name
+    reshard = not name.endswith("-noreshard")
+    if name.startswith("accelerate") and name in PEER_ROWS:
+        return build_accelerate_row(topo, config, **common, compile_=compile_, fp32=args.fp32, ac=args.ac,
+                                    reshard=reshard)
+    if name.startswith("fsdp2") and name in PEER_ROWS:
+        return build_fsdp2_row(topo, config, **common, compile_=compile_, fp32=args.fp32, reshard=reshard)
     if name == "plain-eager":
         return build_plain_row(topo, config, **common, fp32=args.fp32)
     raise SystemExit(f"unknown row {name!r}; rows: {', '.join([*NDP_ROWS, *sorted(PEER_ROWS)])}")

@@ -13,7 +13,7 @@
 #   1b-main   1B seq 4096 x 2: the same four bf16 rows and profiles
 #   checks    one-rank path vs FSDP path exactness on the GPU; fp8 vs bf16 over 200 steps
 #   3b-fp8    fp8 with every decoder layer converted, also lm_head, and the rowwise recipe (extras)
-#   1b-eager  Accelerate without compile (extra)
+#   1b-extra  Accelerate + compile keeping gathered parameters to backward, Accelerate without compile (extras)
 # Outputs (5 files): session.log (everything printed, the tables), bench.jsonl, profiles.txt, checks.txt,
 # fp8_loss.jsonl.
 set -u
@@ -31,7 +31,7 @@ python3 -c "import torch, transformers, accelerate, torchao; print('torch', torc
 transformers.__version__, 'accelerate', accelerate.__version__, 'torchao', torchao.__version__)" 2>&1 | tail -1
 
 left() { echo $(( BUDGET - SECONDS )); }
-PARTS=${PARTS:-3b-main 1b-main checks 3b-fp8 1b-eager}
+PARTS=${PARTS:-3b-main 1b-main checks 3b-fp8 1b-extra}
 part() {  # part NAME MIN_SECONDS COMMAND...
   local name=$1 need=$2; shift 2
   [[ " $PARTS " == *" $name "* ]] || return 0
@@ -49,5 +49,5 @@ part 1b-main 120 "${BENCH[@]}" "${S1[@]}" --rows ndparallel,ndparallel-fsdp,acce
 part checks 80 python3 benchmarks/gpu_perf_checks.py --out "$OUT"
 part 3b-fp8 90 "${BENCH[@]}" "${S3[@]}" --rows ndparallel-fp8-all,ndparallel-fp8-head,ndparallel-fp8-rowwise \
   --profile-rows none
-part 1b-eager 40 "${BENCH[@]}" "${S1[@]}" --rows accelerate-eager
+part 1b-extra 40 "${BENCH[@]}" "${S1[@]}" --rows accelerate-compile-noreshard,accelerate-eager
 echo "[$(date +%T)] session done in $SECONDS s"
