@@ -98,3 +98,14 @@ def test_fp8_with_tensor_parallel_forward_matches_one_rank():
     # one-rank fp8 (1.6% measured: bf16 sums in another order, 0.5% in bf16 alone, then rounded to fp8)
     # than fp8 lies to bf16. Without the float8 styles tp2 would sit at the bf16 logits, 3.7% away.
     assert _rel(tp2["fp8"], one["fp8"]) < 0.6 * _rel(one["fp8"], one["bf16"])
+
+
+def test_the_yaml_settings_make_the_spec(tmp_path):
+    from ndparallel.config import parse_config
+    from ndparallel.train import fp8_spec
+    from trainer_helpers import tiny_config
+
+    assert fp8_spec(parse_config(tiny_config(tmp_path))) is None
+    spec = fp8_spec(parse_config({**tiny_config(tmp_path), "fp8": True, "fp8_recipe": "rowwise",
+                                  "fp8_keep_bf16_layers": [1], "fp8_keep_bf16_modules": [], "fp8_min_features": 64}))
+    assert spec == Fp8Spec(recipe="rowwise", keep_bf16_layers=(1,), keep_bf16_modules=(), min_features=64)
