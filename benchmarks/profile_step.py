@@ -1,6 +1,17 @@
-"""Where a training step's GPU time goes: torch.profiler over a few steps of the trainer path, by kernel class.
+"""Where a training step's GPU time goes: per phase (synchronized wall clock) and per kernel class.
 
     python benchmarks/profile_step.py --shape 1b --seq 4096 --micro-batch 2 --compile
+    python benchmarks/profile_step.py --shape 1b --seq 4096 --micro-batch 2 --compile --single-rank-fsdp  # before
+
+Also used by bench_train.py (``--profile``) on its ndparallel rows. Three views of the same steps:
+
+* phases: forward+backward, gradient clipping, optimizer step (+ zero_grad), each timed between device
+  synchronizations: ms per step;
+* kernel classes: torch.profiler's device time per kernel, summed by class. Profiler *annotations*
+  (``Optimizer.step#AdamW.step``, which spans the optimizer's kernels) are left out, so nothing is
+  counted twice (the earlier version of this script counted the optimizer twice: 13% instead of ~8%);
+* busy: the union of kernel intervals against the wall time of the profiled steps (idle = the GPU
+  waiting for the host).
 """
 
 from __future__ import annotations
@@ -8,24 +19,99 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import ndparallel as ndp
-from ndparallel.models.build import materialize, meta_model, model_config_for
-from ndparallel.train import forward_backward
-
-CLASSES = [  # first match wins: substrings of kernel names
+CLASSES = [  # first match wins: substrings of lower-cased kernel names
     ("attention", ("flash", "fmha", "attention", "sdpa")),
-    ("matmul", ("gemm", "sm90", "cutlass", "nvjet", "matmul", "xmma")),
-    ("optimizer", ("adam", "multi_tensor")),
+    ("matmul", ("gemm", "sm90", "sm100", "cutlass", "nvjet", "matmul", "xmma", "scaled_mm")),
+    ("optimizer (torch fused/foreach)", ("adam", "multi_tensor")),
     ("communication", ("nccl",)),
-    ("copy/cast", ("copy", "memcpy", "cast", "to_copy")),
+    ("copy/cast", ("copy", "memcpy", "cast", "to_copy", "chunk_cat", "split_with_sizes")),
     ("fused elementwise (compiled)", ("triton",)),
-    ("other elementwise/reduction", ("elementwise", "reduce", "vectorized", "index", "scatter", "gather")),
+    ("other elementwise/reduction", ("elementwise", "reduce", "vectorized", "index", "scatter", "gather", "fill",
+                                     "memset")),
 ]
+
+
+def classify(name: str) -> str:
+    lower = name.lower()
+    return next((c for c, keys in CLASSES if any(k in lower for k in keys)), "other")
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def phase_times(phases: list, steps: int) -> dict[str, float]:
+    """ms per step of each (name, fn) phase, timed between synchronizations."""
+    totals: dict[str, float] = defaultdict(float)
+    for _ in range(steps):
+        for name, fn in phases:
+            _sync()
+            start = time.perf_counter()
+            fn()
+            _sync()
+            totals[name] += (time.perf_counter() - start) * 1000
+    return {name: ms / steps for name, ms in totals.items()}
+
+
+def _busy_union_us(events) -> float:
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
+    busy, end = 0.0, float("-inf")
+    for s, e in spans:
+        if s > end:
+            busy += e - s
+            end = e
+        elif e > end:
+            busy += e - end
+            end = e
+    return busy
+
+
+def _is_kernel(event) -> bool:
+    return (event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
+            and "#" not in event.name and not event.name.startswith("ProfilerStep"))
+
+
+def profile_steps(phases: list, *, steps: int = 3, title: str = "") -> str:
+    """Profile ``steps`` steps made of ``phases`` [(name, fn), ...]; returns the report as text."""
+    lines = [f"== {title}" if title else "=="]
+    by_phase = phase_times(phases, steps)
+    total_ms = sum(by_phase.values())
+    lines.append(f"phases (synchronized, ms per step; total {total_ms:.1f} ms):")
+    for name, ms in by_phase.items():
+        lines.append(f"  {name:32s} {ms:8.1f} ms  {100 * ms / total_ms:5.1f}%")
+    _sync()
+    start = time.perf_counter()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            for _, fn in phases:
+                fn()
+        _sync()
+    wall_us = (time.perf_counter() - start) * 1e6
+    kernels = [e for e in prof.events() if _is_kernel(e)]
+    totals: dict[str, float] = defaultdict(float)
+    per_kernel: dict[str, float] = defaultdict(float)
+    for e in kernels:
+        us = e.time_range.end - e.time_range.start
+        totals[classify(e.name)] += us
+        per_kernel[e.name[:90]] += us
+    summed = sum(totals.values()) or 1.0
+    busy = _busy_union_us(kernels)
+    lines.append(f"GPU kernels over {steps} profiled steps: {summed / 1000:.1f} ms summed, busy {busy / 1000:.1f} ms of "
+                 f"{wall_us / 1000:.1f} ms wall ({100 * busy / wall_us:.1f}% busy; profiler overhead included)")
+    for cls, us in sorted(totals.items(), key=lambda x: -x[1]):
+        lines.append(f"  {cls:32s} {us / 1000 / steps:8.1f} ms/step  {100 * us / summed:5.1f}%")
+    lines.append("top kernels (ms per step):")
+    for name, us in sorted(per_kernel.items(), key=lambda x: -x[1])[:18]:
+        lines.append(f"  {us / 1000 / steps:8.2f}  [{classify(name)[:10]:10s}] {name}")
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -35,50 +121,18 @@ def main() -> int:
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--compile", action="store_true")
     p.add_argument("--ac", default="none")
+    p.add_argument("--single-rank-fsdp", action="store_true", help="the FSDP2-on-one-rank path (before)")
     args = p.parse_args()
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29532")
-    topo = ndp.Topology.build(ndp.ParallelismConfig(dp_shard_size=1), device_type="cuda")
-    config = model_config_for(base_model=None, model_shape=args.shape, overrides={}, max_position_embeddings=args.seq)
-    model = meta_model(config)
-    ndp.parallelize(model, topo, options=ndp.ParallelOptions(compile=args.compile, activation_checkpointing=args.ac))
-    materialize(model, topo.device, weights_dir=None, seed=0)
-    opt = ndp.build_optimizer(model, lr=1e-4, weight_decay=0.1)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_train import build_ndparallel_row, parse_args, setup
 
-    def step(i):
-        ids = torch.randint(0, config.vocab_size, (args.micro_batch, args.seq), generator=torch.Generator().manual_seed(i))
-        forward_backward(model, [ndp.prepare_batch(ids, topo)], topo, compiled_loss=args.compile)
-        ndp.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    topo, config = setup(parse_args(["--shape", args.shape, "--seq", str(args.seq)]), "cuda")
+    row = build_ndparallel_row(topo, config, seq=args.seq, micro_batch=args.micro_batch, compile_=args.compile,
+                               ac=args.ac, single_rank_fsdp=args.single_rank_fsdp)
     for i in range(4):
-        step(i)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for i in range(3):
-            step(10 + i)
-        torch.cuda.synchronize()
-    totals: dict[str, float] = defaultdict(float)
-    top = []
-    for event in prof.key_averages():
-        cuda_us = getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
-        if event.device_type != torch.autograd.DeviceType.CUDA or not cuda_us:
-            continue
-        name = event.key.lower()
-        cls = next((c for c, keys in CLASSES if any(k in name for k in keys)), "other")
-        totals[cls] += cuda_us
-        top.append((cuda_us, event.key[:90]))
-    busy = sum(totals.values())
-    wall_ms = prof.profiler.self_cpu_time_total / 1000 if hasattr(prof, "profiler") else None
-    print(f"GPU busy time over 3 steps: {busy / 1000:.1f} ms")
-    for cls, us in sorted(totals.items(), key=lambda x: -x[1]):
-        print(f"  {cls:32s} {us / 1000:8.1f} ms  {100 * us / busy:5.1f}%")
-    print("top kernels:")
-    for us, name in sorted(top, reverse=True)[:15]:
-        print(f"  {us / 1000:8.1f} ms  {name}")
+        row.step(i)
+    print(profile_steps(row.phases(10), title=f"{args.shape} seq {args.seq} x {args.micro_batch}, compile "
+                                              f"{args.compile}, single_rank_fsdp {args.single_rank_fsdp}"))
     return 0
 
 

@@ -28,6 +28,7 @@ from ndparallel.layout import Layout
 from ndparallel.lora import LoraSpec
 from ndparallel.parallel.cp_layout import cp_gather, cp_shard
 from ndparallel.parallelism_config import ParallelismConfig, TorchContextParallelConfig, TorchTensorParallelConfig
+from ndparallel.parallel.float8 import Fp8Spec
 from ndparallel.parallelize import ParallelOptions, parallelize
 from ndparallel.pretrained import load_pretrained, save_pretrained
 from ndparallel.step import (
@@ -46,7 +47,7 @@ __version__ = "0.1.0"
 __all__ = [
     "IGNORE_INDEX", "Batch", "prepare_batch", "shift_labels",
     "CheckpointError", "ConfigError", "DataError", "LayoutError", "ModelError", "NdParallelError", "NumericsError",
-    "Layout", "LoraSpec", "ParallelismConfig", "TorchContextParallelConfig", "TorchTensorParallelConfig", "cp_gather", "cp_shard", "ParallelOptions", "parallelize", "load_pretrained", "save_pretrained",
+    "Layout", "LoraSpec", "ParallelismConfig", "TorchContextParallelConfig", "TorchTensorParallelConfig", "cp_gather", "cp_shard", "ParallelOptions", "parallelize", "load_pretrained", "save_pretrained", "Fp8Spec",
     "build_optimizer", "clip_grad_norm_", "count_tokens", "gather_logits", "reduce_loss", "set_gradient_sync", "token_loss",
     "Topology", "init_distributed", "Checkpointer", "ModelState", "OptimizerState",
 ]

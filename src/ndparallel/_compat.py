@@ -149,6 +149,24 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
 
 
 # ---------------------------------------------------------------------------------------------
+# Autograd engine and version counters (the one-rank flat-buffer path, parallel/single_rank.py).
+# ---------------------------------------------------------------------------------------------
+
+
+def queue_backward_callback(fn) -> None:
+    """Run ``fn`` once the current backward pass has finished (call from inside a backward hook).
+
+    FSDP2 ends its backward the same way; autograd has no public "backward finished" hook.
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """The tensor's version counter: it changes with every in-place write through the tensor."""
+    return t._version
+
+
+# ---------------------------------------------------------------------------------------------
 # Fused attention kernels that return the log-sum-exp of each query row.
 #
 # Context-parallel attention computes attention block by block and merges the blocks with their

@@ -114,6 +114,18 @@ class TrainConfig(BaseModel):
     into the sharded fp32 gradients (the dp_replicate all-reduce waits for the last); last_micro_batch keeps
     full unsharded fp32 gradients between micro-batches (4 bytes x parameters / tp more per GPU) for one
     reduce-scatter per step. The planner calls them 'every' and 'last'."""
+    fp8: bool = False
+    """FP8 linear layers (torchao float8; pip install 'ndparallel[fp8]'); needs a GPU of compute capability >= 8.9."""
+    fp8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
+    """torchao recipe: one scale per tensor (fastest), per row, or per row with bf16 weight gradients."""
+    fp8_enable_fsdp_float8_all_gather: bool | None = None
+    """All-gather FSDP weights in float8 (tensorwise); default: whenever weights are sharded over > 1 rank."""
+    fp8_keep_bf16_layers: list[int] = Field(default_factory=lambda: [0, -1])
+    """Decoder layers (indices, negative from the end) whose linears stay bf16; default the first and last."""
+    fp8_keep_bf16_modules: list[str] = Field(default_factory=lambda: ["lm_head"])
+    """Module-name patterns (fnmatch) that stay bf16; default the output head."""
+    fp8_min_features: int = Field(2048, ge=16)
+    """Linears with fewer in or out features than this stay bf16 (casts cost more than FP8 saves)."""
 
     # --- parallel layout ----------------------------------------------------------------------------
     dp_replicate_size: int = Field(1, ge=1)

@@ -1,5 +1,6 @@
 """Apply every strategy to a Hugging Face decoder model, in the one order that composes.
 
+0. FP8 (optional) swaps the chosen linears for torchao's ``Float8Linear`` before anything splits them.
 1. Tensor parallel first: it replaces weights by DTensors split over ``tp`` and installs sequence
    parallelism. Everything after it sees the split model. LoRA adapters (optional) come right after,
    placed to match the split of the layer each adapts.
@@ -9,7 +10,9 @@
 4. ``torch.compile`` per layer, after checkpointing (the checkpoint is traced into the graph) and before
    FSDP (whose hooks must stay outside the graphs).
 5. FSDP2 last, on the (dp_replicate, dp_shard x cp) mesh: it shards whatever parameters the steps above
-   produced, DTensors from TP included, and owns mixed precision and offload.
+   produced, DTensors from TP included, and owns mixed precision and offload. On a world of one rank
+   there is nothing to shard: flat fp32 masters with bf16 compute copies (``parallel/single_rank.py``)
+   give the same numbers without FSDP's copies.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from ndparallel.models.decoder import decoder_parts
 from ndparallel.parallel.checkpointing import apply_activation_checkpointing
 from ndparallel.parallel.compile import apply_compile
 from ndparallel.parallel.context import apply_context_parallel
-from ndparallel.parallel.fsdp import apply_fsdp
+from ndparallel.parallel.float8 import Fp8Spec, check_fp8_supported, convert_to_fp8
+from ndparallel.parallel.fsdp import apply_fsdp, wrap_units
+from ndparallel.parallel.single_rank import apply_single_rank, eligible
 from ndparallel.parallel.tensor import apply_tensor_parallel
 from ndparallel.topology import Topology
 
@@ -63,6 +68,11 @@ class ParallelOptions:
     sharded over this many ranks (int; e.g. the GPUs of one node)."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in CPU memory."""
+    fp8: Fp8Spec | bool | None = None
+    """FP8 linears (torchao float8): True for the default ``Fp8Spec``, or a spec; None/False: bf16."""
+    single_rank_fsdp: bool = False
+    """Wrap with FSDP2 even when the world is one rank. By default one rank keeps its parameters in flat
+    buffers instead (same numbers, less copying); this restores the FSDP path (for comparisons)."""
 
 
 def parallelize(model: nn.Module, topology: Topology, *, options: ParallelOptions | None = None,
@@ -75,6 +85,13 @@ def parallelize(model: nn.Module, topology: Topology, *, options: ParallelOption
     options = options or ParallelOptions()
     parts = decoder_parts(model)
     topology.layout.check_model(model.config)
+    fp8 = Fp8Spec() if options.fp8 is True else options.fp8 or None
+    if fp8 is not None:
+        check_fp8_supported(topology.device, fp8)
+        if lora is not None:
+            raise ConfigError("fp8: true with adapter: lora is not supported (LoRA's adapters are far below FP8's "
+                              "useful size and its frozen-base path is not validated); set fp8: false")
+        convert_to_fp8(parts, fp8, fsdp_size=1 if options.cpu_offload else topology.layout.fsdp_size)
     apply_tensor_parallel(parts, topology.tp)
     if lora is not None:
         attach_lora(model, lora, tp_mesh=topology.tp)
@@ -82,11 +99,17 @@ def parallelize(model: nn.Module, topology: Topology, *, options: ParallelOption
     apply_activation_checkpointing(parts, options.activation_checkpointing)
     if options.compile:
         apply_compile(parts)
+    param_dtype = as_dtype(options.param_dtype, setting="param_dtype")
+    reduce_dtype = as_dtype(options.reduce_dtype, setting="reduce_dtype")
+    wrap_units(list(parts.layers), options.fsdp_wrap)  # the same error on one rank as on many
+    if topology.world_size == 1 and not options.cpu_offload and not options.single_rank_fsdp and eligible(model):
+        apply_single_rank(model, param_dtype=param_dtype)
+        return model
     apply_fsdp(
         parts,
         topology.fully_shard_mesh,
-        param_dtype=as_dtype(options.param_dtype, setting="param_dtype"),
-        reduce_dtype=as_dtype(options.reduce_dtype, setting="reduce_dtype"),
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
         wrap=options.fsdp_wrap,
         reshard_after_forward=options.reshard_after_forward,
         cpu_offload=options.cpu_offload,

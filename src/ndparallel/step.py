@@ -20,6 +20,9 @@ from torch.distributed.tensor import DTensor
 from ndparallel import _compat
 from ndparallel.errors import ConfigError
 from ndparallel.loss import cross_entropy_sum
+from ndparallel.optim import FlatAdamW
+from ndparallel.parallel.float8 import fp8_post_step_hook
+from ndparallel.parallel.single_rank import single_rank_state
 from ndparallel.topology import Topology
 
 
@@ -138,13 +141,23 @@ def build_optimizer(
 ) -> torch.optim.AdamW:
     """AdamW over the trainable (sharded) parameters; no weight decay on norms and biases (1-D tensors).
 
-    Build it after ``parallelize`` so it holds the sharded parameters.
+    Build it after ``parallelize`` so it holds the sharded parameters. On one rank (no FSDP) it is
+    ``ndparallel.optim.FlatAdamW``: the same math and state, one fused update per group. ``fused=False``
+    asks for torch's unfused AdamW everywhere.
     """
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.dim() >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if fused is None:
-        fused = all(p.is_cuda for p in decay + no_decay) and bool(decay + no_decay)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
+    flat = single_rank_state(model)
+    if flat is not None and fused is not False:
+        optimizer = FlatAdamW(groups, flat=flat, lr=lr, betas=betas, eps=eps)
+    else:
+        if fused is None:
+            fused = all(p.is_cuda for p in decay + no_decay) and bool(decay + no_decay)
+        optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
+    scales = fp8_post_step_hook(model)  # float8 all-gather: every weight's scale in one all-reduce per step
+    if scales is not None:
+        optimizer.register_step_post_hook(scales)
+    return optimizer

@@ -37,6 +37,7 @@ from ndparallel.lora import LoraSpec, save_peft_adapter
 from ndparallel.metrics import MetricsLogger, device_peak_flops, flops_per_token
 from ndparallel.models.build import materialize, meta_model, model_config_for
 from ndparallel.oom import DeviceMemoryError, device_memory_gib, layout_text, memory_history, oom_message, write_snapshot
+from ndparallel.parallel.float8 import Fp8Spec
 from ndparallel.parallelize import ParallelOptions, parallelize
 from ndparallel.progress import human_seconds
 from ndparallel.step import build_optimizer, clip_grad_norm_, count_tokens, set_gradient_sync, token_loss
@@ -69,6 +70,14 @@ def resolve_layout(cfg: TrainConfig, world_size: int, model_config) -> tuple[Lay
                                      lora_rank=cfg.lora_r if cfg.adapter == "lora" else None)
         return layout, reason
     return cfg.parallelism().resolve(world_size), None
+
+
+def fp8_spec(cfg: TrainConfig) -> Fp8Spec | None:
+    if not cfg.fp8:
+        return None
+    return Fp8Spec(recipe=cfg.fp8_recipe, keep_bf16_layers=tuple(cfg.fp8_keep_bf16_layers),
+                   keep_bf16_modules=tuple(cfg.fp8_keep_bf16_modules), min_features=cfg.fp8_min_features,
+                   fsdp_float8_all_gather=cfg.fp8_enable_fsdp_float8_all_gather)
 
 
 def lr_factor(step: int, *, warmup: int, total: int, kind: str) -> float:
@@ -209,7 +218,7 @@ def _build_model(cfg: TrainConfig, model_config, topo: Topology) -> tuple[torch.
     options = ParallelOptions(param_dtype="bfloat16" if bf16 else None, reduce_dtype="float32",
                               activation_checkpointing=cfg.ac_mode, compile=cfg.torch_compile,
                               fsdp_wrap=cfg.fsdp_wrap, reshard_after_forward=cfg.reshard_after_forward,
-                              cpu_offload=cfg.cpu_offload)
+                              cpu_offload=cfg.cpu_offload, fp8=fp8_spec(cfg))
     model = meta_model(model_config)
     lora = LoraSpec.from_config(cfg)
     parallelize(model, topo, options=options, lora=lora)

@@ -24,6 +24,7 @@ from ndparallel import _compat
 from ndparallel.errors import ModelError
 from ndparallel.lora import init_lora_tensor
 from ndparallel.models import presets
+from ndparallel.parallel.single_rank import reallocate
 
 
 def model_config_for(*, base_model: str | None, model_shape: str | None, overrides: dict[str, Any],
@@ -73,6 +74,7 @@ def materialize(model: nn.Module, device: torch.device, *, weights_dir: str | No
     each unit to ``device`` when it runs); buffers (rotary tables) always live on ``device``.
     """
     model.to_empty(device=torch.device("cpu") if offload_params else device)
+    reallocate(model)  # a one-rank model keeps its parameters in flat buffers (parallel/single_rank.py)
     reader = _SafetensorsReader(weights_dir) if weights_dir else None
     init_std = getattr(model.config, "initializer_range", 0.02)
     owners = _owning_modules(model)

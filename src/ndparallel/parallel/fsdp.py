@@ -37,16 +37,7 @@ def apply_fsdp(
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     common = dict(mesh=dp_mesh, mp_policy=mp, offload_policy=offload)
 
-    layers = list(parts.layers)
-    if wrap == "model":
-        groups: list[list[torch.nn.Module]] = []
-    elif wrap == "block":
-        groups = [[layer] for layer in layers]
-    elif isinstance(wrap, int) and wrap >= 1:
-        groups = [layers[i : i + wrap] for i in range(0, len(layers), wrap)]
-    else:
-        raise ConfigError(f"fsdp_wrap={wrap!r} must be 'block', 'model' or a positive number of layers per unit")
-
+    groups = wrap_units(list(parts.layers), wrap)
     for i, group in enumerate(groups):
         # The last unit runs first in backward: keeping it gathered saves one all-gather. The others keep
         # the setting as given (an int N means: sharded over N ranks between forward and backward).
@@ -74,3 +65,14 @@ def _check_reshard(reshard_after_forward: bool | int, *, shard_size: int, parts:
     if not (1 < reshard_after_forward < shard_size and shard_size % reshard_after_forward == 0):
         raise ConfigError(f"reshard_after_forward={reshard_after_forward} must be a divisor of the FSDP shard size "
                           f"{shard_size} other than 1 and {shard_size} (or true/false)")
+
+
+def wrap_units(layers: list[torch.nn.Module], wrap: str | int) -> list[list[torch.nn.Module]]:
+    """The decoder layers grouped into FSDP units ('model': none, the root unit holds them all)."""
+    if wrap == "model":
+        return []
+    if wrap == "block":
+        return [[layer] for layer in layers]
+    if isinstance(wrap, int) and not isinstance(wrap, bool) and wrap >= 1:
+        return [layers[i : i + wrap] for i in range(0, len(layers), wrap)]
+    raise ConfigError(f"fsdp_wrap={wrap!r} must be 'block', 'model' or a positive number of layers per unit")

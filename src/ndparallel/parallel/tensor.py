@@ -24,13 +24,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
 from ndparallel.models.decoder import DecoderParts
+from ndparallel.parallel.float8 import tp_style_classes
 
 
 def apply_tensor_parallel(parts: DecoderParts, tp_mesh: DeviceMesh) -> None:
@@ -44,19 +44,21 @@ def apply_tensor_parallel(parts: DecoderParts, tp_mesh: DeviceMesh) -> None:
     for layer in parts.layers:
         plan: dict[str, Any] = {path: SequenceParallel() for path in parts.residual_norms}
         for path, style in parts.layer_plan.items():
+            colwise, rowwise = tp_style_classes(layer.get_submodule(path))  # torchao's for FP8 linears
             if style == "colwise":
-                plan[path] = ColwiseParallel()
+                plan[path] = colwise()
             elif style == "rowwise":
-                plan[path] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+                plan[path] = rowwise(output_layouts=Shard(1), use_local_output=False)
             else:  # qk_norm: input (B, S, heads/t, head_dim), heads split over tp
                 plan[path] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(layer, tp_mesh, plan)
         for path in parts.gathered_inputs:
             layer.get_submodule(path).register_forward_pre_hook(_gather_sequence, with_kwargs=True)
     parallelize_module(parts.final_norm, tp_mesh, SequenceParallel())
+    head_colwise, _ = tp_style_classes(parts.lm_head)
     parallelize_module(
         parts.lm_head, tp_mesh,
-        ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=True),
+        head_colwise(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=True),
     )
     if parts.tied:
         # Both sides split the (vocab, hidden) weight on dim 0, so one DTensor serves both again.

@@ -1,0 +1,197 @@
+"""AdamW whose update of a whole parameter group is one fused kernel over flat buffers (one rank).
+
+On one rank the parameters, gradients and compute copies live in flat buffers
+(``parallel/single_rank.py``). ``FlatAdamW`` keeps the AdamW moments in flat buffers of the same
+layout, so a step of a group is one pass over memory: read the gradient, master, both moments; write
+master, moments and the bf16 compute copy (30 bytes per parameter). ``torch.optim.AdamW(fused=True)``
+needs 28 bytes per parameter plus a separate cast of the compute copies (6 more) and, without flat
+buffers, one kernel launch per chunk of tensors.
+
+The math, the hyper-parameters and the ``state_dict`` are torch's AdamW (decoupled weight decay,
+bias-corrected moments, per-parameter ``step``, ``exp_avg``, ``exp_avg_sq``), so checkpoints move
+between this optimizer and ``torch.optim.AdamW`` (and so between one rank and FSDP layouts). Masters and
+moments stay float32. Under CUDA the update is compiled (torch.compile, one generated kernel); on CPU it
+runs eagerly with the same operations.
+
+A group falls back to a per-parameter update (same math, several kernels per tensor) when its
+parameters are not one contiguous range of the flat buffers, or when some of them have no gradient
+in a step (they are skipped, as torch's AdamW skips them).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from ndparallel.errors import ConfigError
+from ndparallel.parallel.single_rank import SingleRankParams
+
+CHUNK = 2**30
+
+
+def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                  hyper: torch.Tensor, compute: torch.Tensor | None = None) -> None:
+    """One AdamW step of ``param`` in place (and of its lower-precision ``compute`` copy).
+
+    ``hyper`` = [1 - lr*wd, 1 - beta1, beta2, 1 - beta2, eps, lr / (1 - beta1^t), sqrt(1 - beta2^t)], float32,
+    computed on the host in float64 (as torch's AdamW computes its Python scalars).
+    """
+    decay, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, bias2_sqrt = hyper.unbind(0)
+    param.mul_(decay)
+    exp_avg.lerp_(grad, one_minus_beta1)
+    exp_avg_sq.mul_(beta2).add_(grad * grad * one_minus_beta2)
+    denom = exp_avg_sq.sqrt().div_(bias2_sqrt).add_(eps)
+    param.sub_(exp_avg / denom * step_size)
+    if compute is not None:
+        compute.copy_(param)
+
+
+@functools.cache
+def _compiled_update():
+    return torch.compile(adamw_update_, dynamic=True)
+
+
+class FlatAdamW(torch.optim.AdamW):
+    """torch.optim.AdamW with one fused update per parameter group over ``SingleRankParams``' flat buffers."""
+
+    def __init__(self, params, *, flat: SingleRankParams, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01, compiled: bool | None = None) -> None:
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False, fused=False)
+        self.flat = flat
+        self.compiled = compiled
+        self._plans: dict[int, _GroupPlan] = {}
+
+    def state_dict(self) -> dict:
+        packed = super().state_dict()
+        # A group shares one step counter; give each parameter its own, as torch's AdamW expects.
+        packed["state"] = {i: {**s, "step": s["step"].clone()} for i, s in packed["state"].items()}
+        return packed
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        self._plans.clear()  # the loaded moments are new tensors: copied into the flat buffers at the next step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for index, group in enumerate(self.param_groups):
+            if group.get("amsgrad") or group.get("maximize") or group.get("capturable"):
+                raise ConfigError("FlatAdamW implements AdamW without amsgrad, maximize or capturable; build "
+                                  "torch.optim.AdamW for those")
+            with_grad = [p for p in group["params"] if p.grad is not None]
+            if not with_grad:
+                continue
+            plan = self._plan(index, group) if len(with_grad) == len(group["params"]) else None
+            if plan is not None and plan.grads_in_place():
+                plan.step(group, self._use_compiled(plan))
+            else:
+                self._plans.pop(index, None)
+                self._step_each(group, with_grad)
+        return loss
+
+    def _use_compiled(self, plan: "_GroupPlan") -> bool:
+        return self.compiled if self.compiled is not None else plan.master.is_cuda
+
+    def _plan(self, index: int, group: dict) -> "_GroupPlan | None":
+        plan = self._plans.get(index)
+        if plan is not None and plan.valid():
+            return plan
+        plan = _GroupPlan.build(self.flat, group["params"], self.state)
+        if plan is not None:
+            self._plans[index] = plan
+        return plan
+
+    def _step_each(self, group: dict, params: list[torch.Tensor]) -> None:
+        """Per-parameter update: each parameter with its own step count (some may have been skipped)."""
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            else:
+                state["step"] = state["step"].clone()  # no longer shared with a flat group
+            state["step"] += 1
+            hyper = _hyper(group, float(state["step"]), p.device)
+            adamw_update_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], hyper)
+
+
+class _GroupPlan:
+    """A parameter group that is one contiguous range [start, end) of the flat buffers."""
+
+    def __init__(self, flat: SingleRankParams, params: list, start: int, end: int, exp_avg: torch.Tensor,
+                 exp_avg_sq: torch.Tensor, step: torch.Tensor) -> None:
+        self.flat, self.params, self.start, self.end = flat, params, start, end
+        self.master_base = flat.master_flat
+        self.master = flat.master_flat[start:end]
+        self.grad = flat.grad_flat[start:end]
+        self.compute = flat.compute_flat[start:end] if flat.compute_flat is not None else None
+        self.exp_avg, self.exp_avg_sq, self.step_count = exp_avg, exp_avg_sq, step
+        self._grad_ptrs = [flat.grad_flat.data_ptr() + flat.slot_of(p).offset * flat.grad_flat.element_size()
+                           for p in params]
+
+    @classmethod
+    def build(cls, flat: SingleRankParams, params: list, state: dict) -> "_GroupPlan | None":
+        if not flat.is_flat():
+            return None
+        slots = [flat.slot_of(p) for p in params]
+        if any(s is None or not s.master.requires_grad for s in slots):
+            return None
+        slots.sort(key=lambda s: s.offset)
+        start, end = slots[0].offset, slots[-1].offset + slots[-1].numel
+        covered = {id(s) for s in slots}
+        inside = [s for s in flat.slots if start <= s.offset < end]
+        if len(inside) != len(slots) or any(id(s) not in covered for s in inside):
+            return None  # other tensors sit inside the range: not this group's alone
+        steps = {float(state[p]["step"]) for p in params if state.get(p)}
+        if len(steps) > 1 or (steps and len(steps) == 1 and any(not state.get(p) for p in params)):
+            return None  # parameters at different step counts: per-parameter updates
+        device, dtype = flat.master_flat.device, flat.master_flat.dtype
+        exp_avg = torch.zeros(end - start, device=device, dtype=dtype)
+        exp_avg_sq = torch.zeros(end - start, device=device, dtype=dtype)
+        step = torch.tensor(steps.pop() if steps else 0.0)
+        for s in slots:
+            old = state.get(s.master) or {}
+            views = {}
+            for key, buf in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+                view = buf[s.offset - start:s.offset - start + s.numel].view(s.master.shape)
+                if key in old:
+                    view.copy_(old[key])
+                views[key] = view
+            state[s.master] = {"step": step, **views}
+        return cls(flat, [s.master for s in slots], start, end, exp_avg, exp_avg_sq, step)
+
+    def valid(self) -> bool:
+        return self.flat.master_flat is self.master_base and self.flat.is_flat()
+
+    def grads_in_place(self) -> bool:
+        return all(p.grad.data_ptr() == ptr for p, ptr in zip(self.params, self._grad_ptrs))
+
+    def step(self, group: dict, compiled: bool) -> None:
+        self.step_count += 1
+        hyper = _hyper(group, float(self.step_count), self.master.device)
+        update = _compiled_update() if compiled else adamw_update_
+        # Slices of at most CHUNK elements: generated kernels index with 32-bit integers (a 3B model's
+        # matrices are 3.2e9 elements); one extra launch per 2^30 elements costs nothing.
+        for s in range(0, self.end - self.start, CHUNK):
+            e = min(s + CHUNK, self.end - self.start)
+            update(self.master[s:e], self.grad[s:e], self.exp_avg[s:e], self.exp_avg_sq[s:e], hyper,
+                   None if self.compute is None else self.compute[s:e])
+        if self.compute is not None:
+            self.flat.mark_synced(self.start, self.end)
+
+
+def _hyper(group: dict, step: float, device: torch.device) -> torch.Tensor:
+    lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
+    beta1, beta2 = (float(b) for b in group["betas"])
+    values = [1.0 - lr * wd, 1.0 - beta1, beta2, 1.0 - beta2, eps, lr / (1.0 - beta1 ** step),
+              math.sqrt(1.0 - beta2 ** step)]
+    host = torch.tensor(values, dtype=torch.float32)
+    if device.type == "cuda":
+        host = host.pin_memory()  # a fresh pinned tensor per step: the async copy never reads a reused one
+    return host.to(device, non_blocking=True)

@@ -1,0 +1,57 @@
+"""One rank without FSDP computes what FSDP on a mesh of one computes, in bf16 mixed precision.
+
+The fp32 path against plain PyTorch is a row of test_parity.py ("single-accum") and of
+test_checkpoint.py (resume on one process). Here: bf16 compute copies, fp32 masters and gradients,
+tied embeddings, two micro-batches and full activation checkpointing (the recomputation during
+backward must find the compute copies), against ``single_rank_fsdp=True`` (the FSDP2 path).
+"""
+
+from __future__ import annotations
+
+from harness import run_ranks
+from scenarios import make_batches, max_rel_diff, max_weight_diff, train_parallel
+
+
+def _train(single_rank_fsdp: bool) -> dict:
+    batches = make_batches(steps=4, micro=2, rows=8, seq=32, pad=True)
+    options = {"param_dtype": "bfloat16", "activation_checkpointing": "full", "single_rank_fsdp": single_rank_fsdp}
+    return train_parallel("llama", {"dp_shard_size": 1}, batches, model_kwargs={"tied": True}, options=options)
+
+
+def test_bf16_without_fsdp_matches_fsdp_on_one_rank(parity_record):
+    flat = run_ranks(1, _train, False)[0]
+    fsdp = run_ranks(1, _train, True)[0]
+    # Same bf16 forward and backward, same fp32 gradients: identical losses and norms. The optimizers
+    # order their float32 operations differently (fused flat update vs torch's), ~1e-7 in the weights.
+    assert flat["losses"] == fsdp["losses"]
+    assert max_rel_diff(flat["grad_norms"], fsdp["grad_norms"]) <= 1e-6
+    weight_diff, where = max_weight_diff(fsdp["weights"], flat["weights"])
+    parity_record({"loss": max_rel_diff(flat["losses"], fsdp["losses"]), "weights": weight_diff})
+    assert weight_diff <= 1e-6, f"weights differ by {weight_diff:.2e} in {where}"
+    assert all(w.dtype.is_floating_point and w.element_size() == 4 for w in flat["weights"].values())  # fp32 masters
+
+
+def _built_from_meta() -> dict:
+    import torch
+
+    import ndparallel as ndp
+    from ndparallel.models.build import materialize, meta_model, model_config_for
+    from ndparallel.parallel.single_rank import single_rank_state
+
+    topo = ndp.Topology.build(ndp.ParallelismConfig(dp_shard_size=1))
+    model = meta_model(model_config_for(base_model=None, model_shape="tiny", overrides={}, max_position_embeddings=64))
+    ndp.parallelize(model, topo, options=ndp.ParallelOptions(param_dtype="bfloat16"))
+    materialize(model, topo.device, weights_dir=None, seed=0)  # to_empty makes new parameters: re-flattened
+    opt = ndp.build_optimizer(model, lr=1e-3)
+    batch = ndp.prepare_batch(torch.randint(0, 256, (2, 64)), topo)
+    ndp.token_loss(model(**batch.model_inputs()).logits, batch.labels, num_tokens=batch.num_tokens.float(),
+                   topology=topo).backward()
+    opt.step()
+    flat = single_rank_state(model)
+    return {"flat": flat.is_flat(), "fused_groups": len(opt._plans), "compute": str(flat.compute_flat.dtype),
+            "grads_in_buffer": all(p.grad.data_ptr() >= flat.grad_flat.data_ptr() for p in model.parameters())}
+
+
+def test_a_model_built_on_meta_trains_on_the_flat_buffers():
+    got = run_ranks(1, _built_from_meta)[0]
+    assert got == {"flat": True, "fused_groups": 2, "compute": "torch.bfloat16", "grads_in_buffer": True}

@@ -1,0 +1,114 @@
+"""FlatAdamW against torch.optim.AdamW: same updates, same state_dict, also when a parameter misses a step.
+
+No process group: ``apply_single_rank`` works on any module. fp32 on CPU; the eager update is the
+same sequence of operations the compiled CUDA kernel fuses (checked on the GPU by
+benchmarks/gpu_perf_checks.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ndparallel import optim
+from ndparallel.optim import FlatAdamW
+from ndparallel.parallel.single_rank import apply_single_rank
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> bool:
+    """Relative Frobenius difference. AdamW divides by sqrt(v) + eps, so float32 rounding of a differently
+    ordered update (~1e-7) grows to ~1e-6 on elements whose gradient is ~0 (see tests/scenarios.py)."""
+    a, b = a.detach(), b.detach()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30)) <= tol
+
+
+def _net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+
+
+def _groups(model: nn.Module) -> list[dict]:
+    params = list(model.parameters())
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _run(model, opt, steps, *, start=0, skip_last_at=None):
+    for step in range(start, start + steps):
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step))
+        h = model[1](model[0](x))
+        # At ``skip_last_at`` the last layer is not used: its parameters get no gradient that step.
+        out = h.sum(-1) if step == skip_last_at else model[2](h).sum(-1)
+        out.square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def test_flat_adamw_matches_torch_adamw_also_when_a_parameter_skips_a_step(monkeypatch):
+    monkeypatch.setattr(optim, "CHUNK", 100)  # several slices per group, as a 3B model's 3.2e9 elements on the GPU
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    ref = _net()
+    ref_opt = torch.optim.AdamW(_groups(ref), **kwargs)
+    got = _net()
+    flat = apply_single_rank(got, param_dtype=None)
+    got_opt = FlatAdamW(_groups(got), flat=flat, **kwargs)
+    _run(ref, ref_opt, 6, skip_last_at=3)
+    _run(got, got_opt, 6, skip_last_at=3)
+    for (name, a), b in zip(ref.named_parameters(), got.parameters()):
+        assert _close(b, a), name
+    ref_state, got_state = ref_opt.state_dict(), got_opt.state_dict()
+    assert ref_state["param_groups"][0].keys() == got_state["param_groups"][0].keys()
+    for i, state in ref_state["state"].items():
+        assert float(state["step"]) == float(got_state["state"][i]["step"])  # 5 for the last layer, 6 elsewhere
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert _close(got_state["state"][i][key], state[key])
+
+
+def test_state_dict_moves_between_flat_and_torch_adamw():
+    """FlatAdamW -> torch AdamW -> FlatAdamW continues exactly like one uninterrupted torch AdamW."""
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    ref = _net()
+    ref_opt = torch.optim.AdamW(_groups(ref), **kwargs)
+    _run(ref, ref_opt, 6)
+
+    first = _net()
+    first_opt = FlatAdamW(_groups(first), flat=apply_single_rank(first, param_dtype=None), **kwargs)
+    _run(first, first_opt, 2)
+    middle = _net(seed=1)
+    middle.load_state_dict(first.state_dict())
+    middle_opt = torch.optim.AdamW(_groups(middle), **kwargs)
+    middle_opt.load_state_dict(first_opt.state_dict())
+    _run(middle, middle_opt, 2, start=2)
+    last = _net(seed=2)
+    flat = apply_single_rank(last, param_dtype=None)
+    last.load_state_dict(middle.state_dict())
+    last_opt = FlatAdamW(_groups(last), flat=flat, **kwargs)
+    last_opt.load_state_dict(middle_opt.state_dict())
+    _run(last, last_opt, 2, start=4)
+    assert flat.is_flat()  # loading copied into the flat buffers, it did not replace them
+    for (name, a), b in zip(ref.named_parameters(), last.parameters()):
+        assert _close(b, a), name
+
+
+def test_bf16_compute_copies_follow_the_masters():
+    """Forward runs on bf16 copies; the optimizer and a load_state_dict both refresh them; masters and
+    fp32 gradients are what parameters() and state_dict() show after backward."""
+    model = _net()
+    flat = apply_single_rank(model, param_dtype=torch.bfloat16)
+    opt = FlatAdamW(_groups(model), flat=flat, lr=1e-2)
+    x = torch.randn(3, 8)
+    out = model(x)
+    assert out.dtype == torch.bfloat16 and model[0].weight.dtype == torch.bfloat16  # swapped in until backward
+    out.float().square().mean().backward()
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
+    assert all(v.dtype == torch.float32 for v in model.state_dict().values())
+    opt.step()
+    opt.zero_grad()
+    assert torch.equal(flat.slots[0].compute.float(), flat.slots[0].master.bfloat16().float())
+
+    other = _net(seed=3)
+    model.load_state_dict(other.state_dict())  # an in-place copy into the masters: re-cast at the next forward
+    with torch.no_grad():
+        expected = nn.Sequential(*[m.to(torch.bfloat16) for m in _net(seed=3)])(x.bfloat16())
+        assert torch.equal(model(x), expected)
+    assert model[0].weight.dtype == torch.float32  # no_grad forward: swapped back at once
