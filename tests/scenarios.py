@@ -146,10 +146,13 @@ def train_reference(model, batches, *, max_norm: float = 1.0, lora=None) -> dict
 
 
 def train_parallel(family: str, layout: dict, batches, *, model_kwargs: dict | None = None, options: dict | None = None,
-                   max_norm: float = 1.0, lora=None) -> dict:
-    """The same run through ndparallel on this rank's part of ``layout``. Rank 0 returns the full weights."""
+                   max_norm: float = 1.0, lora=None, build=None) -> dict:
+    """The same run through ndparallel on this rank's part of ``layout``. Rank 0 returns the full weights.
+
+    ``build``: the model factory (default ``make_model``); the router loss of MoE models is added (zero otherwise).
+    """
     topo = ndp.Topology.build(ndp.ParallelismConfig(**layout))
-    model = make_model(family, **(model_kwargs or {}))
+    model = (build or make_model)(family, **(model_kwargs or {}))
     ndp.parallelize(model, topo, options=ndp.ParallelOptions(**{"param_dtype": None, **(options or {})}), lora=lora)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = ndp.build_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS)
@@ -160,8 +163,10 @@ def train_parallel(family: str, layout: dict, batches, *, model_kwargs: dict | N
         total = 0.0
         for i, batch in enumerate(prepared):
             ndp.set_gradient_sync(model, i == len(prepared) - 1)
-            logits = model(**batch.model_inputs()).logits
-            loss = ndp.token_loss(logits, batch.labels, num_tokens=n, topology=topo)
+            out = model(**batch.model_inputs())
+            loss = ndp.token_loss(out.logits, batch.labels, num_tokens=n, topology=topo)
+            loss = loss + ndp.router_aux_loss(out, batch, config=model.config, topology=topo,
+                                              num_micro_batches=len(prepared))
             loss.backward()
             total += loss.detach()
         norms.append(float(ndp.clip_grad_norm_(trainable, max_norm)))
@@ -193,8 +198,8 @@ def assert_parity(ref: dict, got: dict, tol: float = 1e-5) -> dict:
 
 def world_size(layout: dict) -> int:
     n = 1
-    for size in layout.values():
-        if isinstance(size, int):
+    for name, size in layout.items():
+        if isinstance(size, int) and name != "expert_parallel_size":  # ep borrows ranks, it adds none
             n *= size
     return n
 

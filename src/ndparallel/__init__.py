@@ -24,6 +24,7 @@ from ndparallel.errors import (
 from ndparallel.layout import Layout, ParallelismConfig
 from ndparallel.parallel.context import cp_gather, cp_shard
 from ndparallel.parallelize import ParallelOptions, parallelize
+from ndparallel.router_loss import router_aux_loss
 from ndparallel.step import (
     build_optimizer,
     clip_grad_norm_,
@@ -40,7 +41,7 @@ __version__ = "0.1.0"
 __all__ = [
     "IGNORE_INDEX", "Batch", "prepare_batch", "shift_labels",
     "CheckpointError", "ConfigError", "DataError", "LayoutError", "ModelError", "NdParallelError", "NumericsError",
-    "Layout", "ParallelismConfig", "cp_gather", "cp_shard", "ParallelOptions", "parallelize",
+    "Layout", "ParallelismConfig", "cp_gather", "cp_shard", "ParallelOptions", "parallelize", "router_aux_loss",
     "build_optimizer", "clip_grad_norm_", "count_tokens", "gather_logits", "reduce_loss", "set_gradient_sync", "token_loss",
     "Topology", "init_distributed",
 ]

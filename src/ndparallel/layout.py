@@ -48,6 +48,9 @@ class ParallelismConfig:
     """Context parallel: the sequence split over ranks; attention exchanges keys and values."""
     cp_comm_strategy: str | None = None
     """How CP attention exchanges keys/values: 'allgather' (default), 'ring' or 'alltoall' (Ulysses)."""
+    expert_parallel_size: int = 1
+    """Expert parallel (mixture-of-experts models, Axolotl's name): experts split over this many ranks, borrowed
+    from dp_shard x cp x tp (it adds no ranks); tokens travel to their experts by all-to-all."""
 
     def __post_init__(self) -> None:
         if self.dp_replicate_size is None:
@@ -60,7 +63,7 @@ class ParallelismConfig:
             self.cp_size = _env_int("CP_SIZE", 1)
         if self.cp_comm_strategy is None:
             self.cp_comm_strategy = os.environ.get(_ENV_PREFIX + "CP_COMM_STRATEGY", "allgather")
-        for name in ("dp_replicate_size", "tp_size", "cp_size"):
+        for name in ("dp_replicate_size", "tp_size", "cp_size", "expert_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{name}={value!r} must be a whole number >= 1; use 1 to switch that axis off")
@@ -93,7 +96,13 @@ class ParallelismConfig:
                 f"but {world_size} processes were started; make the product equal the number of processes "
                 f"(or set dp_shard_size=-1 to fill it)"
             )
-        return Layout(dp_replicate=r, dp_shard=s, cp=c, tp=t, cp_comm_strategy=self.cp_comm_strategy)
+        ep = self.expert_parallel_size
+        if (s * c * t) % ep:
+            raise LayoutError(
+                f"expert_parallel_size={ep} must divide dp_shard_size x cp_size x tp_size = {s} x {c} x {t} = {s * c * t} "
+                f"(expert parallelism borrows those ranks); choose a divisor of {s * c * t}"
+            )
+        return Layout(dp_replicate=r, dp_shard=s, cp=c, tp=t, cp_comm_strategy=self.cp_comm_strategy, ep=ep)
 
 
 @dataclass(frozen=True)
@@ -105,6 +114,8 @@ class Layout:
     cp: int = 1
     tp: int = 1
     cp_comm_strategy: str = "allgather"
+    ep: int = 1
+    """Expert-parallel size: a split of the dp_shard x cp x tp ranks (innermost first), not a mesh dim."""
     shape: tuple[int, int, int, int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -128,6 +139,12 @@ class Layout:
     def loss_size(self) -> int:
         """Ranks whose token losses are summed (everything but tp)."""
         return self.dp_replicate * self.dp_shard * self.cp
+
+    @property
+    def expert_dp_size(self) -> int:
+        """Ranks of one replica holding the same experts (dp_shard x cp x tp / ep): expert weights are FSDP-sharded
+        and their gradients summed over these."""
+        return self.dp_shard * self.cp * self.tp // self.ep
 
     @property
     def seq_multiple(self) -> int:
@@ -163,6 +180,17 @@ class Layout:
             groups.append(group)
         return groups
 
+    def expert_groups(self) -> tuple[list[list[int]], list[list[int]]]:
+        """(ep groups, expert-dp groups). Within a replica the dp_shard x cp x tp ranks, in mesh order, are cut
+        into consecutive blocks of ep (the innermost ranks: neighbours on one node); the ranks at the same
+        place in each block hold the same experts."""
+        ep_groups, dp_groups = [], []
+        for tokens in self.groups(("dp_shard", "cp", "tp")):
+            blocks = [tokens[i : i + self.ep] for i in range(0, len(tokens), self.ep)]
+            ep_groups += blocks
+            dp_groups += [[block[j] for block in blocks] for j in range(self.ep)]
+        return ep_groups, dp_groups
+
     def check_model(self, model_config: Any, *, seq_len: int | None = None) -> None:
         """Raise ``LayoutError`` if the model's shapes cannot be split this way (all problems at once)."""
         problems = list(self.model_problems(model_config, seq_len=seq_len))
@@ -170,6 +198,9 @@ class Layout:
             raise LayoutError("; ".join(problems))
 
     def model_problems(self, model_config: Any, *, seq_len: int | None = None) -> Iterator[str]:
+        from ndparallel.models.moe import is_moe_config, moe_problems
+
+        yield from moe_problems(model_config, tp=self.tp, cp=self.cp, ep=self.ep)
         heads = getattr(model_config, "num_attention_heads", None)
         kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
         t, c = self.tp, self.cp
@@ -177,7 +208,9 @@ class Layout:
             splits = {
                 "num_attention_heads": ("attention heads", heads),
                 "num_key_value_heads": ("key/value heads", kv_heads),
-                "intermediate_size": ("MLP intermediate size", getattr(model_config, "intermediate_size", None)),
+                # a mixture-of-experts model's MLPs are not split by tp (each tp rank runs them on its tokens)
+                "intermediate_size": ("MLP intermediate size", None if is_moe_config(model_config)
+                                      else getattr(model_config, "intermediate_size", None)),
                 "vocab_size": ("vocabulary size", getattr(model_config, "vocab_size", None)),
             }
             for attr, (what, value) in splits.items():
@@ -201,7 +234,7 @@ class Layout:
         r, s, c, t = self.shape
         lines = [
             f"world {self.world_size} = dp_replicate {r} x dp_shard {s} x cp {c} x tp {t}"
-            + (f" (cp method: {self.cp_comm_strategy})" if c > 1 else ""),
+            + (f" (cp method: {self.cp_comm_strategy})" if c > 1 else "") + (f", expert parallel {self.ep}" if self.ep > 1 else ""),
             f"  data: {self.batch_size} data-parallel groups read different rows; cp and tp peers read the same rows",
             f"  parameters: each weight split {t}-way by tp, then sharded {self.fsdp_size}-way by FSDP "
             f"(dp_shard x cp)" + (f", replicated {r}x" if r > 1 else ""),
@@ -218,11 +251,19 @@ class Layout:
             "cp": ("cp",),
             "tp": ("tp",),
         }
+        if self.ep > 1:
+            lines.append(f"  experts: split {self.ep}-way (expert parallel), each expert sharded {self.expert_dp_size}-way "
+                         f"by FSDP" + (f", replicated {r}x" if r > 1 else ""))
         lines.append("  groups:")
         for label, axes in views.items():
             groups = self.groups(axes)
             if len(groups[0]) > 1:
                 lines.append(f"    {label}: {_fmt_groups(groups)}")
+        if self.ep > 1:
+            ep_groups, dp_groups = self.expert_groups()
+            lines.append(f"    ep (tokens all-to-all): {_fmt_groups(ep_groups)}")
+            if len(dp_groups[0]) > 1:
+                lines.append(f"    expert fsdp: {_fmt_groups(dp_groups)}")
         lines.append("  ranks:")
         for rank in range(self.world_size):
             co = self.coordinates(rank)

@@ -91,7 +91,8 @@ def target_paths(model: nn.Module, spec: LoraSpec) -> list[str]:
     return paths
 
 
-def attach_lora(model: nn.Module, spec: LoraSpec, *, tp_mesh: DeviceMesh | None) -> list[str]:
+def attach_lora(model: nn.Module, spec: LoraSpec, *, tp_mesh: DeviceMesh | None,
+                ep_mesh: DeviceMesh | None = None) -> list[str]:
     """Add adapters to the targets (after tensor parallelism, before FSDP) and freeze everything else."""
     parts = decoder_parts(model)
     layers_prefix = next(name for name, m in model.named_modules() if m is parts.layers)

@@ -1,8 +1,9 @@
 """Apply every strategy to a Hugging Face decoder model, in the one order that composes.
 
 1. Tensor parallel first: it replaces weights by DTensors split over ``tp`` and installs sequence
-   parallelism. Everything after it sees the split model. LoRA adapters (optional) come right after,
-   placed to match the split of the layer each adapts.
+   parallelism. Everything after it sees the split model. Mixture-of-experts blocks are not split by tp
+   (each tp rank runs them on its own tokens); expert parallelism then splits the experts over ``ep``.
+   LoRA adapters (optional) come right after, placed to match the split of the weight each adapts.
 2. Context-parallel attention: switch the model's attention to ndparallel's CP implementation (through
    transformers' attention registry). It changes no weights.
 3. Activation checkpointing wraps each decoder layer, so the wrapped unit is what recomputes.
@@ -25,7 +26,9 @@ from ndparallel.models.decoder import decoder_parts
 from ndparallel.parallel.checkpointing import apply_activation_checkpointing
 from ndparallel.parallel.compile import apply_compile
 from ndparallel.parallel.context import apply_context_parallel
+from ndparallel.parallel.expert import apply_expert_parallel, apply_moe_tensor_parallel, moe_fsdp_units
 from ndparallel.parallel.fsdp import apply_fsdp
+from ndparallel.parallel.sinks import apply_sink_attention, has_sinks
 from ndparallel.parallel.tensor import apply_tensor_parallel
 from ndparallel.topology import Topology
 
@@ -76,9 +79,13 @@ def parallelize(model: nn.Module, topology: Topology, *, options: ParallelOption
     parts = decoder_parts(model)
     topology.layout.check_model(model.config)
     apply_tensor_parallel(parts, topology.tp)
+    apply_moe_tensor_parallel(parts, topology.tp)
+    apply_expert_parallel(parts, topology)
     if lora is not None:
-        attach_lora(model, lora, tp_mesh=topology.tp)
+        attach_lora(model, lora, tp_mesh=topology.tp, ep_mesh=topology.experts.ep if topology.layout.ep > 1 else None)
     apply_context_parallel(model, topology)
+    if has_sinks(model):
+        apply_sink_attention(model)
     apply_activation_checkpointing(parts, options.activation_checkpointing)
     if options.compile:
         apply_compile(parts)
@@ -90,5 +97,6 @@ def parallelize(model: nn.Module, topology: Topology, *, options: ParallelOption
         wrap=options.fsdp_wrap,
         reshard_after_forward=options.reshard_after_forward,
         cpu_offload=options.cpu_offload,
+        inner_units=moe_fsdp_units(parts, topology),
     )
     return model

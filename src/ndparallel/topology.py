@@ -9,10 +9,12 @@ so code never branches on which axes exist. The views below are created once, he
 - ``loss``   = dp_replicate x dp_shard x cp: where token-loss sums and token counts are reduced.
 - ``cp``, ``tp``: the context- and tensor-parallel groups.
 - ``dp``     : the mesh FSDP2 shards on: (dp_replicate, fsdp) for HSDP, else fsdp alone.
+- ``experts``: the meshes of mixture-of-experts layers (``ExpertMeshes``), built on first use.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -56,6 +58,21 @@ def init_distributed(*, device_type: str | None = None, timeout_s: float = DEFAU
     else:
         # Started without a launcher: a group of one, no network port needed.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+@dataclass(frozen=True)
+class ExpertMeshes:
+    """Meshes of the mixture-of-experts blocks. Within a replica the dp_shard x cp x tp ranks all hold different
+    tokens of the MoE blocks (under tp each rank routes its own sequence slice), so they are split into
+    ``expert_dp`` x ``ep`` (ep innermost), as torchtitan borrows expert-parallel ranks from data and context
+    parallelism."""
+
+    tokens: DeviceMesh
+    """FSDP mesh of the MoE blocks' own weights (router, shared experts): (dp_replicate,) dp_shard x cp x tp."""
+    ep: DeviceMesh
+    """1-D: the ranks whose tokens meet by all-to-all; each holds num_experts / ep experts."""
+    experts_dp: DeviceMesh
+    """FSDP mesh of the expert weights: (dp_replicate,) the ranks holding the same experts."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +120,18 @@ class Topology:
             device = torch.device(device_type)
         return cls(layout=layout, device=device, mesh=mesh, batch=batch, fsdp=fsdp, loss=loss, dp=dp,
                    rank=dist.get_rank())
+
+    @functools.cached_property
+    def experts(self) -> ExpertMeshes:
+        """Built on first use (parallelize does it on every rank, for mixture-of-experts models only)."""
+        layout = self.layout
+        tokens = _compat.flatten_mesh(self.mesh["dp_shard", "cp", "tp"], "moe_tokens")
+        split = _compat.unflatten_mesh(tokens, (layout.expert_dp_size, layout.ep), ("expert_dp_shard", "ep"))
+        experts_dp = split["expert_dp_shard"]
+        if layout.dp_replicate > 1:
+            tokens = _compat.concatenate_meshes(self.mesh, [self.mesh["dp_replicate"], tokens])
+            experts_dp = _compat.concatenate_meshes(self.mesh, [self.mesh["dp_replicate"], experts_dp])
+        return ExpertMeshes(tokens=tokens, ep=split["ep"], experts_dp=experts_dp)
 
     # -- views on single axes ------------------------------------------------------------------
     @property

@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Pretrain
 from ndparallel import _compat
 from ndparallel.errors import ModelError
 from ndparallel.lora import init_lora_tensor
+from ndparallel.models.moe import has_attention_sinks, is_moe_weight
 
 # Llama-shaped presets for pre-training from scratch (model_shape). Dims of Llama 3.2 1B/3B and Llama 3 8B.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -70,8 +71,11 @@ def model_config_for(*, base_model: str | None, model_shape: str | None, overrid
 
 def meta_model(config: PretrainedConfig) -> nn.Module:
     """The model's skeleton with no storage: parameters on the meta device, float32."""
+    # ndparallel replaces the attention function anyway; models whose attention has sinks (gpt-oss) refuse
+    # "sdpa" at construction, so they are built with their eager attention.
+    attention = "eager" if has_attention_sinks(config) else "sdpa"
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=torch.float32)
     return model
 
 
@@ -128,7 +132,7 @@ def _init_tensor(key: str, owner: nn.Module, shape: tuple, std: float, seed: int
     biases, ones for norm weights), drawn from a generator seeded by (seed, parameter name)."""
     if key.endswith("bias"):
         return torch.zeros(shape, device=device)
-    if not isinstance(owner, (nn.Linear, nn.Embedding)):
+    if not isinstance(owner, (nn.Linear, nn.Embedding)) and not is_moe_weight(owner, key):
         return torch.ones(shape, device=device)  # norm weights
     generator = torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % (2**63))
     return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)

@@ -7,6 +7,8 @@ collectives and more memory held at once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -25,8 +27,13 @@ def apply_fsdp(
     wrap: str | int = "block",
     reshard_after_forward: bool | int = True,
     cpu_offload: bool = False,
+    inner_units: Sequence[tuple[torch.nn.Module, DeviceMesh]] = (),
 ) -> None:
-    """Shard ``parts.model`` in place. ``wrap`` is 'block', 'model' or N (groups of N decoder layers)."""
+    """Shard ``parts.model`` in place. ``wrap`` is 'block', 'model' or N (groups of N decoder layers).
+
+    ``inner_units``: (module, mesh) pairs sharded first, on their own meshes (MoE experts and blocks, see
+    parallel/expert.py), whatever ``wrap`` is: their gradients must be summed over those meshes.
+    """
     shard_size = dp_mesh.size(dp_mesh.ndim - 1)
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         if not (1 < reshard_after_forward < shard_size and shard_size % reshard_after_forward == 0):
@@ -42,6 +49,10 @@ def apply_fsdp(
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     common = dict(mesh=dp_mesh, mp_policy=mp, offload_policy=offload)
 
+    for module, mesh in inner_units:
+        # A partial-reshard rank count belongs to the layers' mesh; these units reshard fully (or not at all).
+        fully_shard(module, mesh=mesh, mp_policy=mp, offload_policy=offload,
+                    reshard_after_forward=reshard_after_forward is not False and mesh.size() > 1)
     layers = list(parts.layers)
     if wrap == "model":
         groups: list[list[torch.nn.Module]] = []
