@@ -21,7 +21,7 @@ from transformers import (
 )
 
 import ndparallel as ndp
-from scenarios import EPS, LR, VOCAB, WEIGHT_DECAY, _labels, reference_mask, train_parallel
+from scenarios import VOCAB, reference_mask, train_parallel, train_reference
 
 AUX_COEF = 0.1
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, max_position_embeddings=512,
@@ -79,36 +79,23 @@ def _reference_inputs(model, mb: dict) -> tuple[dict, torch.Tensor | None]:
     return reference_mask(mb, window), padding
 
 
-def train_reference_moe(model, batches, *, max_norm: float = 1.0, trainable=None) -> dict:
-    """One plain process: loss = sum CE / targets + coef * mean over micro-batches of transformers' aux loss."""
-    modeling = importlib.import_module(type(model).__module__)
-    trainable = trainable or [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in trainable if p.dim() >= 2]
-    no_decay = [p for p in trainable if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=LR, betas=(0.9, 0.95), eps=EPS)
+def moe_micro_loss(model, mb: dict, labels: torch.Tensor, num_tokens: int, num_micro: int) -> torch.Tensor:
+    """One process, one micro-batch: CE sum / targets + coef * transformers' aux loss / micro-batches."""
     cfg = model.config
-    losses, norms = [], []
-    for step in batches:
-        labels = [_labels(mb) for mb in step]
-        n = sum(int((lab != ndp.IGNORE_INDEX).sum()) for lab in labels)
-        total = 0.0
-        for mb, lab in zip(step, labels):
-            inputs, padding = _reference_inputs(model, mb)
-            out = model.model(**inputs, output_router_logits=cfg.output_router_logits)
-            logits = model.lm_head(out.last_hidden_state)
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), lab.flatten(), reduction="sum") / n
-            if hasattr(modeling, "load_balancing_loss_func") and cfg.output_router_logits:
-                aux = modeling.load_balancing_loss_func(out.router_logits, model.num_experts, model.num_experts_per_tok,
-                                                        padding)
-                loss = loss + cfg.router_aux_loss_coef * aux / len(step)
-            loss.backward()
-            total += loss.item()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, max_norm)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return {"losses": losses, "grad_norms": norms, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    modeling = importlib.import_module(type(model).__module__)
+    inputs, padding = _reference_inputs(model, mb)
+    out = model.model(**inputs, output_router_logits=cfg.output_router_logits)
+    logits = model.lm_head(out.last_hidden_state)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / num_tokens
+    if hasattr(modeling, "load_balancing_loss_func") and cfg.output_router_logits:
+        aux = modeling.load_balancing_loss_func(out.router_logits, model.num_experts, model.num_experts_per_tok, padding)
+        loss = loss + cfg.router_aux_loss_coef * aux / num_micro
+    return loss
+
+
+def train_reference_moe(model, batches, **kwargs) -> dict:
+    """One plain process: loss = sum CE / targets + coef * mean over micro-batches of transformers' aux loss."""
+    return train_reference(model, batches, micro_loss=moe_micro_loss, **kwargs)
 
 
 def train_parallel_moe(family: str, layout: dict, batches, **kwargs) -> dict:

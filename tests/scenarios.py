@@ -115,9 +115,17 @@ def _labels(mb: dict) -> torch.Tensor:
     return ndp.shift_labels(labels, mb.get("position_ids"))
 
 
-def train_reference(model, batches, *, max_norm: float = 1.0, lora=None) -> dict:
-    """Plain PyTorch, one process: the numbers every layout must reproduce."""
-    window = getattr(model.config, "sliding_window", None)
+def _dense_micro_loss(model, mb: dict, labels: torch.Tensor, num_tokens: int, num_micro: int) -> torch.Tensor:
+    logits = model(**reference_mask(mb, getattr(model.config, "sliding_window", None))).logits
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / num_tokens
+
+
+def train_reference(model, batches, *, max_norm: float = 1.0, lora=None, micro_loss=_dense_micro_loss) -> dict:
+    """Plain PyTorch, one process: the numbers every layout must reproduce.
+
+    ``micro_loss(model, micro_batch, labels, num_tokens, num_micro_batches)``: one micro-batch's loss.
+    """
     if lora is not None:
         from ndparallel.lora import attach_lora
 
@@ -133,9 +141,7 @@ def train_reference(model, batches, *, max_norm: float = 1.0, lora=None) -> dict
         n = sum(int((lab != ndp.IGNORE_INDEX).sum()) for lab in labels)
         total = 0.0
         for mb, lab in zip(step, labels):
-            logits = model(**reference_mask(mb, window)).logits
-            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), lab.flatten(), reduction="sum") / n
+            loss = micro_loss(model, mb, lab, n, len(step))
             loss.backward()
             total += loss.item()
         norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, max_norm)))
