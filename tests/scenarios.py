@@ -183,7 +183,12 @@ def train_parallel(family: str, layout: dict, batches, *, model_kwargs: dict | N
     for name, value in model.state_dict().items():
         full = value.full_tensor() if isinstance(value, DTensor) else value
         weights[_compat.canonical_name(name)] = full.detach().cpu()
-    return {"losses": losses, "grad_norms": norms, "weights": weights if topo.rank == 0 else None}
+    result = {"losses": losses, "grad_norms": norms, "weights": weights if topo.rank == 0 else None}
+    if lora is not None:  # the adapters in PEFT's names and layout (a collective)
+        from ndparallel.lora import adapter_state
+
+        result["adapters"] = adapter_state(model, lora) if topo.rank == 0 else (adapter_state(model, lora) and None)
+    return result
 
 
 def assert_parity(ref: dict, got: dict, tol: float = 1e-5) -> dict:

@@ -34,6 +34,7 @@ from ndparallel.lora import LoraSpec, save_peft_adapter
 from ndparallel.metrics import MetricsLogger, device_peak_flops, flops_per_token
 from ndparallel.models.build import materialize, meta_model, model_config_for
 from ndparallel.parallelize import ParallelOptions, parallelize
+from ndparallel.router_loss import router_aux_loss
 from ndparallel.step import build_optimizer, clip_grad_norm_, count_tokens, reduce_loss, set_gradient_sync, token_loss
 from ndparallel.topology import Topology, default_device_type, init_distributed
 from ndparallel.validate import resolve_data_path
@@ -308,8 +309,10 @@ def forward_backward(model, micro_batches: list, topo: Topology, *, compiled_los
     tokens = torch.zeros((), device=topo.device)
     for i, batch in enumerate(micro_batches):
         set_gradient_sync(model, i == len(micro_batches) - 1)
-        logits = model(**batch.model_inputs()).logits
-        loss = token_loss(logits, batch.labels, num_tokens=num_targets, topology=topo, compiled=compiled_loss)
+        outputs = model(**batch.model_inputs())
+        loss = token_loss(outputs.logits, batch.labels, num_tokens=num_targets, topology=topo, compiled=compiled_loss)
+        loss = loss + router_aux_loss(outputs, batch, config=model.config, topology=topo,
+                                      num_micro_batches=len(micro_batches))  # MoE models; zero otherwise
         loss.backward()
         step_loss += loss.detach()
         tokens += batch.num_input_tokens

@@ -34,7 +34,7 @@ def adapted_weight(experts: nn.Module, name: str) -> torch.Tensor:
     """``experts.<name>`` (this rank's experts), with its LoRA delta added when it has adapters."""
     weight = local(getattr(experts, name))
     lora_a = getattr(experts, f"{name}_lora_A", None)
-    if lora_a is None or getattr(experts, "lora_merged", False):
+    if lora_a is None:
         return weight
     lora_b = getattr(experts, f"{name}_lora_B")
     delta = torch.bmm(local(lora_b), local(lora_a)) * experts.lora_scaling  # (E, out, r) @ (E, r, in) = (E, out, in)

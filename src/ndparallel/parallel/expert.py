@@ -110,6 +110,12 @@ def uses_ndparallel_experts(model: nn.Module) -> bool:
     return str(getattr(model.config, "_experts_implementation", "")).startswith(EXPERTS_NAME)
 
 
+def ensure_ndparallel_experts(model: nn.Module) -> None:
+    """Outside ``parallelize`` (one process, e.g. an export): the local experts function, so expert adapters apply."""
+    if not uses_ndparallel_experts(model):
+        register_experts(model, ExpertSetup(num_experts_of(model.config), 1, None), "local")
+
+
 def apply_expert_parallel(parts: DecoderParts, topology: Topology) -> None:
     """Split the experts over ep (a no-op but for the experts function when ep == 1, or for a dense model)."""
     blocks = moe_blocks(parts.layers)
