@@ -96,13 +96,8 @@ class ParallelismConfig:
                 f"but {world_size} processes were started; make the product equal the number of processes "
                 f"(or set dp_shard_size=-1 to fill it)"
             )
-        ep = self.expert_parallel_size
-        if (s * c * t) % ep:
-            raise LayoutError(
-                f"expert_parallel_size={ep} must divide dp_shard_size x cp_size x tp_size = {s} x {c} x {t} = {s * c * t} "
-                f"(expert parallelism borrows those ranks); choose a divisor of {s * c * t}"
-            )
-        return Layout(dp_replicate=r, dp_shard=s, cp=c, tp=t, cp_comm_strategy=self.cp_comm_strategy, ep=ep)
+        return Layout(dp_replicate=r, dp_shard=s, cp=c, tp=t, cp_comm_strategy=self.cp_comm_strategy,
+                      ep=self.expert_parallel_size)
 
 
 @dataclass(frozen=True)
@@ -120,6 +115,12 @@ class Layout:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", (self.dp_replicate, self.dp_shard, self.cp, self.tp))
+        s, c, t = self.dp_shard, self.cp, self.tp
+        if self.ep < 1 or (s * c * t) % self.ep:
+            raise LayoutError(
+                f"expert_parallel_size={self.ep} must divide dp_shard_size x cp_size x tp_size = {s} x {c} x {t} = "
+                f"{s * c * t} (expert parallelism borrows those ranks); choose a divisor of {s * c * t}"
+            )
 
     @property
     def world_size(self) -> int:

@@ -10,6 +10,7 @@ Run it on every rank (the CLI starts the processes). Order of work:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -59,7 +60,8 @@ def resolve_layout(cfg: TrainConfig, world_size: int, model_config) -> tuple[Lay
                                      micro_batch_size=cfg.micro_batch_size, cp_comm_strategy=cfg.cp_comm_strategy,
                                      activation_checkpointing=cfg.ac_mode,
                                      lora_rank=cfg.lora_r if cfg.adapter == "lora" else None)
-        return layout, reason
+        # The planner does not weigh expert parallelism yet: the ep size asked for is applied to its layout.
+        return dataclasses.replace(layout, ep=cfg.expert_parallel_size), reason
     return cfg.parallelism().resolve(world_size), None
 
 

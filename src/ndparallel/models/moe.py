@@ -113,6 +113,77 @@ def moe_problems(config: Any, *, tp: int, cp: int, ep: int) -> Iterator[str]:
 
 
 # ------------------------------------------------------------------------------------------------
+# Sizes (for throughput accounting and the planner)
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """Parameter counts of a MoE model's MLPs, from its config.
+
+    Memory and traffic per rank, for the planner (s, c, t = dp_shard, cp, tp sizes; edp = s*c*t / ep;
+    T = tokens a rank routes per micro-batch = micro_batch * seq / (c * t); b = bytes per compute element):
+
+    - expert weights held (sharded): moe_layers * E * expert_params / (s*c*t), whatever ep is (ep x edp = s*c*t)
+    - expert weights gathered at once (one MoE layer): (E / ep) * expert_params * b  -- what ep saves
+    - router and shared-expert weights: FSDP over s*c (x t when t > 1: tp does not split MoE blocks)
+    - FSDP traffic per MoE layer and step: all-gather (E/ep) * expert_params * b * (edp-1)/edp in forward (and
+      again in backward when resharded), reduce-scatter of the gradients in the reduce dtype
+    - ep all-to-all per MoE layer and step: 4 * T * k * hidden * b * (ep-1)/ep (dispatch and combine, forward and
+      backward, under uniform routing), plus E counts and one host sync per layer and micro-batch
+    - activations per MoE layer: about T * k * (2 * hidden + 3 * expert_intermediate) * b, plus T * k * hidden * b
+      twice for the all-to-all buffers when ep > 1
+    - router loss: one all-reduce of E + 1 floats over all ranks per micro-batch
+    """
+
+    moe_layers: int
+    dense_layers: int
+    num_experts: int
+    top_k: int
+    expert_params: int
+    """One expert's weights: 3 * hidden * expert_intermediate (+ biases)."""
+    shared_params: int
+    """Per MoE layer: shared experts and their gate, which every token passes."""
+    router_params: int
+    dense_mlp_params: int
+    """One dense-MLP layer's weights (first_k_dense_replace, mlp_only_layers)."""
+
+    @property
+    def active_mlp_params_per_layer(self) -> float:
+        """MLP weights one token passes through, averaged over the layers (for FLOPs per token)."""
+        moe = self.top_k * self.expert_params + self.shared_params + self.router_params
+        layers = self.moe_layers + self.dense_layers
+        return (self.moe_layers * moe + self.dense_layers * self.dense_mlp_params) / max(1, layers)
+
+
+def moe_layer_indices(config: Any) -> list[int]:
+    layers = config.num_hidden_layers
+    if getattr(config, "first_k_dense_replace", None) is not None:  # DeepSeek
+        return list(range(config.first_k_dense_replace, layers))
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    dense = set(getattr(config, "mlp_only_layers", None) or [])
+    return [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+
+
+def moe_shape(config: Any) -> MoeShape | None:
+    if not is_moe_config(config):
+        return None
+    h, experts = config.hidden_size, num_experts_of(config)
+    inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    biases = 2 * inter + h if getattr(config, "model_type", None) == "gpt_oss" else 0  # gate_up (2I) and down (h)
+    shared = 0
+    if getattr(config, "shared_expert_intermediate_size", None):  # Qwen2-MoE: one gated shared expert
+        shared = 3 * h * config.shared_expert_intermediate_size + h
+    elif getattr(config, "n_shared_experts", None):  # DeepSeek
+        shared = 3 * h * inter * config.n_shared_experts
+    moe = len(moe_layer_indices(config))
+    return MoeShape(moe_layers=moe, dense_layers=config.num_hidden_layers - moe, num_experts=experts,
+                    top_k=int(config.num_experts_per_tok), expert_params=3 * h * inter + biases, shared_params=shared,
+                    router_params=h * experts + (experts if getattr(config, "model_type", None) == "gpt_oss" else 0),
+                    dense_mlp_params=3 * h * config.intermediate_size)
+
+
+# ------------------------------------------------------------------------------------------------
 # The module tree
 # ------------------------------------------------------------------------------------------------
 
