@@ -59,7 +59,9 @@ def model_config_for(*, base_model: str | None, model_shape: str | None, overrid
         kind = overrides.get("model_type")
         if not kind:
             raise ModelError("model_config_overrides needs model_type (e.g. llama) to describe an inline model")
-        config = AutoConfig.for_model(kind)
+        # Given to the constructor, not set afterwards: fields derived from others (gpt-oss' layer_types from
+        # num_hidden_layers) are then built for the overridden values.
+        config = AutoConfig.for_model(kind, **{k: v for k, v in overrides.items() if k != "model_type"})
     for key, value in overrides.items():
         if key != "model_type":
             setattr(config, key, value)
