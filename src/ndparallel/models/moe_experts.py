@@ -43,32 +43,30 @@ def adapted_weight(experts: nn.Module, name: str) -> torch.Tensor:
     return weight + delta.to(weight.dtype)
 
 
-def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int],
-                    offsets: torch.Tensor | None, transposed: bool) -> torch.Tensor:
-    """x (N, in) grouped by expert -> (N, out). weight (E, out, in), or (E, in, out) when ``transposed``."""
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counts: torch.Tensor,
+                    transposed: bool) -> torch.Tensor:
+    """x (N, in) grouped by expert, counts[e] rows each -> (N, out). weight (E, out, in), or (E, in, out) when
+    ``transposed``; bias (E, out)."""
     w = weight if transposed else weight.transpose(1, 2)  # (E, in, out)
-    if offsets is not None and _compat.grouped_mm_available(x, w):
-        out = _compat.grouped_mm(x, w, offsets)
+    if _compat.grouped_mm_available(x, w):
+        # offsets stay on the device: no host sync on this path
+        out = _compat.grouped_mm(x, w, torch.cumsum(counts.to(x.device), 0, dtype=torch.int32))
     else:
-        out = torch.cat([rows @ w[e] for e, rows in enumerate(x.split(sizes))])
+        out = torch.cat([rows @ w[e] for e, rows in enumerate(x.split(counts.tolist()))])
     if bias is not None:
-        out = out + torch.repeat_interleave(bias, torch.as_tensor(sizes, device=bias.device), dim=0,
-                                            output_size=x.shape[0])
+        out = out + torch.repeat_interleave(bias, counts.to(bias.device), dim=0, output_size=x.shape[0])
     return out
 
 
-def run_experts(experts: nn.Module, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """Apply this rank's experts to ``x`` (N, H): the first ``sizes[0]`` rows to its first expert, and so on."""
-    offsets = None
-    if x.is_cuda:  # the grouped kernel reads cumulative counts from the device
-        offsets = torch.cumsum(torch.as_tensor(sizes, device=x.device), 0, dtype=torch.int32)
+def run_experts(experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Apply this rank's experts to ``x`` (N, H): the first ``counts[0]`` rows to its first expert, and so on."""
     up_name = "gate_up_proj" if experts.has_gate else "up_proj"
     bias_up = local(getattr(experts, f"{up_name}_bias")) if experts.has_bias else None
     bias_down = local(experts.down_proj_bias) if experts.has_bias else None
     x = x.to(getattr(experts, up_name).dtype)
-    hidden = _grouped_linear(x, adapted_weight(experts, up_name), bias_up, sizes, offsets, experts.is_transposed)
+    hidden = _grouped_linear(x, adapted_weight(experts, up_name), bias_up, counts, experts.is_transposed)
     hidden = experts._apply_gate(hidden) if experts.has_gate else experts.act_fn(hidden)
-    out = _grouped_linear(hidden, adapted_weight(experts, "down_proj"), bias_down, sizes, offsets, experts.is_transposed)
+    out = _grouped_linear(hidden, adapted_weight(experts, "down_proj"), bias_down, counts, experts.is_transposed)
     if getattr(experts, "has_post_expert_norm", False):
         out = experts.post_expert_norm(out)
     return out

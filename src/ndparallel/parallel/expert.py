@@ -37,7 +37,7 @@ from transformers.integrations.moe import ExpertsInterface
 
 from ndparallel.models.decoder import DecoderParts
 from ndparallel.models.moe import expert_parameters, moe_blocks, num_experts_of
-from ndparallel.models.moe_experts import combine, run_experts, sort_by_expert
+from ndparallel.models.moe_experts import combine, inverse_permutation, run_experts, sort_by_expert
 from ndparallel.topology import Topology
 
 EXPERTS_NAME = "ndparallel-experts"
@@ -76,9 +76,11 @@ def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index
     k = top_k_index.shape[-1]
     order = sort_by_expert(top_k_index)
     rows = hidden_states.index_select(0, order // k)  # (T*k, H), grouped by expert = by owning rank
-    counts = torch.bincount(top_k_index.reshape(-1), minlength=setup.num_experts)
+    flat = top_k_index.reshape(-1)
+    counts = torch.zeros(setup.num_experts, dtype=torch.long, device=flat.device)
+    counts = counts.scatter_add(0, flat, torch.ones_like(flat))  # rows per expert (bincount would sync the host)
     if setup.ep_size == 1:
-        out = run_experts(experts, rows, counts.tolist())
+        out = run_experts(experts, rows, counts)
     else:
         out = _exchange_and_run(experts, rows, counts, setup)
     return combine(out, order, top_k_weights, hidden_states.dtype)
@@ -94,8 +96,8 @@ def _exchange_and_run(experts: nn.Module, rows: torch.Tensor, counts: torch.Tens
     arrived = _AllToAll.apply(rows, send, recv, setup.ep_group)  # grouped by (source rank, local expert)
     expert_of_row = torch.repeat_interleave(torch.arange(local_experts).repeat(ep), both[1].reshape(-1))
     regroup = torch.argsort(expert_of_row, stable=True).to(rows.device)
-    out = run_experts(experts, arrived.index_select(0, regroup), both[1].sum(0).tolist())
-    out = torch.empty_like(out).index_copy(0, regroup, out) if out.numel() else out
+    out = run_experts(experts, arrived.index_select(0, regroup), both[1].sum(0))
+    out = out.index_select(0, inverse_permutation(regroup))  # back to (source rank, local expert) order
     return _AllToAll.apply(out, recv, send, setup.ep_group)
 
 
