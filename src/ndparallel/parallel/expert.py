@@ -86,6 +86,7 @@ def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index
     return combine(out, order, top_k_weights, hidden_states.dtype)
 
 
+@torch.compiler.disable  # outside compiled graphs: collectives, a host sync and data-dependent sizes
 def _exchange_and_run(experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor, setup: ExpertSetup
                       ) -> torch.Tensor:
     ep, local_experts = setup.ep_size, setup.num_experts // setup.ep_size
