@@ -50,9 +50,10 @@ _CONFIGS = {
 }
 
 
-def make_moe_model(family: str, *, seed: int = 0):
+def make_moe_model(family: str, *, seed: int = 0, vocab_size: int = VOCAB):
     torch.manual_seed(seed)
     config = _CONFIGS[family]()
+    config.vocab_size = vocab_size
     attention = "eager" if family == "gpt_oss" else "sdpa"
     return AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=torch.float32).train()
 

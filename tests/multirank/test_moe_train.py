@@ -73,3 +73,32 @@ def test_merged_export_gives_the_trained_logits(saved, tmp_path):
         rows = slice(batch_rank * 2, batch_rank * 2 + 2)
         assert float((logits - want[rows]).abs().max() / want.abs().max()) < 1e-5
     assert (tmp / "out" / "adapter" / "adapter_config.json").is_file()  # the PEFT adapter, written at the end
+
+
+def _loaded_weights(config: dict):
+    from ndparallel.config import parse_config
+    from ndparallel.train import setup
+    from trainer_helpers import full_state
+
+    run = setup(parse_config(config))
+    return full_state(run.model)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_hub_checkpoint_loads_into_expert_parallel_layout(tmp_path, family):
+    """A Hub-layout directory (one tensor per expert, Mixtral's block_sparse_moe names, DeepSeek's routing bias)
+    loads into a dp_shard 2 x ep 2 run with every weight as transformers loads it."""
+    from moe_scenarios import make_moe_model
+
+    model = make_moe_model(family, vocab_size=320)  # the byte tokenizer's 262 tokens fit
+    for module in model.modules():  # a routing bias that is not its initial zeros
+        if hasattr(module, "e_score_correction_bias"):
+            module.e_score_correction_bias.copy_(torch.randn(module.e_score_correction_bias.shape))
+    model.save_pretrained(tmp_path / "model")
+    want = AutoModelForCausalLM.from_pretrained(tmp_path / "model").state_dict()
+    config = tiny_config(tmp_path, model_shape=None, base_model=str(tmp_path / "model"), model_config_overrides={},
+                         dp_shard_size=2, expert_parallel_size=2, micro_batch_size=4)
+    got = run_ranks(2, _loaded_weights, config)[0]
+    assert {f"model.{k}" for k in want} == set(got)
+    for name, value in want.items():
+        assert torch.equal(got[f"model.{name}"], value), name

@@ -23,6 +23,7 @@ from ndparallel import _compat
 from ndparallel.errors import ModelError
 from ndparallel.lora import init_lora_tensor
 from ndparallel.models.moe import has_attention_sinks, is_moe_weight
+from ndparallel.models.moe_weights import hub_expert_tensor
 
 # Llama-shaped presets for pre-training from scratch (model_shape). Dims of Llama 3.2 1B/3B and Llama 3 8B.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -105,6 +106,12 @@ def materialize(model: nn.Module, device: torch.device, *, weights_dir: str | No
                 full = _init_tensor(key, owners[name], tuple(param.shape), init_std, seed, device)
             _copy_shard(param, full)
         restore_buffers(model, device)
+        if reader is not None:  # persistent buffers a checkpoint holds (DeepSeek-V3's routing bias)
+            params = {name for name, _ in model.named_parameters()}
+            for name, value in model.state_dict(keep_vars=True).items():
+                key = _compat.canonical_name(name)
+                if name not in params and key in reader.files:
+                    _copy_shard(value, reader.get(key))
     if reader is not None:
         tied = model.get_output_embeddings() is not None and \
             model.get_output_embeddings().weight is model.get_input_embeddings().weight
@@ -147,10 +154,12 @@ def restore_buffers(model: nn.Module, device: torch.device) -> None:
         local = {n: b for n, b in module.named_buffers(recurse=False)}
         if not local:
             continue
-        if not hasattr(module, "config"):
+        # Modules that keep no config of their own (DeepSeek-V3's router) are built from the model's.
+        config = getattr(module, "config", None) or getattr(model, "config", None)
+        if config is None:
             raise ModelError(f"cannot rebuild the buffers {sorted(local)} of {type(module).__name__} after meta-device init")
         with torch.device(device):
-            fresh = type(module)(config=module.config)
+            fresh = type(module)(config)
         for buffer_name, value in fresh.named_buffers(recurse=False):
             local[buffer_name].copy_(value)
 
@@ -182,6 +191,10 @@ class _SafetensorsReader:
 
     def get(self, key: str) -> torch.Tensor:
         if key not in self.files:
+            # MoE experts stored one tensor per expert (the Hub layout) for a stacked parameter
+            stacked = hub_expert_tensor(key, self.files.__contains__, self.get)
+            if stacked is not None:
+                return stacked
             raise ModelError(f"base_model {self.directory!r}: no weight named {key!r} in its safetensors files "
                              f"(is it a checkpoint of another architecture?)")
         self.used.add(key)
