@@ -1,6 +1,7 @@
 """Expert parallelism in the layout, and what MoE models refuse, one line each, before any process starts."""
 
 import pytest
+import torch
 from transformers import DeepseekV3Config, GptOssConfig, LlamaConfig, OlmoeConfig, Qwen3MoeConfig
 
 from ndparallel import LayoutError, ParallelismConfig
@@ -92,3 +93,20 @@ def test_moe_shape_counts_the_built_model(family):
         rest = sum(p.numel() for p in block.block.parameters()) - experts - router
         assert (experts, router, rest) == (shape.num_experts * shape.expert_params, shape.router_params,
                                            shape.shared_params)
+
+
+def test_hub_expert_tensors_are_stacked_and_quantized_ones_refused():
+    from ndparallel.errors import ModelError
+    from ndparallel.models.moe_weights import hub_expert_tensor
+
+    store = {f"m.layers.0.block_sparse_moe.experts.{e}.{w}.weight": torch.full((2, 3), 10.0 * e + i)
+             for e in range(2) for i, w in enumerate(("w1", "w3", "w2"))}
+    store["m.layers.0.block_sparse_moe.gate.weight"] = torch.ones(2, 3)
+    gate_up = hub_expert_tensor("m.layers.0.mlp.experts.gate_up_proj", store.__contains__, store.__getitem__)
+    assert gate_up.shape == (2, 4, 3) and gate_up[1, :2].eq(10).all() and gate_up[1, 2:].eq(11).all()  # [w1; w3]
+    assert hub_expert_tensor("m.layers.0.mlp.experts.down_proj", store.__contains__, store.__getitem__)[1].eq(12).all()
+    assert hub_expert_tensor("m.layers.0.mlp.gate.weight", store.__contains__, store.__getitem__).eq(1).all()
+    assert hub_expert_tensor("m.layers.0.self_attn.q_proj.weight", store.__contains__, store.__getitem__) is None
+    quantized = {"m.layers.0.mlp.experts.gate_up_proj_blocks": torch.zeros(1)}
+    with pytest.raises(ModelError, match="Mxfp4Config\\(dequantize=True\\)"):
+        hub_expert_tensor("m.layers.0.mlp.experts.gate_up_proj", quantized.__contains__, quantized.__getitem__)

@@ -19,6 +19,8 @@ from typing import Callable
 
 import torch
 
+from ndparallel.errors import ModelError
+
 # per-expert names of (gate, up) and down, by checkpoint layout: Qwen/DeepSeek style, Mixtral style
 _LAYOUTS = (("mlp", ("gate_proj", "up_proj"), "down_proj"), ("block_sparse_moe", ("w1", "w3"), "w2"))
 _STACKED = re.compile(r"^(?P<layer>.+)\.mlp\.experts\.(?P<name>gate_up_proj|down_proj)$")
@@ -30,6 +32,10 @@ def hub_expert_tensor(key: str, has: Callable[[str], bool], read: Callable[[str]
     router = _MIXTRAL_ROUTER.match(key)
     if router and has(f"{router['layer']}.block_sparse_moe.gate.weight"):
         return read(f"{router['layer']}.block_sparse_moe.gate.weight")
+    if has(f"{key}_blocks"):  # gpt-oss as published: MXFP4 blocks and scales
+        raise ModelError(f"the checkpoint holds {key} quantized (MXFP4 {key}_blocks / _scales); ndparallel trains from "
+                         f"unquantized weights: load it once with transformers' Mxfp4Config(dequantize=True) and "
+                         f"save_pretrained the result, then use that directory")
     match = _STACKED.match(key)
     if match is None:
         return None
