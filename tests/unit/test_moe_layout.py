@@ -110,3 +110,23 @@ def test_hub_expert_tensors_are_stacked_and_quantized_ones_refused():
     quantized = {"m.layers.0.mlp.experts.gate_up_proj_blocks": torch.zeros(1)}
     with pytest.raises(ModelError, match="Mxfp4Config\\(dequantize=True\\)"):
         hub_expert_tensor("m.layers.0.mlp.experts.gate_up_proj", quantized.__contains__, quantized.__getitem__)
+
+
+def test_moe_example_validates(tmp_path, capsys):
+    """examples/qwen3-moe-expert-parallel.yaml against Qwen3-30B-A3B's config (no weights needed)."""
+    from pathlib import Path
+
+    from ndparallel.cli import main
+
+    model = tmp_path / "qwen3-30b-a3b"
+    Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                   num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                   vocab_size=151936, max_position_embeddings=40960).save_pretrained(model)
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "hi"}\n')
+    example = Path(__file__).resolve().parents[2] / "examples" / "qwen3-moe-expert-parallel.yaml"
+    code = main(["validate", str(example), "--world-size", "8", "--set", f"base_model={model}",
+                 "--set", f"datasets.0.path={data}"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "expert parallel 8" in out.out and "ep (tokens all-to-all): [0,1,2,3,4,5,6,7]" in out.out
