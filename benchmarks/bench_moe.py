@@ -76,7 +76,8 @@ def _block_pass(block, x):
         p.grad = None
     out = block(x)
     out.float().square().mean().backward()
-    return out.detach().float(), x.grad.float(), torch.cat([p.grad.float().flatten() for p in block.experts.parameters()])
+    weight_grads = torch.cat([p.grad.float().flatten() for p in block.experts.parameters()])
+    return out.detach().float(), x.grad.float(), weight_grads
 
 
 def _rel(a, b) -> float:

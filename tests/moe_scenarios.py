@@ -25,7 +25,8 @@ from scenarios import VOCAB, reference_mask, train_parallel, train_reference
 
 AUX_COEF = 0.1
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, max_position_embeddings=512,
-               attention_dropout=0.0, output_router_logits=True, router_aux_loss_coef=AUX_COEF, tie_word_embeddings=False)
+               attention_dropout=0.0, tie_word_embeddings=False, output_router_logits=True,
+               router_aux_loss_coef=AUX_COEF)
 
 _CONFIGS = {
     # 8 experts, top-2, q/k norms; GQA 8/4 heads.
@@ -89,7 +90,8 @@ def moe_micro_loss(model, mb: dict, labels: torch.Tensor, num_tokens: int, num_m
     logits = model.lm_head(out.last_hidden_state)
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / num_tokens
     if hasattr(modeling, "load_balancing_loss_func") and cfg.output_router_logits:
-        aux = modeling.load_balancing_loss_func(out.router_logits, model.num_experts, model.num_experts_per_tok, padding)
+        aux = modeling.load_balancing_loss_func(out.router_logits, model.num_experts, model.num_experts_per_tok,
+                                                padding)
         loss = loss + cfg.router_aux_loss_coef * aux / num_micro
     return loss
 

@@ -35,7 +35,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from ndparallel import _compat
 from ndparallel.errors import ConfigError
-from ndparallel.lora_experts import attach_expert_lora, expert_adapter_state, expert_target_parameters, merge_expert_lora
+from ndparallel.lora_experts import (
+    attach_expert_lora,
+    expert_adapter_state,
+    expert_target_parameters,
+    merge_expert_lora,
+)
 from ndparallel.models.decoder import decoder_parts
 
 PEFT_PREFIX = "base_model.model."

@@ -13,8 +13,8 @@ from harness import run_ranks
 from scenarios import max_rel_diff
 from trainer_helpers import losses, run_train, tiny_config
 
-MOE = {"model_type": "qwen3_moe", "vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 8,
-       "num_key_value_heads": 4, "head_dim": 8, "intermediate_size": 96, "moe_intermediate_size": 32, "num_experts": 4,
+MOE = {"model_type": "qwen3_moe", "vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 2,
+       "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8, "intermediate_size": 96, "moe_intermediate_size": 32, "num_experts": 4,
        "num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.1}
 LORA = {"adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_target_modules": ["q_proj", "o_proj"],
         "lora_target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], "learning_rate": 1e-2}

@@ -50,7 +50,8 @@ PROBLEMS = [
     # sinks are not in context-parallel attention yet
     (GptOssConfig(num_local_experts=4), Layout(cp=2), "cp_size=2: gpt_oss's attention has sink logits"),
     # latent attention has no tensor-parallel plan
-    (DeepseekV3Config(n_routed_experts=8), Layout(tp=2), "tp_size=2: deepseek_v3's attention has no tensor-parallel plan"),
+    (DeepseekV3Config(n_routed_experts=8), Layout(tp=2),
+     "tp_size=2: deepseek_v3's attention has no tensor-parallel plan"),
     # gathered-output attention styles are not implemented
     (OlmoeConfig(num_experts=8), Layout(tp=2), "olmoe's attention plan uses ['colwise_gather_output', 'rowwise_split"),
 ]

@@ -80,7 +80,8 @@ def moe_attention_plan(config: Any) -> dict[str, str]:
     """The tensor-parallel plan of a MoE model: its attention only (the MoE blocks are not split by tp; each tp
     rank runs them on its own slice of the sequence). Entries in styles we do not implement are left out here
     and reported by ``moe_problems`` when tp > 1."""
-    source = _ATTENTION_PLANS.get(getattr(config, "model_type", None)) or getattr(config, "base_model_tp_plan", None) or {}
+    kind = getattr(config, "model_type", None)
+    source = _ATTENTION_PLANS.get(kind) or getattr(config, "base_model_tp_plan", None) or {}
     return {k: v for k, v in source.items() if k.startswith(_ATTENTION_PREFIX) and v in _SUPPORTED_ATTENTION_STYLES}
 
 
