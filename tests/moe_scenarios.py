@@ -63,7 +63,8 @@ def _gpt_oss_masks(mb: dict, window: int) -> dict:
     """gpt-oss takes one additive mask per layer type; packed rows need them explicit."""
     full = reference_mask(mb)["attention_mask"]
     windowed = reference_mask(mb, window)["attention_mask"]
-    to_additive = lambda allowed: torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)  # noqa: E731
+    to_additive = lambda allowed: torch.zeros(allowed.shape, device=allowed.device).masked_fill(  # noqa: E731
+        ~allowed, torch.finfo(torch.float32).min)
     return {"full_attention": to_additive(full), "sliding_attention": to_additive(windowed)}
 
 
