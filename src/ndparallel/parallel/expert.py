@@ -12,7 +12,7 @@ gradients are summed there). A block's forward, on each rank with T tokens route
 
 Both all-to-alls are autograd functions whose backward is the reverse exchange, so gradients of the
 tokens and of the router weights come back to the rank that routed them. With ep == 1 there is no
-exchange. The router's weights stay with the block (sharded like the attention).
+exchange. The router and any shared experts stay with their block, on every rank (FSDP-sharded).
 
 Tensor parallelism does not split MoE blocks: between the sequence-parallel norms each tp rank holds its
 own slice of the sequence, and runs the block on it (its weights FSDP-sharded over dp_shard x cp x tp,
