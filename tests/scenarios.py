@@ -157,10 +157,18 @@ def train_reference_peft(model, batches, lora, *, max_norm: float = 1.0) -> dict
     return result
 
 
-def train_reference(model, batches, *, max_norm: float = 1.0, lora=None) -> dict:
+def _dense_micro_loss(model, mb: dict, labels: torch.Tensor, num_tokens: int, num_micro: int) -> torch.Tensor:
+    logits = model(**reference_mask(mb, getattr(model.config, "sliding_window", None))).logits
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / num_tokens
+
+
+def train_reference(model, batches, *, max_norm: float = 1.0, lora=None, micro_loss=_dense_micro_loss) -> dict:
     """Plain PyTorch, one process: the numbers every layout must reproduce. ``lora``: adapters added by
-    ndparallel's attach_lora (``train_reference_peft`` adds them with peft)."""
-    window = getattr(model.config, "sliding_window", None)
+    ndparallel's attach_lora (``train_reference_peft`` adds them with peft).
+
+    ``micro_loss(model, micro_batch, labels, num_tokens, num_micro_batches)``: one micro-batch's loss.
+    """
     if lora is not None:
         from ndparallel.lora import attach_lora
 
@@ -176,9 +184,7 @@ def train_reference(model, batches, *, max_norm: float = 1.0, lora=None) -> dict
         n = sum(int((lab != -100).sum()) for lab in labels)
         total = 0.0
         for mb, lab in zip(step, labels):
-            logits = model(**reference_mask(mb, window)).logits
-            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), lab.flatten(), reduction="sum") / n
+            loss = micro_loss(model, mb, lab, n, len(step))
             loss.backward()
             total += loss.item()
         norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, max_norm)))
@@ -189,12 +195,14 @@ def train_reference(model, batches, *, max_norm: float = 1.0, lora=None) -> dict
 
 
 def train_parallel(family: str, layout: dict, batches, *, model_kwargs: dict | None = None, options: dict | None = None,
-                   max_norm: float = 1.0, lora=None, gradient_sync: str = "every_micro_batch") -> dict:
+                   max_norm: float = 1.0, lora=None, gradient_sync: str = "every_micro_batch", build=None) -> dict:
     """The same run through ndparallel on this rank's part of ``layout``. Rank 0 returns the full weights.
 
-    ``gradient_sync``: when FSDP reduces the gradients of accumulated micro-batches (``set_gradient_sync``)."""
+    ``gradient_sync``: when FSDP reduces the gradients of accumulated micro-batches (``set_gradient_sync``).
+    ``build``: the model factory (default ``make_model``); the router loss of MoE models is added (zero otherwise).
+    """
     topo = ndp.Topology.build(ndp.ParallelismConfig(**layout))
-    model = make_model(family, **(model_kwargs or {}))
+    model = (build or make_model)(family, **(model_kwargs or {}))
     ndp.parallelize(model, topo, options=ndp.ParallelOptions(**{"param_dtype": None, **(options or {})}), lora=lora)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = ndp.build_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS)
@@ -205,8 +213,10 @@ def train_parallel(family: str, layout: dict, batches, *, model_kwargs: dict | N
         total = 0.0
         for i, batch in enumerate(prepared):
             ndp.set_gradient_sync(model, i == len(prepared) - 1, mode=gradient_sync)
-            logits = model(**batch.model_inputs()).logits
-            loss = ndp.token_loss(logits, batch.labels, num_tokens=n, topology=topo)
+            out = model(**batch.model_inputs())
+            loss = ndp.token_loss(out.logits, batch.labels, num_tokens=n, topology=topo)
+            loss = loss + ndp.router_aux_loss(out, batch, config=model.config, topology=topo,
+                                              num_micro_batches=len(prepared))
             loss.backward()
             total += loss.detach()
         norms.append(float(ndp.clip_grad_norm_(trainable, max_norm)))
@@ -217,7 +227,12 @@ def train_parallel(family: str, layout: dict, batches, *, model_kwargs: dict | N
     for name, value in model.state_dict().items():
         full = value.full_tensor() if isinstance(value, DTensor) else value
         weights[_compat.canonical_name(name)] = full.detach().cpu()
-    return {"losses": losses, "grad_norms": norms, "weights": weights if topo.rank == 0 else None}
+    result = {"losses": losses, "grad_norms": norms, "weights": weights if topo.rank == 0 else None}
+    if lora is not None:  # the adapters in PEFT's names and layout (a collective)
+        from ndparallel.lora import adapter_state
+
+        result["adapters"] = adapter_state(model, lora) if topo.rank == 0 else (adapter_state(model, lora) and None)
+    return result
 
 
 def assert_parity(ref: dict, got: dict, tol: float = 1e-5) -> dict:
@@ -238,8 +253,8 @@ def assert_parity(ref: dict, got: dict, tol: float = 1e-5) -> dict:
 
 def world_size(layout: dict) -> int:
     n = 1
-    for size in layout.values():
-        if isinstance(size, int):
+    for name, size in layout.items():
+        if isinstance(size, int) and name != "expert_parallel_size":  # ep borrows ranks, it adds none
             n *= size
     return n
 

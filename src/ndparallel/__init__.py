@@ -31,6 +31,7 @@ from ndparallel.parallelism_config import ParallelismConfig, TorchContextParalle
 from ndparallel.parallel.float8 import Fp8Spec
 from ndparallel.parallelize import ParallelOptions, parallelize
 from ndparallel.pretrained import load_pretrained, save_pretrained
+from ndparallel.router_loss import router_aux_loss
 from ndparallel.step import (
     build_optimizer,
     clip_grad_norm_,
@@ -47,7 +48,7 @@ __version__ = "0.1.0"
 __all__ = [
     "IGNORE_INDEX", "Batch", "prepare_batch", "shift_labels",
     "CheckpointError", "ConfigError", "DataError", "LayoutError", "ModelError", "NdParallelError", "NumericsError",
-    "Layout", "LoraSpec", "ParallelismConfig", "TorchContextParallelConfig", "TorchTensorParallelConfig", "cp_gather", "cp_shard", "ParallelOptions", "parallelize", "load_pretrained", "save_pretrained", "Fp8Spec",
+    "Layout", "LoraSpec", "ParallelismConfig", "TorchContextParallelConfig", "TorchTensorParallelConfig", "cp_gather", "cp_shard", "ParallelOptions", "parallelize", "load_pretrained", "save_pretrained", "Fp8Spec", "router_aux_loss",
     "build_optimizer", "clip_grad_norm_", "count_tokens", "gather_logits", "reduce_loss", "set_gradient_sync", "token_loss",
     "Topology", "init_distributed", "Checkpointer", "ModelState", "OptimizerState",
 ]

@@ -35,6 +35,11 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     return mesh._flatten(name)
 
 
+def unflatten_mesh(mesh: DeviceMesh, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """Split the one dim of a 1-D view into several named dims (outer to inner), e.g. the expert-parallel split."""
+    return mesh._unflatten(0, sizes, names)
+
+
 def concatenate_meshes(root: DeviceMesh, meshes: Sequence[DeviceMesh]) -> DeviceMesh:
     """One mesh whose dims are the dims of ``meshes`` (all views of ``root``), in order.
 
@@ -83,6 +88,33 @@ def set_gradient_sum(fsdp_module) -> None:
     fsdp_module.set_gradient_divide_factor(1.0)
     # Plain SUM collectives (a divide factor alone asks NCCL for PREMUL_SUM, which gloo lacks).
     fsdp_module.set_force_sum_reduction_for_comms(True)
+
+
+def grouped_mm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the fused grouped matmul kernel takes these operands: CUDA (sm80+), bf16, rows 16-byte aligned.
+
+    ``x`` (N, K), ``weight`` (G, K, M). Elsewhere (CPU, fp32 checks) callers loop over the groups instead.
+    """
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16):
+        return False
+    if not (hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")):
+        return False
+    if torch.cuda.get_device_capability(x.device) < (8, 0):
+        return False
+    k, m = weight.shape[-2], weight.shape[-1]
+    return k % 8 == 0 and m % 8 == 0
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """One kernel for G matmuls: rows offsets[g-1]:offsets[g] of ``x`` (N, K) times ``weight[g]`` (K, M).
+
+    ``offsets`` (G,) int32, cumulative row counts; returns (N, M). Differentiable. torch names it
+    ``torch._grouped_mm`` (2.8-2.9) and ``torch.nn.functional.grouped_mm`` (2.10+).
+    """
+    fn = getattr(torch.nn.functional, "grouped_mm", None)
+    if fn is None:
+        fn = torch._grouped_mm
+    return fn(x, weight, offs=offsets)
 
 
 # The fused attention kernels whose outputs selective activation checkpointing keeps (they are expensive

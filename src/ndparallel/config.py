@@ -135,6 +135,9 @@ class TrainConfig(BaseModel):
     context_parallel_size: int = Field(1, ge=1, validation_alias=AliasChoices("context_parallel_size", "cp_size"))
     cp_comm_strategy: Literal["allgather", "ring", "alltoall"] = "allgather"
     """How context-parallel attention exchanges keys/values."""
+    expert_parallel_size: int = Field(1, ge=1)
+    """Mixture-of-experts models: split the experts over this many ranks, borrowed from dp_shard x cp x tp (it
+    adds no ranks; it must divide their product and the number of experts)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train: cuda (one GPU per process), cpu (gloo), or auto (cuda when available)."""
     process_group_timeout_s: float = Field(600.0, gt=0)
@@ -200,6 +203,9 @@ class TrainConfig(BaseModel):
     """Adapt every linear layer of the decoder blocks."""
     lora_modules_to_save: list[str] | None = None
     """Modules trained in full alongside the adapters (e.g. embed_tokens, lm_head)."""
+    lora_target_parameters: list[str] | None = None
+    """Mixture-of-experts weights to adapt, per expert (PEFT's target_parameters), e.g.
+    [mlp.experts.gate_up_proj, mlp.experts.down_proj]."""
 
     # --- checks across fields -----------------------------------------------------------------------
     @field_validator("fsdp_wrap", mode="before")
@@ -224,10 +230,13 @@ class TrainConfig(BaseModel):
             raise ValueError("no model: set base_model (a local HF directory) or model_shape (tiny, 1b, 3b, 8b)")
         if self.base_model is not None and self.model_shape is not None:
             raise ValueError("base_model and model_shape are both set: keep one (model_shape means random init)")
-        if self.adapter == "lora" and not (self.lora_target_modules or self.lora_target_linear):
-            raise ValueError("adapter: lora needs lora_target_modules (e.g. [q_proj, v_proj]) or lora_target_linear: true")
-        if self.adapter is None and (self.lora_target_modules or self.lora_target_linear):
-            raise ValueError("lora_target_modules / lora_target_linear are set but adapter is not: add adapter: lora")
+        if self.adapter == "lora" and not (self.lora_target_modules or self.lora_target_linear
+                                           or self.lora_target_parameters):
+            raise ValueError("adapter: lora needs lora_target_modules (e.g. [q_proj, v_proj]), lora_target_linear: true "
+                             "or lora_target_parameters (MoE expert weights)")
+        if self.adapter is None and (self.lora_target_modules or self.lora_target_linear or self.lora_target_parameters):
+            raise ValueError("lora_target_modules / lora_target_linear / lora_target_parameters are set but adapter "
+                             "is not: add adapter: lora")
         if not self.datasets:
             raise ValueError("datasets is empty: add at least one entry with a path and a type")
         return self
@@ -245,7 +254,7 @@ class TrainConfig(BaseModel):
             shard = -1
         return ParallelismConfig(dp_replicate_size=self.dp_replicate_size, dp_shard_size=shard,
                                  tp_size=self.tensor_parallel_size, cp_size=self.context_parallel_size,
-                                 cp_comm_strategy=self.cp_comm_strategy)
+                                 cp_comm_strategy=self.cp_comm_strategy, expert_parallel_size=self.expert_parallel_size)
 
     def fixed_world_size(self) -> int | None:
         """The world size the sizes imply, or None when dp_shard_size is -1 or auto."""

@@ -40,7 +40,7 @@ CP_METHODS = ("allgather", "ring", "alltoall")
 
 
 def resolve(world_size: int, *, dp_replicate: int, dp_shard: int, cp: int, tp: int,
-            cp_comm_strategy: str = "allgather") -> "Layout":
+            cp_comm_strategy: str = "allgather", ep: int = 1) -> "Layout":
     """The concrete layout for ``world_size`` ranks.
 
     ``dp_shard=-1`` gives FSDP the ranks the other sizes leave. Sizes that are all 1 on several ranks
@@ -66,7 +66,7 @@ def resolve(world_size: int, *, dp_replicate: int, dp_shard: int, cp: int, tp: i
             f"but {world_size} processes were started; make the product equal the number of processes "
             f"(or set dp_shard_size=-1 to fill it)"
         )
-    return Layout(dp_replicate=r, dp_shard=s, cp=c, tp=t, cp_comm_strategy=cp_comm_strategy)
+    return Layout(dp_replicate=r, dp_shard=s, cp=c, tp=t, cp_comm_strategy=cp_comm_strategy, ep=ep)
 
 
 @dataclass(frozen=True)
@@ -78,11 +78,19 @@ class Layout:
     cp: int = 1
     tp: int = 1
     cp_comm_strategy: str = "allgather"
+    ep: int = 1
+    """Expert-parallel size: a split of the dp_shard x cp x tp ranks (innermost first), not a mesh dim."""
     shape: tuple[int, ...] = field(init=False)
     """The sizes in ``AXES`` order."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(getattr(self, axis) for axis in AXES))
+        s, c, t = self.dp_shard, self.cp, self.tp
+        if self.ep < 1 or (s * c * t) % self.ep:
+            raise LayoutError(
+                f"expert_parallel_size={self.ep} must divide dp_shard_size x cp_size x tp_size = {s} x {c} x {t} = "
+                f"{s * c * t} (expert parallelism borrows those ranks); choose a divisor of {s * c * t}"
+            )
 
     def resolve(self, world_size: int) -> "Layout":
         """This layout, if it has ``world_size`` ranks (so a Layout can stand where sizes are resolved)."""
@@ -116,6 +124,12 @@ class Layout:
     def loss_size(self) -> int:
         """Ranks whose token losses are summed (``dp_cp``: everything but tp)."""
         return self.size("dp_cp")
+
+    @property
+    def expert_dp_size(self) -> int:
+        """Ranks of one replica holding the same experts (dp_shard x cp x tp / ep): expert weights are FSDP-sharded
+        and their gradients summed over these."""
+        return self.dp_shard * self.cp * self.tp // self.ep
 
     @property
     def seq_multiple(self) -> int:
@@ -165,6 +179,17 @@ class Layout:
             groups.append(group)
         return groups
 
+    def expert_groups(self) -> tuple[list[list[int]], list[list[int]]]:
+        """(ep groups, expert-dp groups). Within a replica the dp_shard x cp x tp ranks, in mesh order, are cut
+        into consecutive blocks of ep (the innermost ranks: neighbours on one node); the ranks at the same
+        place in each block hold the same experts."""
+        ep_groups, dp_groups = [], []
+        for tokens in self.groups(("dp_shard", "cp", "tp")):
+            blocks = [tokens[i : i + self.ep] for i in range(0, len(tokens), self.ep)]
+            ep_groups += blocks
+            dp_groups += [[block[j] for block in blocks] for j in range(self.ep)]
+        return ep_groups, dp_groups
+
     def check_model(self, model_config: Any, *, seq_len: int | None = None) -> None:
         """Raise ``LayoutError`` if the model's shapes cannot be split this way (all problems at once)."""
         problems = list(self.model_problems(model_config, seq_len=seq_len))
@@ -172,6 +197,9 @@ class Layout:
             raise LayoutError("; ".join(problems))
 
     def model_problems(self, model_config: Any, *, seq_len: int | None = None) -> Iterator[str]:
+        from ndparallel.models.moe import is_moe_config, moe_problems
+
+        yield from moe_problems(model_config, tp=self.tp, cp=self.cp, ep=self.ep)
         heads = getattr(model_config, "num_attention_heads", None)
         kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
         t, c = self.tp, self.cp
@@ -179,7 +207,9 @@ class Layout:
             splits = {
                 "num_attention_heads": ("attention heads", heads),
                 "num_key_value_heads": ("key/value heads", kv_heads),
-                "intermediate_size": ("MLP intermediate size", getattr(model_config, "intermediate_size", None)),
+                # a mixture-of-experts model's MLPs are not split by tp (each tp rank runs them on its tokens)
+                "intermediate_size": ("MLP intermediate size", None if is_moe_config(model_config)
+                                      else getattr(model_config, "intermediate_size", None)),
                 "vocab_size": ("vocabulary size", getattr(model_config, "vocab_size", None)),
             }
             for attr, (what, value) in splits.items():
@@ -203,7 +233,8 @@ class Layout:
         r, s, c, t = self.shape
         lines = [
             f"world {self.world_size} = dp_replicate {r} x dp_shard {s} x cp {c} x tp {t}"
-            + (f" (cp method: {self.cp_comm_strategy})" if c > 1 else ""),
+            + (f" (cp method: {self.cp_comm_strategy})" if c > 1 else "")
+            + (f", expert parallel {self.ep}" if self.ep > 1 else ""),
             f"  data: {self.batch_size} data-parallel groups read different rows; cp and tp peers read the same rows",
             f"  parameters: each weight split {t}-way by tp, then sharded {self.fsdp_size}-way by FSDP "
             f"(dp_shard_cp)" + (f", replicated {r}x" if r > 1 else ""),
@@ -212,6 +243,9 @@ class Layout:
             lines.append(
                 f"  sequence: {2 * c} chunks; cp rank i holds chunks i and {2 * c - 1}-i (load-balanced causal work)"
             )
+        if self.ep > 1:
+            lines.append(f"  experts: split {self.ep}-way (expert parallel), each expert sharded {self.expert_dp_size}-way "
+                         f"by FSDP" + (f", replicated {r}x" if r > 1 else ""))
         lines.append("  groups:")
         labels = {f"{name} ({' x '.join(axes)})": axes for name, axes in VIEWS.items()}
         labels.update({axis: (axis,) for axis in AXES if axis != "dp_shard"})
@@ -219,6 +253,11 @@ class Layout:
             groups = self.groups(axes)
             if len(groups[0]) > 1:
                 lines.append(f"    {label}: {_fmt_groups(groups)}")
+        if self.ep > 1:
+            ep_groups, dp_groups = self.expert_groups()
+            lines.append(f"    ep (tokens all-to-all): {_fmt_groups(ep_groups)}")
+            if len(dp_groups[0]) > 1:
+                lines.append(f"    expert fsdp: {_fmt_groups(dp_groups)}")
         lines.append("  ranks:")
         for rank in range(self.world_size):
             co = self.coordinates(rank)

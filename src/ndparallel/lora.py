@@ -35,6 +35,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from ndparallel import _compat
 from ndparallel.errors import ConfigError
+from ndparallel.lora_experts import (
+    attach_expert_lora,
+    expert_adapter_state,
+    expert_target_parameters,
+    merge_expert_lora,
+)
 from ndparallel.models.decoder import decoder_parts
 
 PEFT_PREFIX = "base_model.model."
@@ -48,6 +54,8 @@ class LoraSpec:
     target_modules: list[str] = field(default_factory=list)
     target_linear: bool = False
     modules_to_save: list[str] = field(default_factory=list)
+    target_parameters: list[str] = field(default_factory=list)
+    """Stacked expert weights of MoE models to adapt (PEFT's target_parameters), e.g. mlp.experts.gate_up_proj."""
     seed: int = 0
     """Seeds the adapters' initial values (per parameter name: the same on every layout)."""
 
@@ -61,7 +69,8 @@ class LoraSpec:
             return None
         return cls(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                    target_modules=list(cfg.lora_target_modules or []), target_linear=cfg.lora_target_linear,
-                   modules_to_save=list(cfg.lora_modules_to_save or []), seed=cfg.seed)
+                   modules_to_save=list(cfg.lora_modules_to_save or []),
+                   target_parameters=list(cfg.lora_target_parameters or []), seed=cfg.seed)
 
     @classmethod
     def from_checkpoint(cls, path: Path) -> "LoraSpec | None":
@@ -84,14 +93,15 @@ def target_paths(model: nn.Module, spec: LoraSpec) -> list[str]:
             continue
         if spec.target_linear or name.rsplit(".", 1)[-1] in spec.target_modules:
             paths.append(name)
-    if not paths:
+    if not paths and not (spec.target_parameters and not spec.target_modules and not spec.target_linear):
         wanted = "every linear layer" if spec.target_linear else f"lora_target_modules={spec.target_modules}"
         raise ConfigError(f"{wanted} matches no linear layer of the decoder blocks; valid names: "
                           f"{sorted({n.rsplit('.', 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})}")
     return paths
 
 
-def attach_lora(model: nn.Module, spec: LoraSpec, *, tp_mesh: DeviceMesh | None) -> list[str]:
+def attach_lora(model: nn.Module, spec: LoraSpec, *, tp_mesh: DeviceMesh | None,
+                ep_mesh: DeviceMesh | None = None) -> list[str]:
     """Add adapters to the targets (after tensor parallelism, before FSDP) and freeze everything else."""
     parts = decoder_parts(model)
     layers_prefix = next(name for name, m in model.named_modules() if m is parts.layers)
@@ -115,6 +125,10 @@ def attach_lora(model: nn.Module, spec: LoraSpec, *, tp_mesh: DeviceMesh | None)
             linear.lora_A.weight = nn.Parameter(distribute_tensor(linear.lora_A.weight.data, tp_mesh, a_place))
             linear.lora_B.weight = nn.Parameter(distribute_tensor(linear.lora_B.weight.data, tp_mesh, b_place))
         linear.register_forward_hook(_LoraHook(spec.scaling, spec.dropout, rowwise=style == "rowwise"))
+    if spec.target_parameters:
+        attach_expert_lora(model, parts.layers, target_parameters=spec.target_parameters, r=spec.r,
+                           scaling=spec.scaling, dropout=spec.dropout, seed=spec.seed, ep_mesh=ep_mesh,
+                           init=init_lora_tensor)
     for name in spec.modules_to_save:
         matches = [m for n, m in model.named_modules() if n == name or n.endswith("." + name)]
         if not matches:
@@ -146,11 +160,11 @@ class _LoraHook:
 
 def init_lora_tensor(key: str, shape: tuple, seed: int, device: torch.device) -> torch.Tensor | None:
     """A: uniform(+-1/sqrt(in)) (peft's default kaiming init); B: zeros, so training starts at the base model."""
-    if key.endswith("lora_B.weight"):
+    if key.endswith(("lora_B.weight", "_lora_B")):  # linear adapters (out, r); expert adapters (E, out, r)
         return torch.zeros(shape, device=device)
-    if key.endswith("lora_A.weight"):
+    if key.endswith(("lora_A.weight", "_lora_A")):  # (r, in) or (E, r, in)
         generator = torch.Generator(device=device).manual_seed((seed * 7919 + zlib.crc32(key.encode())) % (2**63))
-        bound = 1.0 / math.sqrt(shape[1])
+        bound = 1.0 / math.sqrt(shape[-1])
         return torch.empty(shape, device=device).uniform_(-bound, bound, generator=generator)
     return None
 
@@ -167,6 +181,7 @@ def adapter_state(model: nn.Module, spec: LoraSpec) -> dict[str, torch.Tensor]:
         if is_adapter or saved_module:
             full = param.full_tensor() if isinstance(param, DTensor) else param
             out[PEFT_PREFIX + clean] = full.detach().cpu().contiguous()
+    out.update(expert_adapter_state(model, PEFT_PREFIX))
     return out
 
 
@@ -190,7 +205,12 @@ def save_peft_adapter(model: nn.Module, spec: LoraSpec, out_dir: Path, *, base_m
     out_dir.mkdir(parents=True, exist_ok=True)
     config = peft_config_dict(spec, base_model)
     if spec.target_linear and not spec.target_modules:
-        config["target_modules"] = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in tensors if ".lora_" in k})
+        config["target_modules"] = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in tensors if ".lora_" in k
+                                           and ".experts." not in k})
+    if spec.target_parameters:
+        config["target_parameters"] = expert_target_parameters(model)
+        if not spec.target_modules and not spec.target_linear:
+            config["target_modules"] = []
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     save_file(tensors, str(out_dir / "adapter_model.safetensors"))
 
@@ -203,4 +223,5 @@ def merge_lora_weights(model: nn.Module, spec: LoraSpec) -> None:
                 delta = (module.lora_B.weight.float() @ module.lora_A.weight.float()) * spec.scaling
                 module.weight.copy_((module.weight.float() + delta).to(module.weight.dtype))
                 del module.lora_A, module.lora_B  # the hook now passes the output through
+    merge_expert_lora(model)
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ndparallel.progress import human_seconds, progress_fields, timing_line
+from ndparallel.models.moe import moe_shape
 
 # Dense bf16 peak FLOP/s per device, by a substring of the device name.
 _PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "L4": 121e12}
@@ -38,7 +39,8 @@ def flops_per_token(config: Any, seq_len: int) -> float:
     kv = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or h // heads
     attn = h * heads * head_dim * 2 + h * kv * head_dim * 2
-    mlp = 3 * h * config.intermediate_size
+    moe = moe_shape(config)  # a MoE model: the experts a token passes through, not all of them
+    mlp = moe.active_mlp_params_per_layer if moe is not None else 3 * h * config.intermediate_size
     per_layer = attn + mlp
     lm_head = h * config.vocab_size
     return 6.0 * (layers * per_layer + lm_head) + 12.0 * layers * h * seq_len

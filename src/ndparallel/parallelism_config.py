@@ -139,6 +139,9 @@ class ParallelismConfig:
     """Accelerate's ``DeepSpeedSequenceParallelConfig``; kept, and unused (``sp_size`` is 1)."""
     cp_comm_strategy: str | None = None
     """ndparallel's shortcut for ``cp_handler.cp_comm_strategy``: 'allgather', 'ring' or 'alltoall'."""
+    expert_parallel_size: int = 1
+    """Expert parallel (mixture-of-experts models; Axolotl's name, Accelerate has none): experts split over this
+    many ranks borrowed from dp_shard x cp x tp (it adds no ranks); tokens travel to their experts by all-to-all."""
 
     # -- construction ------------------------------------------------------------------------------
     def __post_init__(self) -> None:
@@ -154,7 +157,8 @@ class ParallelismConfig:
         self._settle_cp_method()
 
     def _settle_sizes(self) -> None:
-        defaults = {"dp_replicate_size": 1, "dp_shard_size": -1, "tp_size": 1, "cp_size": 1, "sp_size": 1}
+        defaults = {"dp_replicate_size": 1, "dp_shard_size": -1, "tp_size": 1, "cp_size": 1, "sp_size": 1,
+                    "expert_parallel_size": 1}
         for name, default in defaults.items():
             if getattr(self, name) is None:
                 setattr(self, name, env_size(name.upper(), default))
@@ -202,7 +206,8 @@ class ParallelismConfig:
         """The concrete layout for ``world_size`` ranks (fills ``dp_shard_size=-1``; sizes all 1 on several
         ranks mean plain data parallelism over them, as in Accelerate)."""
         return resolve(world_size, dp_replicate=self.dp_replicate_size, dp_shard=self.dp_shard_size,
-                       cp=self.cp_size, tp=self.tp_size, cp_comm_strategy=self.cp_comm_strategy)
+                       cp=self.cp_size, tp=self.tp_size, cp_comm_strategy=self.cp_comm_strategy,
+                       ep=self.expert_parallel_size)
 
     @property
     def topology(self) -> Topology | None:

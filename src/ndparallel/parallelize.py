@@ -2,8 +2,9 @@
 
 0. FP8 (optional) swaps the chosen linears for torchao's ``Float8Linear`` before anything splits them.
 1. Tensor parallel first: it replaces weights by DTensors split over ``tp`` and installs sequence
-   parallelism. Everything after it sees the split model. LoRA adapters (optional) come right after,
-   placed to match the split of the layer each adapts.
+   parallelism. Everything after it sees the split model. Mixture-of-experts blocks are not split by tp
+   (each tp rank runs them on its own tokens); expert parallelism then splits the experts over ``ep``.
+   LoRA adapters (optional) come right after, placed to match the split of the weight each adapts.
 2. Context-parallel attention: switch the model's attention to ndparallel's CP implementation (through
    transformers' attention registry). It changes no weights.
 3. Activation checkpointing wraps each decoder layer, so the wrapped unit is what recomputes.
@@ -29,6 +30,7 @@ from ndparallel.parallel.checkpointing import apply_activation_checkpointing
 from ndparallel.parallel.compile import apply_compile
 from ndparallel.parallel.context import apply_context_parallel
 from ndparallel.parallel.float8 import Fp8Spec, check_fp8_supported, convert_to_fp8
+from ndparallel.parallel.expert import apply_expert_parallel, apply_moe_tensor_parallel, moe_fsdp_units
 from ndparallel.parallel.fsdp import apply_fsdp, wrap_units
 from ndparallel.parallel.single_rank import apply_single_rank, eligible
 from ndparallel.parallel.tensor import apply_tensor_parallel
@@ -93,8 +95,10 @@ def parallelize(model: nn.Module, topology: Topology, *, options: ParallelOption
                               "useful size and its frozen-base path is not validated); set fp8: false")
         convert_to_fp8(parts, fp8, fsdp_size=1 if options.cpu_offload else topology.layout.fsdp_size)
     apply_tensor_parallel(parts, topology.tp)
+    apply_moe_tensor_parallel(parts, topology.tp)
+    apply_expert_parallel(parts, topology)
     if lora is not None:
-        attach_lora(model, lora, tp_mesh=topology.tp)
+        attach_lora(model, lora, tp_mesh=topology.tp, ep_mesh=topology.experts.ep if topology.layout.ep > 1 else None)
     apply_context_parallel(model, topology)
     apply_activation_checkpointing(parts, options.activation_checkpointing)
     if options.compile:
@@ -113,5 +117,6 @@ def parallelize(model: nn.Module, topology: Topology, *, options: ParallelOption
         wrap=options.fsdp_wrap,
         reshard_after_forward=options.reshard_after_forward,
         cpu_offload=options.cpu_offload,
+        inner_units=moe_fsdp_units(parts, topology),
     )
     return model

@@ -12,10 +12,12 @@ Accelerate's names, so ``topology.mesh["dp_cp"]`` works as in an Accelerate scri
 - ``topology.cp``, ``topology.tp``: the context- and tensor-parallel groups.
 - ``topology.fully_shard_mesh``: the mesh FSDP2 shards on: (dp_replicate, dp_shard_cp) for HSDP, else
   dp_shard_cp alone (Accelerate's ``fsdp_dim_names``).
+- ``topology.experts``: the meshes of mixture-of-experts layers (``ExpertMeshes``), built on first use.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -66,6 +68,21 @@ class Sizes(Protocol):
     """What a topology is built from: a ``ParallelismConfig`` or a resolved ``Layout``."""
 
     def resolve(self, world_size: int) -> Layout: ...
+
+
+@dataclass(frozen=True)
+class ExpertMeshes:
+    """Meshes of the mixture-of-experts blocks. Within a replica the dp_shard x cp x tp ranks all hold different
+    tokens of the MoE blocks (under tp each rank routes its own sequence slice), so they are split into
+    ``expert_dp`` x ``ep`` (ep innermost), as torchtitan borrows expert-parallel ranks from data and context
+    parallelism."""
+
+    tokens: DeviceMesh
+    """FSDP mesh of the MoE blocks' own weights (router, shared experts): (dp_replicate,) dp_shard x cp x tp."""
+    ep: DeviceMesh
+    """1-D: the ranks whose tokens meet by all-to-all; each holds num_experts / ep experts."""
+    experts_dp: DeviceMesh
+    """FSDP mesh of the expert weights: (dp_replicate,) the ranks holding the same experts."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +150,18 @@ class Topology:
     def loss(self) -> DeviceMesh:
         """``dp_cp``: ranks whose token losses and counts are summed."""
         return self.views["dp_cp"]
+
+    @functools.cached_property
+    def experts(self) -> ExpertMeshes:
+        """Built on first use (parallelize does it on every rank, for mixture-of-experts models only)."""
+        layout = self.layout
+        tokens = _compat.flatten_mesh(self.mesh["dp_shard", "cp", "tp"], "moe_tokens")
+        split = _compat.unflatten_mesh(tokens, (layout.expert_dp_size, layout.ep), ("expert_dp_shard", "ep"))
+        experts_dp = split["expert_dp_shard"]
+        if layout.dp_replicate > 1:
+            tokens = _compat.concatenate_meshes(self.mesh, [self.mesh["dp_replicate"], tokens])
+            experts_dp = _compat.concatenate_meshes(self.mesh, [self.mesh["dp_replicate"], experts_dp])
+        return ExpertMeshes(tokens=tokens, ep=split["ep"], experts_dp=experts_dp)
 
     # -- views on single axes ------------------------------------------------------------------
     @property

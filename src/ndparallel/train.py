@@ -13,6 +13,7 @@ Run it on every rank (the CLI starts the processes). Order of work:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -40,6 +41,7 @@ from ndparallel.oom import DeviceMemoryError, device_memory_gib, layout_text, me
 from ndparallel.parallel.float8 import Fp8Spec
 from ndparallel.parallelize import ParallelOptions, parallelize
 from ndparallel.progress import human_seconds
+from ndparallel.router_loss import router_aux_loss
 from ndparallel.step import build_optimizer, clip_grad_norm_, count_tokens, set_gradient_sync, token_loss
 from ndparallel.steptime import PhaseTimer
 from ndparallel.topology import Topology, default_device_type, init_distributed
@@ -68,7 +70,8 @@ def resolve_layout(cfg: TrainConfig, world_size: int, model_config) -> tuple[Lay
                                      activation_checkpointing=cfg.ac_mode, compile=cfg.torch_compile,
                                      gradient_sync=cfg.gradient_sync,
                                      lora_rank=cfg.lora_r if cfg.adapter == "lora" else None)
-        return layout, reason
+        # The planner does not weigh expert parallelism yet: the ep size asked for is applied to its layout.
+        return dataclasses.replace(layout, ep=cfg.expert_parallel_size), reason
     return cfg.parallelism().resolve(world_size), None
 
 
@@ -399,8 +402,10 @@ def forward_backward(model, micro_batches: list, topo: Topology, *, compiled_los
     tokens = torch.zeros((), device=topo.device)
     for i, batch in enumerate(micro_batches):
         set_gradient_sync(model, i == len(micro_batches) - 1, mode=gradient_sync)
-        logits = model(**batch.model_inputs()).logits
-        loss = token_loss(logits, batch.labels, num_tokens=num_targets, topology=topo, compiled=compiled_loss)
+        outputs = model(**batch.model_inputs())
+        loss = token_loss(outputs.logits, batch.labels, num_tokens=num_targets, topology=topo, compiled=compiled_loss)
+        loss = loss + router_aux_loss(outputs, batch, config=model.config, topology=topo,
+                                      num_micro_batches=len(micro_batches))  # MoE models; zero otherwise
         loss.backward()
         step_loss += loss.detach()
         tokens += batch.num_input_tokens

@@ -19,6 +19,10 @@ from scenarios import make_model
 from trainer_helpers import tiny_config
 
 
+_MOE = {"model_type": "qwen3_moe", "vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "head_dim": 8, "moe_intermediate_size": 32, "num_experts_per_tok": 2}
+
+
 def _train_in_rank(config_path: str, extra: list[str]):
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -126,6 +130,14 @@ CASES = [
                                   "sequence_len": 8}, [], "sequence_len=8 is shorter than 2 x cp_size x tp_size = 16"),
     ("reshard-not-divisor", 2, {"dp_shard_size": 2, "reshard_after_forward": 3}, [],
      "reshard_after_forward=3 must be a divisor of the FSDP shard size 2"),
+    # --- mixture-of-experts models and expert parallelism ------------------------------------------------
+    ("ep-not-dividing-experts", 2, {"dp_shard_size": 2, "expert_parallel_size": 2, "model_shape": None,
+                                    "model_config_overrides": _MOE | {"num_experts": 3}}, [],
+     "expert_parallel_size=2 does not divide the model's 3 experts; choose expert_parallel_size from [1, 3]"),
+    ("ep-on-dense-model", 2, {"dp_shard_size": 2, "expert_parallel_size": 2}, [],
+     "expert_parallel_size=2 needs a mixture-of-experts model, but llama has no experts"),
+    ("ep-not-dividing-ranks", 2, {"dp_replicate_size": 2, "dp_shard_size": 1, "expert_parallel_size": 2}, [],
+     "expert_parallel_size=2 must divide dp_shard_size x cp_size x tp_size = 1 x 1 x 1 = 1"),
     ("tokenizer-larger-than-vocab", 1, {"model_config_overrides": {"vocab_size": 200}}, [],
      "the tokenizer has 262 tokens but the model's vocab_size is 200"),
     ("cuda-on-cpu-machine", 1, {"device": "cuda"}, [], "device: cuda, but this machine has no CUDA GPU"),

@@ -43,3 +43,13 @@ def test_example_trains_on_a_layout():
     out = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
                 "examples/train_any_layout.py", "--dp-shard", "2", "--tp", "2", "--steps", "3", "--seq", "64"])
     assert "world 4 = dp_replicate 1 x dp_shard 2 x cp 1 x tp 2" in out and "step   2" in out, out
+
+
+@pytest.mark.slow
+def test_bench_moe_compares_expert_implementations(tmp_path):
+    out = _run(["benchmarks/bench_moe.py", "--tiny", "--device", "cpu", "--tokens", "64", "--iters", "1", "--steps", "1",
+                "--out", str(tmp_path)])
+    impls = [line.split()[:2] for line in out.splitlines() if line.startswith(("block", "step"))]
+    assert impls == [["block", "eager"], ["block", "grouped_mm"], ["block", "ndparallel"], ["step", "ndparallel"],
+                     ["step", "eager"]], out
+    assert (tmp_path / "bench_moe.json").is_file()

@@ -25,6 +25,8 @@ from ndparallel.errors import ModelError
 from ndparallel.lora import init_lora_tensor
 from ndparallel.models import presets
 from ndparallel.parallel.single_rank import reallocate
+from ndparallel.models.moe import has_attention_sinks, is_moe_weight
+from ndparallel.models.moe_weights import hub_expert_tensor
 
 
 def model_config_for(*, base_model: str | None, model_shape: str | None, overrides: dict[str, Any],
@@ -47,7 +49,9 @@ def model_config_for(*, base_model: str | None, model_shape: str | None, overrid
         kind = overrides.get("model_type")
         if not kind:
             raise ModelError("model_config_overrides needs model_type (e.g. llama) to describe an inline model")
-        config = AutoConfig.for_model(kind)
+        # Given to the constructor, not set afterwards: fields derived from others (gpt-oss' layer_types from
+        # num_hidden_layers) are then built for the overridden values.
+        config = AutoConfig.for_model(kind, **{k: v for k, v in overrides.items() if k != "model_type"})
     for key, value in overrides.items():
         if key != "model_type":
             setattr(config, key, value)
@@ -59,8 +63,11 @@ def model_config_for(*, base_model: str | None, model_shape: str | None, overrid
 
 def meta_model(config: PretrainedConfig) -> nn.Module:
     """The model's skeleton with no storage: parameters on the meta device, float32."""
+    # ndparallel replaces the attention function anyway; models whose attention has sinks (gpt-oss) refuse
+    # "sdpa" at construction, so they are built with their eager attention.
+    attention = "eager" if has_attention_sinks(config) else "sdpa"
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=torch.float32)
     return model
 
 
@@ -89,6 +96,12 @@ def materialize(model: nn.Module, device: torch.device, *, weights_dir: str | No
             else:
                 _copy_shard(param, _init_tensor(key, owners[name], tuple(param.shape), init_std, seed, device))
         restore_buffers(model, device)
+        if reader is not None:  # persistent buffers a checkpoint holds (DeepSeek-V3's routing bias)
+            params = {name for name, _ in model.named_parameters()}
+            for name, value in model.state_dict(keep_vars=True).items():
+                key = _compat.canonical_name(name)
+                if name not in params and key in reader.files:
+                    _copy_shard(value, reader.get(key))
     if reader is not None:
         tied = model.get_output_embeddings() is not None and \
             model.get_output_embeddings().weight is model.get_input_embeddings().weight
@@ -129,7 +142,7 @@ def _init_tensor(key: str, owner: nn.Module, shape: tuple, std: float, seed: int
     biases, ones for norm weights), drawn from a generator seeded by (seed, parameter name)."""
     if key.endswith("bias"):
         return torch.zeros(shape, device=device)
-    if not isinstance(owner, (nn.Linear, nn.Embedding)):
+    if not isinstance(owner, (nn.Linear, nn.Embedding)) and not is_moe_weight(owner, key):
         return torch.ones(shape, device=device)  # norm weights
     generator = torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % (2**63))
     return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
@@ -142,10 +155,12 @@ def restore_buffers(model: nn.Module, device: torch.device) -> None:
         local = {n: b for n, b in module.named_buffers(recurse=False)}
         if not local:
             continue
-        if not hasattr(module, "config"):
+        # Modules that keep no config of their own (DeepSeek-V3's router) are built from the model's.
+        config = getattr(module, "config", None) or getattr(model, "config", None)
+        if config is None:
             raise ModelError(f"cannot rebuild the buffers {sorted(local)} of {type(module).__name__} after meta-device init")
         with torch.device(device):
-            fresh = type(module)(config=module.config)
+            fresh = type(module)(config)
         for buffer_name, value in fresh.named_buffers(recurse=False):
             setattr(module, buffer_name, value.to(local[buffer_name].dtype))  # on ``device``, persistence kept
 
@@ -179,6 +194,10 @@ class _SafetensorsReader:
         """Fill this rank's part of ``param`` from the weight ``key``: only that slice is read from disk, cast
         to the parameter's dtype on the host, then copied to the parameter's device."""
         if key not in self.files:
+            # MoE experts stored one tensor per expert (the Hub layout) for a stacked parameter
+            stacked = hub_expert_tensor(key, self.files.__contains__, self.get)
+            if stacked is not None:
+                return stacked
             raise ModelError(f"base_model {self.directory!r}: no weight named {key!r} in its safetensors files "
                              f"(is it a checkpoint of another architecture?)")
         self.used.add(key)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ndparallel.errors import ModelError
+from ndparallel.models.moe import is_moe_config, moe_attention_plan
 
 # transformers' plan styles -> ours. "qk_norm" is a norm applied per head inside attention: its weight is
 # replicated over tp and its gradient summed over tp (transformers calls it replicated_with_grad_allreduce).
@@ -62,7 +63,10 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
             f"model.norm, lm_head); supported families: Llama, Qwen2, Qwen3, Mistral and models built like them"
         )
     tied = lm_head.weight is embed.weight
-    plan_source = getattr(model.config, "base_model_tp_plan", None) or _LLAMA_LIKE_PLAN
+    if is_moe_config(model.config):  # attention only: MoE blocks run unsplit on each tp rank's tokens (models/moe.py)
+        plan_source = moe_attention_plan(model.config)
+    else:
+        plan_source = getattr(model.config, "base_model_tp_plan", None) or _LLAMA_LIKE_PLAN
     layer_plan: dict[str, str] = {}
     for pattern, style in plan_source.items():
         if not pattern.startswith("layers.*."):

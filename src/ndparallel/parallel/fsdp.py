@@ -7,6 +7,8 @@ collectives and more memory held at once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -26,8 +28,13 @@ def apply_fsdp(
     wrap: str | int = "block",
     reshard_after_forward: bool | int = True,
     cpu_offload: bool = False,
+    inner_units: Sequence[tuple[torch.nn.Module, DeviceMesh]] = (),
 ) -> None:
-    """Shard ``parts.model`` in place. ``wrap`` is 'block', 'model' or N (groups of N decoder layers)."""
+    """Shard ``parts.model`` in place. ``wrap`` is 'block', 'model' or N (groups of N decoder layers).
+
+    ``inner_units``: (module, mesh) pairs sharded first, on their own meshes (MoE experts and blocks, see
+    parallel/expert.py), whatever ``wrap`` is: their gradients must be summed over those meshes.
+    """
     _check_reshard(reshard_after_forward, shard_size=dp_mesh.size(dp_mesh.ndim - 1), parts=parts)
     if dp_mesh.size() == 1:
         # Nothing to gather from other ranks: keep the (mixed-precision) copies from forward to backward
@@ -37,6 +44,10 @@ def apply_fsdp(
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     common = dict(mesh=dp_mesh, mp_policy=mp, offload_policy=offload)
 
+    for module, mesh in inner_units:
+        # A partial-reshard rank count belongs to the layers' mesh; these units reshard fully (or not at all).
+        fully_shard(module, mesh=mesh, mp_policy=mp, offload_policy=offload,
+                    reshard_after_forward=reshard_after_forward is not False and mesh.size() > 1)
     groups = wrap_units(list(parts.layers), wrap)
     for i, group in enumerate(groups):
         # The last unit runs first in backward: keeping it gathered saves one all-gather. The others keep
