@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 import ndparallel as ndp
-from ndparallel.models.build import PRESETS, materialize, meta_model, model_config_for
+from ndparallel.models.build import materialize, meta_model, model_config_for
+from ndparallel.models.presets import PRESETS
 
 SHAPES = {**PRESETS, "cpu-small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
                                        num_attention_heads=8, num_key_value_heads=4, vocab_size=32000)}

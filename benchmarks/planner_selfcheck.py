@@ -7,7 +7,7 @@
 For each model shape: the planner's probe times this GPU's kernels (``planner/probe.py``, not cached here),
 then for each (sequence x micro-batch) and compile on/off the planner predicts one-GPU tokens/s twice
 (with the H200 preset's efficiencies, and with the measured ones) and ndparallel's trainer step runs for
-real (``bench_train.bench_ndparallel``: parallelize, random init, AdamW, clipping; 3 warm-up steps, which
+real (``bench_train.run_row``: parallelize, random init, AdamW, clipping; 3 warm-up steps, which
 include compilation, then ``--steps`` timed). Prints a table; writes ``planner_selfcheck.jsonl`` (one row
 per configuration) and ``planner_probe.json`` (the measured efficiencies per shape, for
 ``benchmarks/planner_fit_h200.py`` and ``planner/rates.py``) under ``--out``.
@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ndparallel as ndp  # noqa: E402
-from bench_train import bench_ndparallel  # noqa: E402
+from bench_train import run_row  # noqa: E402
 from ndparallel.models.build import model_config_for  # noqa: E402
 from ndparallel.planner import probe  # noqa: E402
 from ndparallel.planner.gpus import GPUS  # noqa: E402
@@ -45,11 +45,13 @@ def predict(model, cluster: Cluster, seq: int, b: int, compiled: bool) -> tuple[
 
 
 def run(model_key: str, seq: int, b: int, compiled: bool, topo, steps: int) -> dict:
-    args = SimpleNamespace(fp32=topo.device.type == "cpu", ac="none", compile=compiled, fsdp_wrap="block",
-                           micro_batch=b, seq=seq, steps=steps, warmup=3)
+    args = SimpleNamespace(fp32=topo.device.type == "cpu", ac="none", fsdp_wrap="block", micro_batch=b, seq=seq,
+                           steps=steps, warmup=3, profile=None, profile_rows="", shape=model_key)
     config = model_config_for(base_model=None, model_shape=model_key, overrides={}, max_position_embeddings=seq)
     start = time.perf_counter()
-    result = bench_ndparallel(args, config, topo)
+    result = run_row("ndparallel" if compiled else "ndparallel-eager", args, topo, config)
+    if "error" in result:
+        raise RuntimeError(f"{model_key} seq {seq} x {b}: {result['error']}")
     result["wall_s"] = time.perf_counter() - start
     result["tokens_per_s"] = result["tokens_per_step"] / result["s_per_step"]
     return result

@@ -107,6 +107,8 @@ def parallelize(model: nn.Module, topology: Topology, *, options: ParallelOption
     reduce_dtype = as_dtype(options.reduce_dtype, setting="reduce_dtype")
     wrap_units(list(parts.layers), options.fsdp_wrap)  # the same error on one rank as on many
     if topology.world_size == 1 and not options.cpu_offload and not options.single_rank_fsdp and eligible(model):
+        if next(model.parameters()).device.type != "meta":
+            model.to(topology.device)  # as fully_shard would: the model computes where the topology does
         apply_single_rank(model, param_dtype=param_dtype)
         return model
     apply_fsdp(

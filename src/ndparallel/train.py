@@ -36,7 +36,7 @@ from ndparallel.errors import ConfigError
 from ndparallel.layout import Layout
 from ndparallel.lora import LoraSpec, save_peft_adapter
 from ndparallel.metrics import MetricsLogger, device_peak_flops, flops_per_token
-from ndparallel.models.build import materialize, meta_model, model_config_for
+from ndparallel.models.build import initialize_adapters, materialize, meta_model, model_config_for
 from ndparallel.oom import DeviceMemoryError, device_memory_gib, layout_text, memory_history, oom_message, write_snapshot
 from ndparallel.parallel.float8 import Fp8Spec
 from ndparallel.parallelize import ParallelOptions, parallelize
@@ -224,8 +224,15 @@ def _build_model(cfg: TrainConfig, model_config, topo: Topology) -> tuple[torch.
                               cpu_offload=cfg.cpu_offload, fp8=fp8_spec(cfg))
     model = meta_model(model_config)
     lora = LoraSpec.from_config(cfg)
-    parallelize(model, topo, options=options, lora=lora)
-    materialize(model, topo.device, weights_dir=cfg.base_model, seed=cfg.seed, offload_params=cfg.cpu_offload)
+    if cfg.cpu_offload and topo.world_size == 1:
+        # FSDP2 takes over a one-rank unit's parameters when fully_shard runs (it re-reads them later only when
+        # they are sharded), so offloaded parameters must have their CPU storage before it.
+        materialize(model, topo.device, weights_dir=cfg.base_model, seed=cfg.seed, offload_params=True)
+        parallelize(model, topo, options=options, lora=lora)
+        initialize_adapters(model, cfg.seed)
+    else:
+        parallelize(model, topo, options=options, lora=lora)
+        materialize(model, topo.device, weights_dir=cfg.base_model, seed=cfg.seed, offload_params=cfg.cpu_offload)
     model.train()
     return model, lora
 

@@ -108,6 +108,16 @@ def materialize(model: nn.Module, device: torch.device, *, weights_dir: str | No
         reader.check_all_used(ignore={"lm_head.weight"} if tied else set())
 
 
+def initialize_adapters(model: nn.Module, seed: int) -> None:
+    """LoRA adapters attached to an already materialized model get the same seeded start as ``materialize``
+    gives them on every other layout."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            init = init_lora_tensor(_compat.canonical_name(name), tuple(param.shape), seed, param.device)
+            if init is not None:
+                _copy_shard(param, init)
+
+
 def _copy_shard(target: torch.Tensor, full: torch.Tensor) -> None:
     full = full.to(device=target.device, dtype=target.dtype)
     if isinstance(target, DTensor):
