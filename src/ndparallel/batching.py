@@ -45,8 +45,11 @@ class Batch:
         # use_cache=False: training needs no KV cache, and one would grow again when checkpointed layers
         # are recomputed in backward.
         inputs: dict[str, Any] = {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
+        # Always the flag (a Python bool: compiled layers guard on it, no host work per layer); the host segment
+        # ids only when attention needs a plan (packed or padded rows, or cp > 1).
+        inputs[SINGLE_KWARG] = self.single_segment
         if self.segments_host is not None:
-            inputs.update({SEGMENTS_HOST_KWARG: self.segments_host, SINGLE_KWARG: self.single_segment})
+            inputs[SEGMENTS_HOST_KWARG] = self.segments_host
         return inputs
 
     @property

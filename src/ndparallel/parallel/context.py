@@ -135,36 +135,37 @@ def ndparallel_attention(
 ):
     """transformers' attention signature: q (B, H, L, D), k/v (B, Hkv, L, D) -> ((B, L, H, D), None)."""
     segments_host = kwargs.pop(SEGMENTS_HOST_KWARG, None)
-    single = kwargs.pop(SINGLE_KWARG, False)
+    single = kwargs.pop(SINGLE_KWARG, None)
     if kwargs.get("softcap") is not None:
         raise ModelError(f"attention logit soft-capping (attn_logit_softcapping={kwargs['softcap']}) is not "
                          f"supported by ndparallel's fused attention kernels; use a model config without it")
-    if segments_host is None:
-        if setup.cp_size > 1:
-            raise ConfigError("the model is context-parallel: call it with the inputs of ndparallel.prepare_batch "
-                              "(batch.model_inputs()), which carry this rank's sequence chunks and their segments")
+    if segments_host is None and setup.cp_size > 1:
+        raise ConfigError("the model is context-parallel: call it with the inputs of ndparallel.prepare_batch "
+                          "(batch.model_inputs()), which carry this rank's sequence chunks and their segments")
+    if single is None:  # not ndparallel's batch: a plain call
         if attention_mask is not None or query.shape[2] != key.shape[2]:
-            # A plain call with the caller's own padding mask, or decoding with a KV cache: exactly
-            # transformers' SDPA path (with the mask transformers built for it).
+            # The caller's own padding mask, or decoding with a KV cache: exactly transformers' SDPA path
+            # (with the mask transformers built for it).
             return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling,
                                                    dropout=dropout, **kwargs)
-        segments_host = _segments_of_plain_call(kwargs.get("position_ids"), query)
+        segments_host = _segments_of_plain_call(kwargs.get("position_ids"), query)  # host work: plain calls only
         single = single_segment(segments_host)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    window = kwargs.get("sliding_window")
+    sinks = kwargs.get("s_aux")
+    if setup.cp_size == 1 and sinks is None and single and (window is None or window >= query.shape[2]):
+        # One document per row, no padding: plain causal attention (cuDNN / flash kernels). A prepared batch
+        # says so in a flag, so nothing here touches the host and the layer stays one compiled graph.
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, is_causal=True, dropout_p=dropout, scale=scale,
+            enable_gqa=key.shape[1] != query.shape[1])
+        return out.transpose(1, 2), None
     if dropout:
         raise ConfigError(
             f"attention dropout {dropout} is not supported with packed/padded or context-parallel batches; "
             f"set the model's attention_dropout to 0"
         )
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    context = AttentionContext(segment_ids_host=segments_host, single_segment=single, setup=setup)
-    window = kwargs.get("sliding_window")
-    sinks = kwargs.get("s_aux")
-    if setup.cp_size == 1 and sinks is None and context.is_plain(window):
-        # One document per row, no padding: plain causal attention (cuDNN / flash kernels).
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, is_causal=True, scale=scale, enable_gqa=key.shape[1] != query.shape[1])
-        return out.transpose(1, 2), None
-    return _context_attention(query, key, value, context, scale, window, sinks), None
+    return _context_attention(query, key, value, segments_host, single, setup, scale, window, sinks), None
 
 
 def _segments_of_plain_call(position_ids: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor:
@@ -175,9 +176,18 @@ def _segments_of_plain_call(position_ids: torch.Tensor | None, query: torch.Tens
     return segment_ids_from(position_ids.expand(batch, -1).cpu(), None)
 
 
+@functools.lru_cache(maxsize=16)
+def _single_document_rows(batch: int, seq: int) -> torch.Tensor:
+    """Segment ids of rows that are one document each: one tensor per shape, so its plans are cached."""
+    return torch.zeros(batch, seq, dtype=torch.long)
+
+
 @torch.compiler.disable
-def _context_attention(query, key, value, context, scale, window, sinks):
+def _context_attention(query, key, value, segments_host, single, setup, scale, window, sinks):
     # Outside compiled graphs: collectives, custom autograd and host-side planning (a graph break).
+    if segments_host is None:  # a prepared batch of one document per row, at cp 1 (windows or sinks need a plan)
+        segments_host = _single_document_rows(query.shape[0], query.shape[2])
+    context = AttentionContext(segment_ids_host=segments_host, single_segment=single, setup=setup)
     if sinks is not None and hasattr(sinks, "to_local"):
         sinks = sinks.to_local()  # a tensor-parallel model holds its heads' sinks
     return context_attention(query, key, value, context, scale=scale, window=window, sinks=sinks)
