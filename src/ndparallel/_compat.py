@@ -346,6 +346,14 @@ def _pad_lse(lse: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
+def dcp_stager_reusable() -> bool:
+    """Whether DCP's ``DefaultStager`` survives ``async_save`` (and can keep its pinned buffers for the next
+    save). torch 2.11 closes it at the end of every staging (pytorch/pytorch#183413; measured on the H200:
+    the second save fails with ``KeyError: <class 'type'>``); later releases keep a given stager alive."""
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 12)
+
+
 def dcp_index_globals() -> dict[tuple[str, str], object]:
     """Every global a torch.distributed.checkpoint index may reference (checked on torch 2.11 and 2.13)."""
     import pathlib

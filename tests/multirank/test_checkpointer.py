@@ -145,3 +145,39 @@ def test_a_failed_asynchronous_save_is_one_error_on_every_rank(tmp_path):
         assert "saving the checkpoint step-2 failed" in result["error"] and "'latest' are unchanged" in result["error"]
     assert results[0]["error"].count("No space left on device") == 1
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step-1"
+
+
+def _repeated_async_saves(root: str, reusable: bool) -> list[str]:
+    """Three asynchronous saves with DCP's stager closing itself after each staging, as torch 2.11's does
+    (pytorch/pytorch#183413; it failed our second save on the H200)."""
+    from torch.distributed.checkpoint import staging
+
+    from ndparallel import _compat
+
+    original = staging.DefaultStager._stage
+
+    def stage_then_close(self, state_dict, **kwargs):  # this rank is a forked process: the patch stays here
+        try:
+            return original(self, state_dict, **kwargs)
+        finally:
+            self._state_dict_stager.close()
+
+    staging.DefaultStager._stage = stage_then_close
+    _compat.dcp_stager_reusable = lambda: reusable
+    topo = ndp.Topology.build(ndp.ParallelismConfig(dp_shard_size=1))
+    model = make_model("llama")
+    ndp.parallelize(model, topo, options=ndp.ParallelOptions(param_dtype=None))
+    opt = ndp.build_optimizer(model, lr=LR)
+    saved = []
+    with ndp.Checkpointer(root, async_save=True) as ckpt:
+        for step in range(1, 4):
+            saved.append(ckpt.save(step, {"model": model, "optimizer": opt}).name)
+        ckpt.wait()
+    return saved
+
+
+def test_async_saves_survive_a_stager_that_closes_itself(tmp_path):
+    saved = run_ranks(1, _repeated_async_saves, str(tmp_path / "fresh"), False)[0]
+    assert saved == ["step-1", "step-2", "step-3"]
+    with pytest.raises(Exception, match="KeyError|type"):  # reusing it is what failed: the test can fail
+        run_ranks(1, _repeated_async_saves, str(tmp_path / "reused"), True)

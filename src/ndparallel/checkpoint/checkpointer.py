@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ndparallel import _compat
 from ndparallel.checkpoint import codec, loading, store
 from ndparallel.checkpoint.loading import Restored
 from ndparallel.checkpoint.states import adapt, optimizers_of
@@ -147,6 +148,9 @@ class Checkpointer:
                             optimizers: list) -> None:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+        if self._stager is not None and not _compat.dcp_stager_reusable():
+            self._stager.close()  # the previous save's staging finished (one save in flight at most)
+            self._stager = None
         if self._stager is None:  # kept across saves: its host buffers (pinned on CUDA) are reused
             cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
