@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor
+from family_configs import FAMILY_CONFIGS
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 import ndparallel as ndp
 from ndparallel import _compat
@@ -33,6 +35,7 @@ _CONFIGS = {
     "mistral": lambda **kw: MistralConfig(**{**dict(num_key_value_heads=2, head_dim=8), **kw}),
     # attention biases on q/k/v.
     "qwen2": lambda **kw: Qwen2Config(**{**dict(num_key_value_heads=4), **kw}),
+    **FAMILY_CONFIGS,
 }
 
 
@@ -45,7 +48,9 @@ def model_config(family: str, *, tied: bool = False, **overrides):
 def make_model(family: str, *, seed: int = 0, tied: bool = False, dtype=torch.float32, **overrides):
     torch.manual_seed(seed)
     cfg = model_config(family, tied=tied, **overrides)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
+    # transformers' own choice where SDPA cannot express the model (Gemma 2's soft-capping: eager).
+    sdpa = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]._supports_sdpa
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa" if sdpa else "eager", dtype=dtype)
     return model.train()
 
 
@@ -115,8 +120,14 @@ def _labels(mb: dict) -> torch.Tensor:
     return ndp.shift_labels(labels, mb.get("position_ids"))
 
 
-def train_reference(model, batches, *, max_norm: float = 1.0, lora=None) -> dict:
-    """Plain PyTorch, one process: the numbers every layout must reproduce."""
+def train_reference(model, batches, *, max_norm: float = 1.0, lora=None, transformers_masks: bool = False,
+                    eps: float = EPS) -> dict:
+    """Plain PyTorch, one process: the numbers every layout must reproduce.
+
+    transformers_masks: give packed rows to the model as transformers takes them (input ids and position ids
+    restarting at 0, no mask, no KV cache), so transformers builds each layer's document mask itself
+    (sliding or full).
+    """
     window = getattr(model.config, "sliding_window", None)
     if lora is not None:
         from ndparallel.lora import attach_lora
@@ -126,14 +137,17 @@ def train_reference(model, batches, *, max_norm: float = 1.0, lora=None) -> dict
     decay = [p for p in trainable if p.dim() >= 2]
     no_decay = [p for p in trainable if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=LR, betas=(0.9, 0.95), eps=EPS)
+                            lr=LR, betas=(0.9, 0.95), eps=eps)
     losses, norms = [], []
     for step in batches:
         labels = [_labels(mb) for mb in step]
         n = sum(int((lab != ndp.IGNORE_INDEX).sum()) for lab in labels)
         total = 0.0
         for mb, lab in zip(step, labels):
-            logits = model(**reference_mask(mb, window)).logits
+            # use_cache=False: transformers looks for packed documents only when there is no KV cache.
+            inputs = ({"use_cache": False, **{k: mb[k] for k in ("input_ids", "position_ids") if k in mb}}
+                      if transformers_masks else reference_mask(mb, window))
+            logits = model(**inputs).logits
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), lab.flatten(), reduction="sum") / n
             loss.backward()
@@ -146,13 +160,13 @@ def train_reference(model, batches, *, max_norm: float = 1.0, lora=None) -> dict
 
 
 def train_parallel(family: str, layout: dict, batches, *, model_kwargs: dict | None = None, options: dict | None = None,
-                   max_norm: float = 1.0, lora=None) -> dict:
+                   max_norm: float = 1.0, lora=None, eps: float = EPS) -> dict:
     """The same run through ndparallel on this rank's part of ``layout``. Rank 0 returns the full weights."""
     topo = ndp.Topology.build(ndp.ParallelismConfig(**layout))
     model = make_model(family, **(model_kwargs or {}))
     ndp.parallelize(model, topo, options=ndp.ParallelOptions(**{"param_dtype": None, **(options or {})}), lora=lora)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = ndp.build_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS)
+    opt = ndp.build_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY, eps=eps)
     losses, norms = [], []
     for step in batches:
         prepared = [ndp.prepare_batch(topology=topo, **mb) for mb in step]

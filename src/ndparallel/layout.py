@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from ndparallel.errors import LayoutError
+from ndparallel.models.families import family_problems
 
 AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 CP_METHODS = ("allgather", "ring", "alltoall")
@@ -178,7 +179,6 @@ class Layout:
                 "num_attention_heads": ("attention heads", heads),
                 "num_key_value_heads": ("key/value heads", kv_heads),
                 "intermediate_size": ("MLP intermediate size", getattr(model_config, "intermediate_size", None)),
-                "vocab_size": ("vocabulary size", getattr(model_config, "vocab_size", None)),
             }
             for attr, (what, value) in splits.items():
                 if value is not None and value % t:
@@ -190,6 +190,8 @@ class Layout:
                 f"which does not divide num_attention_heads={heads}; use cp_comm_strategy='allgather' or 'ring', "
                 f"or sizes whose product divides {heads}"
             )
+        # What the model's family cannot do on these sizes (e.g. soft-capped attention under cp).
+        yield from family_problems(model_config, tp=t, cp=c)
         if seq_len is not None and seq_len < self.seq_multiple:
             yield (
                 f"sequence_len={seq_len} is shorter than 2 x cp_size x tp_size = {self.seq_multiple} tokens, "

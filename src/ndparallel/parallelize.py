@@ -4,7 +4,8 @@
    parallelism. Everything after it sees the split model. LoRA adapters (optional) come right after,
    placed to match the split of the layer each adapts.
 2. Context-parallel attention: switch the model's attention to ndparallel's CP implementation (through
-   transformers' attention registry). It changes no weights.
+   transformers' attention registry). It changes no weights. A family whose attention ndparallel's cannot
+   reproduce (Gemma 2's soft-capping, Falcon's direct SDPA call) keeps its own, and cp must be 1.
 3. Activation checkpointing wraps each decoder layer, so the wrapped unit is what recomputes.
 4. ``torch.compile`` per layer, after checkpointing (the checkpoint is traced into the graph) and before
    FSDP (whose hooks must stay outside the graphs).
@@ -78,7 +79,10 @@ def parallelize(model: nn.Module, topology: Topology, *, options: ParallelOption
     apply_tensor_parallel(parts, topology.tp)
     if lora is not None:
         attach_lora(model, lora, tp_mesh=topology.tp)
-    apply_context_parallel(model, topology)
+    if parts.own_attention is None:
+        apply_context_parallel(model, topology)
+    # else the model keeps transformers' attention (cp is 1: check_model refused more), which takes packed
+    # rows exactly through transformers' document masks built from the position ids.
     apply_activation_checkpointing(parts, options.activation_checkpointing)
     if options.compile:
         apply_compile(parts)

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ndparallel import _compat
 from ndparallel.errors import ModelError
@@ -71,8 +72,14 @@ def model_config_for(*, base_model: str | None, model_shape: str | None, overrid
 def meta_model(config: PretrainedConfig) -> nn.Module:
     """The model's skeleton with no storage: parameters on the meta device, float32."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention_for(config), dtype=torch.float32)
     return model
+
+
+def attention_for(config: PretrainedConfig) -> str:
+    """SDPA, unless the family cannot express its attention with it (Gemma 2's soft-capping: eager)."""
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return "sdpa" if model_class is None or model_class._supports_sdpa else "eager"
 
 
 def materialize(model: nn.Module, device: torch.device, *, weights_dir: str | None, seed: int) -> None:
@@ -140,6 +147,10 @@ def restore_buffers(model: nn.Module, device: torch.device) -> None:
     for module in model.modules():
         local = {n: b for n, b in module.named_buffers(recurse=False)}
         if not local:
+            continue
+        if hasattr(module, "scalar_embed_scale"):
+            # Gemma's scaled embedding keeps its scale (sqrt(hidden)) as a float beside the buffer.
+            local["embed_scale"].fill_(module.scalar_embed_scale)
             continue
         if not hasattr(module, "config"):
             raise ModelError(f"cannot rebuild the buffers {sorted(local)} of {type(module).__name__} after meta-device init")
