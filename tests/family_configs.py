@@ -40,8 +40,8 @@ FAMILY_CONFIGS = {
                                               initializer_range=0.2), **kw}),
     # Embedding, residual and attention multipliers and logit scaling.
     "granite": lambda **kw: GraniteConfig(**{**dict(
-        num_key_value_heads=4, embedding_multiplier=6.0, residual_multiplier=0.5, attention_multiplier=2.0,
-        logits_scaling=0.25, initializer_range=0.2), **kw}),
+        num_key_value_heads=4, embedding_multiplier=4.0, residual_multiplier=0.3, attention_multiplier=4.0,
+        logits_scaling=0.5, initializer_range=0.05), **kw}),
     # Norms after attention/MLP (no pre-norm), q/k RMSNorm over all heads at once (not per head).
     "olmo2": lambda **kw: Olmo2Config(**{**dict(num_key_value_heads=4, pad_token_id=0), **kw}),
     # Parallel attention+MLP block on one LayerNorm, logit_scale, tied embeddings, per-head q/k LayerNorms
