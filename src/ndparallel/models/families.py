@@ -35,6 +35,9 @@ _TRANSFORMERS_STYLES = {
     "colwise_gather_output": "colwise_gather",
     "rowwise_split_input": "rowwise_split",
     "replicated_with_grad_allreduce": "qk_norm",
+    # older transformers names of the same two styles
+    "colwise_rep": "colwise_gather",
+    "rowwise_rep": "rowwise_split",
 }
 
 # Families transformers ships without a TP plan, in our style names (paths inside one decoder layer).
