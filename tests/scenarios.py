@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor
-from family_configs import FAMILY_CONFIGS
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 import ndparallel as ndp
 from ndparallel import _compat
+from ndparallel.models.build import attention_for
+
+from family_configs import FAMILY_CONFIGS
 
 VOCAB = 256
 LR = 3e-3
@@ -48,9 +49,8 @@ def model_config(family: str, *, tied: bool = False, **overrides):
 def make_model(family: str, *, seed: int = 0, tied: bool = False, dtype=torch.float32, **overrides):
     torch.manual_seed(seed)
     cfg = model_config(family, tied=tied, **overrides)
-    # transformers' own choice where SDPA cannot express the model (Gemma 2's soft-capping: eager).
-    sdpa = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]._supports_sdpa
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa" if sdpa else "eager", dtype=dtype)
+    # eager where SDPA cannot express the model (Gemma 2's soft-capping), as transformers itself chooses.
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attention_for(cfg), dtype=dtype)
     return model.train()
 
 

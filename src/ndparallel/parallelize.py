@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from torch import nn
 from ndparallel.errors import ConfigError
 from ndparallel.lora import LoraSpec, attach_lora
 from ndparallel.models.decoder import decoder_parts
+from ndparallel.models.families import needs_eager_attention
 from ndparallel.parallel.checkpointing import apply_activation_checkpointing
 from ndparallel.parallel.compile import apply_compile
 from ndparallel.parallel.context import apply_context_parallel
@@ -81,6 +83,10 @@ def parallelize(model: nn.Module, topology: Topology, *, options: ParallelOption
         attach_lora(model, lora, tp_mesh=topology.tp)
     if parts.own_attention is None:
         apply_context_parallel(model, topology)
+    elif needs_eager_attention(model.config) and model.config._attn_implementation == "sdpa":
+        warnings.warn("attention-logit soft-capping needs transformers' eager attention (SDPA has no soft cap); "
+                      "switching this model from sdpa to eager", stacklevel=2)
+        model.set_attn_implementation("eager")
     # else the model keeps transformers' attention (cp is 1: check_model refused more), which takes packed
     # rows exactly through transformers' document masks built from the position ids.
     apply_activation_checkpointing(parts, options.activation_checkpointing)

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import ndparallel as ndp  # noqa: E402
 from gpu_checks import FAILURES, _layouts_for, report  # noqa: E402
 from ndparallel.models.families import model_attention_reason  # noqa: E402
-from scenarios import make_batches, make_model, max_rel_diff, train_parallel, train_reference  # noqa: E402
+from scenarios import make_batches, make_model, max_rel_diff, model_config, train_parallel, train_reference  # noqa: E402
 
 FAMILIES = ("gemma2", "gemma3", "phi3", "granite", "olmo2", "cohere", "glm", "glm4", "falcon", "qwen2")
 EPS = 1e-4  # as tests/multirank/test_families.py (zero-initialized tensors)
@@ -44,7 +44,7 @@ def _check(family: str, layout: dict, batches, ref: dict, label: str) -> None:
 
 
 def _family_layouts(family: str, world: int) -> list[dict]:
-    cp_ok = model_attention_reason(make_model(family, num_hidden_layers=1).config) is None
+    cp_ok = model_attention_reason(model_config(family)) is None
     return [layout for layout in _layouts_for(world) if cp_ok or layout.get("cp_size", 1) == 1]
 
 

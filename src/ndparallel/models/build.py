@@ -14,15 +14,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ndparallel import _compat
 from ndparallel.errors import ModelError
 from ndparallel.lora import init_lora_tensor
+from ndparallel.models.families import needs_eager_attention
 
 # Llama-shaped presets for pre-training from scratch (model_shape). Dims of Llama 3.2 1B/3B and Llama 3 8B.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -59,7 +61,16 @@ def model_config_for(*, base_model: str | None, model_shape: str | None, overrid
         kind = overrides.get("model_type")
         if not kind:
             raise ModelError("model_config_overrides needs model_type (e.g. llama) to describe an inline model")
-        config = AutoConfig.for_model(kind)
+        # Built from the overrides, so fields derived from them follow (Gemma's layer_types from
+        # num_hidden_layers); set afterwards they would keep the defaults' length.
+        if kind not in CONFIG_MAPPING:
+            raise ModelError(f"model_config_overrides.model_type {kind!r} is not a model type transformers "
+                             f"{transformers.__version__} knows (e.g. llama, qwen3, gemma2)")
+        try:
+            config = AutoConfig.for_model(kind, **{k: v for k, v in overrides.items() if k != "model_type"})
+        except Exception as exc:  # transformers' config validation (its exception types vary across versions)
+            reason = " ".join(str(exc).split())[-300:]
+            raise ModelError(f"model_config_overrides do not make a valid {kind} config: {reason}") from None
     for key, value in overrides.items():
         if key != "model_type":
             setattr(config, key, value)
@@ -79,7 +90,8 @@ def meta_model(config: PretrainedConfig) -> nn.Module:
 def attention_for(config: PretrainedConfig) -> str:
     """SDPA, unless the family cannot express its attention with it (Gemma 2's soft-capping: eager)."""
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
-    return "sdpa" if model_class is None or model_class._supports_sdpa else "eager"
+    sdpa = not needs_eager_attention(config) and (model_class is None or model_class._supports_sdpa)
+    return "sdpa" if sdpa else "eager"
 
 
 def materialize(model: nn.Module, device: torch.device, *, weights_dir: str | None, seed: int) -> None:

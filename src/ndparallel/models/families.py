@@ -92,6 +92,12 @@ def family_problems(config: Any, *, tp: int, cp: int) -> list[str]:
     return problems
 
 
+def needs_eager_attention(config: Any) -> bool:
+    """Attention-logit soft-capping (Gemma 2): SDPA cannot express it (transformers 5.24 refuses; older
+    versions may drop the cap silently), so the model runs transformers' eager attention."""
+    return getattr(config, "attn_logit_softcapping", None) is not None
+
+
 def model_attention_reason(config: Any) -> str | None:
     """Why this model must keep its own (transformers') attention instead of ndparallel's, or None.
 
@@ -100,8 +106,8 @@ def model_attention_reason(config: Any) -> str | None:
     transformers' eager attention, which takes packed rows exactly through transformers' own document
     masks but cannot be split along the sequence.
     """
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    if softcap is not None:
+    if needs_eager_attention(config):
+        softcap = config.attn_logit_softcapping
         return (f"attention-logit soft-capping (attn_logit_softcapping={softcap}) runs in transformers' eager "
                 f"attention, which ndparallel's context-parallel kernels do not implement")
     if getattr(config, "model_type", None) == "falcon":
