@@ -27,7 +27,7 @@ IGNORE_INDEX = -100
 CHUNK_ROWS = 2048
 
 
-def vocab_start(local_vocab: int, group: dist.ProcessGroup, rank: int, device: torch.device) -> torch.Tensor:
+def vocab_offset(local_vocab: int, group: dist.ProcessGroup, rank: int, device: torch.device) -> torch.Tensor:
     """First vocabulary row held by tp rank ``rank`` whose logits are ``local_vocab`` wide.
 
     The vocabulary splits like ``torch.chunk`` (DTensor's ``Shard``): ceil(V/t) rows on every rank but the

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from ndparallel import _compat
-from ndparallel.loss import cross_entropy_sum, vocab_start
+from ndparallel.loss import cross_entropy_sum, vocab_offset
 from ndparallel.topology import Topology
 
 
@@ -39,7 +39,7 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor, *, num_tokens: torch.
     """
     if topology.layout.tp > 1:
         group = topology.tp.get_group()
-        start = vocab_start(logits.shape[-1], group, topology.tp_rank, logits.device)
+        start = vocab_offset(logits.shape[-1], group, topology.tp_rank, logits.device)
         total = cross_entropy_sum(logits, labels, tp_group=group, vocab_start=start, compiled=compiled)
     else:
         total = cross_entropy_sum(logits, labels, compiled=compiled)
@@ -54,7 +54,7 @@ def gather_logits(logits: torch.Tensor, topology: Topology) -> torch.Tensor:
     from ndparallel.parallel.context import cp_gather
 
     if topology.layout.tp > 1:
-        # Vocabulary slices may differ in width by one (torch.chunk split): pad to the widest, trim after.
+        # The last vocabulary slice may be narrower (torch.chunk split): pad to the widest, trim after.
         group = topology.tp.get_group()
         widths = [torch.zeros((), dtype=torch.long, device=logits.device) for _ in range(topology.layout.tp)]
         dist.all_gather(widths, torch.tensor(logits.shape[-1], device=logits.device), group=group)
