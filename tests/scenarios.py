@@ -7,12 +7,17 @@ batches; parity tests compare their per-step losses, gradient norms and final we
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 import ndparallel as ndp
 from ndparallel import _compat
+from ndparallel.models.build import attention_for
+
+from family_configs import FAMILY_CONFIGS
 
 VOCAB = 256
 LR = 3e-3
@@ -33,6 +38,7 @@ _CONFIGS = {
     "mistral": lambda **kw: MistralConfig(**{**dict(num_key_value_heads=2, head_dim=8), **kw}),
     # attention biases on q/k/v.
     "qwen2": lambda **kw: Qwen2Config(**{**dict(num_key_value_heads=4), **kw}),
+    **FAMILY_CONFIGS,
 }
 
 
@@ -45,7 +51,8 @@ def model_config(family: str, *, tied: bool = False, **overrides):
 def make_model(family: str, *, seed: int = 0, tied: bool = False, dtype=torch.float32, **overrides):
     torch.manual_seed(seed)
     cfg = model_config(family, tied=tied, **overrides)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
+    # eager where SDPA cannot express the model (Gemma 2's soft-capping), as transformers itself chooses.
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attention_for(cfg), dtype=dtype)
     return model.train()
 
 
@@ -157,18 +164,28 @@ def train_reference_peft(model, batches, lora, *, max_norm: float = 1.0) -> dict
     return result
 
 
-def _dense_micro_loss(model, mb: dict, labels: torch.Tensor, num_tokens: int, num_micro: int) -> torch.Tensor:
-    logits = model(**reference_mask(mb, getattr(model.config, "sliding_window", None))).logits
+def _dense_micro_loss(model, mb: dict, labels: torch.Tensor, num_tokens: int, num_micro: int, *,
+                      transformers_masks: bool = False) -> torch.Tensor:
+    if transformers_masks:  # use_cache=False: transformers looks for packed documents only without a KV cache
+        inputs = {"use_cache": False, **{k: mb[k] for k in ("input_ids", "position_ids") if k in mb}}
+    else:
+        inputs = reference_mask(mb, getattr(model.config, "sliding_window", None))
+    logits = model(**inputs).logits
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / num_tokens
 
 
-def train_reference(model, batches, *, max_norm: float = 1.0, lora=None, micro_loss=_dense_micro_loss) -> dict:
+def train_reference(model, batches, *, max_norm: float = 1.0, lora=None, micro_loss=None,
+                    transformers_masks: bool = False, eps: float = EPS) -> dict:
     """Plain PyTorch, one process: the numbers every layout must reproduce. ``lora``: adapters added by
     ndparallel's attach_lora (``train_reference_peft`` adds them with peft).
 
     ``micro_loss(model, micro_batch, labels, num_tokens, num_micro_batches)``: one micro-batch's loss.
+    transformers_masks: give packed rows to the model as transformers takes them (input ids and position ids
+    restarting at 0, no mask, no KV cache), so transformers builds each layer's document mask itself
+    (sliding or full).
     """
+    micro_loss = micro_loss or functools.partial(_dense_micro_loss, transformers_masks=transformers_masks)
     if lora is not None:
         from ndparallel.lora import attach_lora
 
@@ -177,7 +194,7 @@ def train_reference(model, batches, *, max_norm: float = 1.0, lora=None, micro_l
     decay = [p for p in trainable if p.dim() >= 2]
     no_decay = [p for p in trainable if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=LR, betas=(0.9, 0.95), eps=EPS)
+                            lr=LR, betas=(0.9, 0.95), eps=eps)
     losses, norms = [], []
     for step in batches:
         labels = [_labels(mb) for mb in step]
@@ -187,15 +204,29 @@ def train_reference(model, batches, *, max_norm: float = 1.0, lora=None, micro_l
             loss = micro_loss(model, mb, lab, n, len(step))
             loss.backward()
             total += loss.item()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, max_norm)))
+        norms.append(_clip_in_float64(trainable, max_norm))
         opt.step()
         opt.zero_grad()
         losses.append(total)
     return {"losses": losses, "grad_norms": norms, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
+def _clip_in_float64(params, max_norm: float) -> float:
+    """torch's clip_grad_norm_ rule (scale by max_norm / (norm + 1e-6) when above), with the norm summed in
+    float64: torch sums squares in float32, which over a few 100k-element gradient is off by ~1e-5 relative
+    (measured 1.45e-5 on GLM with a 4,099-token vocabulary), the parity tolerance itself."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = float(torch.stack([g.double().pow(2).sum() for g in grads]).sum().sqrt())
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return norm
+
+
 def train_parallel(family: str, layout: dict, batches, *, model_kwargs: dict | None = None, options: dict | None = None,
-                   max_norm: float = 1.0, lora=None, gradient_sync: str = "every_micro_batch", build=None) -> dict:
+                   max_norm: float = 1.0, lora=None, gradient_sync: str = "every_micro_batch", build=None,
+                   eps: float = EPS) -> dict:
     """The same run through ndparallel on this rank's part of ``layout``. Rank 0 returns the full weights.
 
     ``gradient_sync``: when FSDP reduces the gradients of accumulated micro-batches (``set_gradient_sync``).
@@ -205,7 +236,7 @@ def train_parallel(family: str, layout: dict, batches, *, model_kwargs: dict | N
     model = (build or make_model)(family, **(model_kwargs or {}))
     ndp.parallelize(model, topo, options=ndp.ParallelOptions(**{"param_dtype": None, **(options or {})}), lora=lora)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = ndp.build_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS)
+    opt = ndp.build_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY, eps=eps)
     losses, norms = [], []
     for step in batches:
         prepared = [ndp.prepare_batch(topology=topo, **mb) for mb in step]

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from ndparallel.errors import LayoutError
+from ndparallel.models.families import family_problems
 
 AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 """The mesh dims, outer to inner."""
@@ -210,7 +211,6 @@ class Layout:
                 # a mixture-of-experts model's MLPs are not split by tp (each tp rank runs them on its tokens)
                 "intermediate_size": ("MLP intermediate size", None if is_moe_config(model_config)
                                       else getattr(model_config, "intermediate_size", None)),
-                "vocab_size": ("vocabulary size", getattr(model_config, "vocab_size", None)),
             }
             for attr, (what, value) in splits.items():
                 if value is not None and value % t:
@@ -222,6 +222,8 @@ class Layout:
                 f"which does not divide num_attention_heads={heads}; use cp_comm_strategy='allgather' or 'ring', "
                 f"or sizes whose product divides {heads}"
             )
+        # What the model's family cannot do on these sizes (e.g. soft-capped attention under cp).
+        yield from family_problems(model_config, tp=t, cp=c)
         if seq_len is not None and seq_len < self.seq_multiple:
             yield (
                 f"sequence_len={seq_len} is shorter than 2 x cp_size x tp_size = {self.seq_multiple} tokens, "

@@ -120,11 +120,17 @@ def attach_lora(model: nn.Module, spec: LoraSpec, *, tp_mesh: DeviceMesh | None,
                     weight = getattr(linear, child).weight
                     weight.copy_(init_lora_tensor(f"{path}.{child}.weight", tuple(weight.shape), spec.seed, device))
         style = parts.layer_plan.get(path[len(layers_prefix) + 1:].split(".", 1)[1]) if tp_mesh is not None else None
-        if tp_mesh is not None and tp_mesh.size() > 1 and style in ("colwise", "rowwise"):
-            a_place, b_place = ([Replicate()], [Shard(0)]) if style == "colwise" else ([Shard(1)], [Replicate()])
+        # The adapter splits like the layer: B by output columns (colwise), A by input rows (rowwise). A
+        # gathered-output layer (colwise_gather) gathers the adapter's output too; a split-input one
+        # (rowwise_split) takes its input slice like rowwise.
+        split = {"colwise": "colwise", "colwise_gather": "colwise", "rowwise": "rowwise", "rowwise_split": "rowwise"}
+        kind = split.get(style) if tp_mesh is not None and tp_mesh.size() > 1 else None
+        if kind is not None:
+            a_place, b_place = ([Replicate()], [Shard(0)]) if kind == "colwise" else ([Shard(1)], [Replicate()])
             linear.lora_A.weight = nn.Parameter(distribute_tensor(linear.lora_A.weight.data, tp_mesh, a_place))
             linear.lora_B.weight = nn.Parameter(distribute_tensor(linear.lora_B.weight.data, tp_mesh, b_place))
-        linear.register_forward_hook(_LoraHook(spec.scaling, spec.dropout, rowwise=style == "rowwise"))
+        linear.register_forward_hook(_LoraHook(spec.scaling, spec.dropout, rowwise=kind == "rowwise",
+                                               gather=style == "colwise_gather"))
     if spec.target_parameters:
         attach_expert_lora(model, parts.layers, target_parameters=spec.target_parameters, r=spec.r,
                            scaling=spec.scaling, dropout=spec.dropout, seed=spec.seed, ep_mesh=ep_mesh,
@@ -140,8 +146,8 @@ def attach_lora(model: nn.Module, spec: LoraSpec, *, tp_mesh: DeviceMesh | None,
 
 
 class _LoraHook:
-    def __init__(self, scaling: float, dropout: float, *, rowwise: bool) -> None:
-        self.scaling, self.dropout, self.rowwise = scaling, dropout, rowwise
+    def __init__(self, scaling: float, dropout: float, *, rowwise: bool, gather: bool = False) -> None:
+        self.scaling, self.dropout, self.rowwise, self.gather = scaling, dropout, rowwise, gather
 
     def __call__(self, module: nn.Linear, args: tuple, output: torch.Tensor) -> torch.Tensor:
         if not hasattr(module, "lora_A"):  # merged into the base weight
@@ -154,7 +160,7 @@ class _LoraHook:
             low = low.redistribute(placements=[Shard(1)])  # partial sums over tp -> sequence-split
         delta = module.lora_B(low) * self.scaling
         if isinstance(delta, DTensor) and not isinstance(output, DTensor):
-            delta = delta.to_local()
+            delta = (delta.redistribute(placements=[Replicate()]) if self.gather else delta).to_local()
         return output + delta
 
 

@@ -11,7 +11,9 @@ two per-chunk functions are compiled, so each pass is one fused kernel.
 
 Tensor parallelism: the logits are split along the vocabulary, (N, V/t) per rank. Each rank's (max,
 sum-exp) pair is combined over tp as in an online softmax, and the target's logit comes from the rank
-that holds it: three all-reduces of N floats, never gathering the (N, V) logits.
+that holds it: three all-reduces of N floats, never gathering the (N, V) logits. Whatever the model does
+to its logits after lm_head (Gemma's final soft-capping, Granite's logits_scaling, Cohere's logit_scale)
+is elementwise, so it already happened on each slice before the logits reach this loss.
 """
 
 from __future__ import annotations
@@ -25,12 +27,24 @@ IGNORE_INDEX = -100
 CHUNK_ROWS = 2048
 
 
+def vocab_offset(local_vocab: int, group: dist.ProcessGroup, rank: int, device: torch.device) -> torch.Tensor:
+    """First vocabulary row held by tp rank ``rank`` whose logits are ``local_vocab`` wide.
+
+    The vocabulary splits like ``torch.chunk`` (DTensor's ``Shard``): ceil(V/t) rows on every rank but the
+    last, which may hold fewer (V = 49,155 on 2 ranks: 24,578 and 24,577). The widest slice is that
+    ceil(V/t), so rank r starts at r * (the largest width): one all-reduce of one number, on the device.
+    """
+    width = torch.tensor(local_vocab, device=device, dtype=torch.long)
+    dist.all_reduce(width, op=dist.ReduceOp.MAX, group=group)
+    return width * rank
+
+
 def cross_entropy_sum(
     logits: torch.Tensor,
     labels: torch.Tensor,
     *,
     tp_group: dist.ProcessGroup | None = None,
-    vocab_start: int = 0,
+    vocab_start: int | torch.Tensor = 0,
     chunk_rows: int = CHUNK_ROWS,
     compiled: bool = False,
 ) -> torch.Tensor:

@@ -6,7 +6,8 @@
    (each tp rank runs them on its own tokens); expert parallelism then splits the experts over ``ep``.
    LoRA adapters (optional) come right after, placed to match the split of the weight each adapts.
 2. Context-parallel attention: switch the model's attention to ndparallel's CP implementation (through
-   transformers' attention registry). It changes no weights.
+   transformers' attention registry). It changes no weights. A family whose attention ndparallel's cannot
+   reproduce (Gemma 2's soft-capping, Falcon's direct SDPA call) keeps its own, and cp must be 1.
 3. Activation checkpointing wraps each decoder layer, so the wrapped unit is what recomputes.
 4. ``torch.compile`` per layer, after checkpointing (the checkpoint is traced into the graph) and before
    FSDP (whose hooks must stay outside the graphs).
@@ -18,6 +19,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +28,7 @@ from torch import nn
 from ndparallel.errors import ConfigError
 from ndparallel.lora import LoraSpec, attach_lora
 from ndparallel.models.decoder import decoder_parts
+from ndparallel.models.families import needs_eager_attention
 from ndparallel.parallel.checkpointing import apply_activation_checkpointing
 from ndparallel.parallel.compile import apply_compile
 from ndparallel.parallel.context import apply_context_parallel
@@ -99,7 +102,14 @@ def parallelize(model: nn.Module, topology: Topology, *, options: ParallelOption
     apply_expert_parallel(parts, topology)
     if lora is not None:
         attach_lora(model, lora, tp_mesh=topology.tp, ep_mesh=topology.experts.ep if topology.layout.ep > 1 else None)
-    apply_context_parallel(model, topology)
+    if parts.own_attention is None:
+        apply_context_parallel(model, topology)
+    elif needs_eager_attention(model.config) and model.config._attn_implementation == "sdpa":
+        warnings.warn("attention-logit soft-capping needs transformers' eager attention (SDPA has no soft cap); "
+                      "switching this model from sdpa to eager", stacklevel=2)
+        model.set_attn_implementation("eager")
+    # else the model keeps transformers' attention (cp is 1: check_model refused more), which takes packed
+    # rows exactly through transformers' document masks built from the position ids.
     apply_activation_checkpointing(parts, options.activation_checkpointing)
     if options.compile:
         apply_compile(parts)

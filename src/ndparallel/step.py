@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from ndparallel import _compat
 from ndparallel.errors import ConfigError
-from ndparallel.loss import cross_entropy_sum
+from ndparallel.loss import cross_entropy_sum, vocab_offset
 from ndparallel.optim import FlatAdamW
 from ndparallel.parallel.float8 import fp8_post_step_hook
 from ndparallel.parallel.single_rank import single_rank_state
@@ -42,9 +42,9 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor, *, num_tokens: torch.
     with torch.compile (GPU).
     """
     if topology.layout.tp > 1:
-        vocab_start = topology.tp_rank * logits.shape[-1]
-        total = cross_entropy_sum(logits, labels, tp_group=topology.tp.get_group(), vocab_start=vocab_start,
-                                  compiled=compiled)
+        group = topology.tp.get_group()
+        start = vocab_offset(logits.shape[-1], group, topology.tp_rank, logits.device)
+        total = cross_entropy_sum(logits, labels, tp_group=group, vocab_start=start, compiled=compiled)
     else:
         total = cross_entropy_sum(logits, labels, compiled=compiled)
     return total / num_tokens.clamp(min=1)
@@ -58,9 +58,15 @@ def gather_logits(logits: torch.Tensor, topology: Topology) -> torch.Tensor:
     from ndparallel.parallel.cp_layout import cp_gather
 
     if topology.layout.tp > 1:
-        parts = [torch.empty_like(logits) for _ in range(topology.layout.tp)]
-        dist.all_gather(parts, logits.contiguous(), group=topology.tp.get_group())
-        logits = torch.cat(parts, dim=-1)
+        # The last vocabulary slice may be narrower (torch.chunk split): pad to the widest, trim after.
+        group = topology.tp.get_group()
+        widths = [torch.zeros((), dtype=torch.long, device=logits.device) for _ in range(topology.layout.tp)]
+        dist.all_gather(widths, torch.tensor(logits.shape[-1], device=logits.device), group=group)
+        widest = int(max(widths))
+        padded = torch.nn.functional.pad(logits, (0, widest - logits.shape[-1])).contiguous()
+        parts = [torch.empty_like(padded) for _ in widths]
+        dist.all_gather(parts, padded, group=group)
+        logits = torch.cat([part[..., :int(w)] for part, w in zip(parts, widths)], dim=-1)
     return cp_gather(logits, topology, dim=1)
 
 

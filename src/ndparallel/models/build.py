@@ -15,18 +15,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ndparallel import _compat
 from ndparallel.errors import ModelError
 from ndparallel.lora import init_lora_tensor
 from ndparallel.models import presets
 from ndparallel.parallel.single_rank import reallocate
-from ndparallel.models.moe import has_attention_sinks, is_moe_weight
+from ndparallel.models.moe import is_moe_weight
 from ndparallel.models.moe_weights import hub_expert_tensor
+from ndparallel.models.families import needs_eager_attention
 
 
 def model_config_for(*, base_model: str | None, model_shape: str | None, overrides: dict[str, Any],
@@ -49,9 +52,16 @@ def model_config_for(*, base_model: str | None, model_shape: str | None, overrid
         kind = overrides.get("model_type")
         if not kind:
             raise ModelError("model_config_overrides needs model_type (e.g. llama) to describe an inline model")
-        # Given to the constructor, not set afterwards: fields derived from others (gpt-oss' layer_types from
-        # num_hidden_layers) are then built for the overridden values.
-        config = AutoConfig.for_model(kind, **{k: v for k, v in overrides.items() if k != "model_type"})
+        # Built from the overrides, so fields derived from them follow (Gemma's layer_types from
+        # num_hidden_layers); set afterwards they would keep the defaults' length.
+        if kind not in CONFIG_MAPPING:
+            raise ModelError(f"model_config_overrides.model_type {kind!r} is not a model type transformers "
+                             f"{transformers.__version__} knows (e.g. llama, qwen3, gemma2)")
+        try:
+            config = AutoConfig.for_model(kind, **{k: v for k, v in overrides.items() if k != "model_type"})
+        except Exception as exc:  # transformers' config validation (its exception types vary across versions)
+            reason = " ".join(str(exc).split())[-300:]
+            raise ModelError(f"model_config_overrides do not make a valid {kind} config: {reason}") from None
     for key, value in overrides.items():
         if key != "model_type":
             setattr(config, key, value)
@@ -62,13 +72,18 @@ def model_config_for(*, base_model: str | None, model_shape: str | None, overrid
 
 
 def meta_model(config: PretrainedConfig) -> nn.Module:
-    """The model's skeleton with no storage: parameters on the meta device, float32."""
-    # ndparallel replaces the attention function anyway; models whose attention has sinks (gpt-oss) refuse
-    # "sdpa" at construction, so they are built with their eager attention.
-    attention = "eager" if has_attention_sinks(config) else "sdpa"
+    """The model's skeleton with no storage: parameters on the meta device, float32. ndparallel replaces the
+    attention function anyway; a family SDPA cannot express (gpt-oss refuses it) is built eager."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention_for(config), dtype=torch.float32)
     return model
+
+
+def attention_for(config: PretrainedConfig) -> str:
+    """SDPA, unless the family cannot express its attention with it (Gemma 2's soft-capping: eager)."""
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    sdpa = not needs_eager_attention(config) and (model_class is None or model_class._supports_sdpa)
+    return "sdpa" if sdpa else "eager"
 
 
 def materialize(model: nn.Module, device: torch.device, *, weights_dir: str | None, seed: int,
@@ -164,6 +179,10 @@ def restore_buffers(model: nn.Module, device: torch.device) -> None:
     for module in model.modules():
         local = {n: b for n, b in module.named_buffers(recurse=False)}
         if not local:
+            continue
+        if hasattr(module, "scalar_embed_scale"):
+            # Gemma's scaled embedding keeps its scale (sqrt(hidden)) as a float beside the buffer.
+            local["embed_scale"].fill_(module.scalar_embed_scale)
             continue
         # Modules that keep no config of their own (DeepSeek-V3's router) are built from the model's.
         config = getattr(module, "config", None) or getattr(model, "config", None)

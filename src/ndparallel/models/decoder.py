@@ -1,9 +1,10 @@
 """Find the parts of a Hugging Face decoder model that parallel strategies act on.
 
-Nothing here is distributed: it reads the module tree and the model's own ``base_model_tp_plan`` (which
-transformers ships for Llama, Qwen2, Qwen3, Mistral and most decoder families) and returns named parts.
-A family whose plan uses a style we do not implement, or whose tree does not have the usual
-embed -> layers -> norm -> lm_head shape, is refused with a message that says so.
+Nothing here is distributed: it reads the module tree and the family's TP plan (``families.py``: transformers'
+own ``base_model_tp_plan``, or ours where transformers ships none) and returns named parts. Trees are
+found by the names transformers uses across families: the base model (``model`` or ``transformer``), its
+layers (``layers`` or ``h``), its final norm (``norm``, ``ln_f`` or ``final_layernorm``). A model without
+that shape is refused with a message that says so.
 """
 
 from __future__ import annotations
@@ -13,22 +14,13 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ndparallel.errors import ModelError
-from ndparallel.models.moe import is_moe_config, moe_attention_plan
+from ndparallel.models.families import family_problems, layer_tp_plan, model_attention_reason
 
-# transformers' plan styles -> ours. "qk_norm" is a norm applied per head inside attention: its weight is
-# replicated over tp and its gradient summed over tp (transformers calls it replicated_with_grad_allreduce).
-_STYLE_MAP = {"colwise": "colwise", "rowwise": "rowwise", "replicated_with_grad_allreduce": "qk_norm"}
-
-# Used when a config carries no plan but the layers look like Llama's.
-_LLAMA_LIKE_PLAN = {
-    "layers.*.self_attn.q_proj": "colwise",
-    "layers.*.self_attn.k_proj": "colwise",
-    "layers.*.self_attn.v_proj": "colwise",
-    "layers.*.self_attn.o_proj": "rowwise",
-    "layers.*.mlp.gate_proj": "colwise",
-    "layers.*.mlp.up_proj": "colwise",
-    "layers.*.mlp.down_proj": "rowwise",
-}
+_LAYER_LISTS = ("layers", "h")
+_FINAL_NORMS = ("norm", "ln_f", "final_layernorm")
+_ATTENTIONS = ("self_attn", "self_attention", "attn")
+# Styles whose linears take the whole sequence: their block's input is gathered once before them.
+_GATHERING_STYLES = ("colwise", "colwise_gather")
 
 
 @dataclass
@@ -43,42 +35,36 @@ class DecoderParts:
     lm_head: nn.Linear
     tied: bool
     layer_plan: dict[str, str] = field(default_factory=dict)
-    """Paths inside one layer -> 'colwise' | 'rowwise' | 'qk_norm'."""
+    """Paths inside one layer -> a style of ``families.STYLES``."""
     residual_norms: list[str] = field(default_factory=list)
     """Norms of one layer that act on the residual stream (sequence-parallel under TP)."""
     gathered_inputs: list[str] = field(default_factory=list)
     """Sub-modules of one layer whose input is gathered along the sequence before their colwise linears."""
+    own_attention: str | None = None
+    """Why the model keeps transformers' attention rather than ndparallel's (None: it takes ndparallel's)."""
 
 
 def decoder_parts(model: nn.Module) -> DecoderParts:
     arch = type(model).__name__
-    base = getattr(model, "model", None)
-    layers = getattr(base, "layers", None)
+    config = model.config
+    problems = family_problems(config, tp=1, cp=1)
+    if problems:
+        raise ModelError(problems[0])
+    base = getattr(model, "base_model", None)
+    layers = _first_attr(base, _LAYER_LISTS)
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    final_norm = getattr(base, "norm", None)
+    final_norm = _first_attr(base, _FINAL_NORMS)
     if not isinstance(layers, nn.ModuleList) or embed is None or lm_head is None or final_norm is None:
         raise ModelError(
-            f"{arch} does not have the decoder shape ndparallel parallelizes (model.embed_tokens, model.layers, "
-            f"model.norm, lm_head); supported families: Llama, Qwen2, Qwen3, Mistral and models built like them"
+            f"{arch} does not have the decoder shape ndparallel parallelizes (embeddings, a list of layers, a final "
+            f"norm, lm_head); supported families are listed in the README's model table"
         )
-    tied = lm_head.weight is embed.weight
-    if is_moe_config(model.config):  # attention only: MoE blocks run unsplit on each tp rank's tokens (models/moe.py)
-        plan_source = moe_attention_plan(model.config)
-    else:
-        plan_source = getattr(model.config, "base_model_tp_plan", None) or _LLAMA_LIKE_PLAN
-    layer_plan: dict[str, str] = {}
-    for pattern, style in plan_source.items():
-        if not pattern.startswith("layers.*."):
-            continue
-        ours = _STYLE_MAP.get(style)
-        if ours is None:
-            raise ModelError(
-                f"{arch}: tensor parallelism does not support the plan entry {pattern!r}: {style!r}; "
-                f"set tp_size=1 for this model (FSDP and CP still apply)"
-            )
-        layer_plan[pattern[len("layers.*."):]] = ours
     first = layers[0]
+    if _first_attr(first, _ATTENTIONS) is None:
+        raise ModelError(f"{arch}: layer 0 has no attention module ({', '.join(_ATTENTIONS)}); ndparallel trains "
+                         f"attention decoders")
+    layer_plan = layer_tp_plan(config)
     for path in layer_plan:
         if _get(first, path) is None:
             raise ModelError(f"{arch}: the tensor-parallel plan names {path!r}, which layer 0 does not have")
@@ -87,11 +73,20 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
         name for name, child in first.named_children()
         if _is_norm(child) and getattr(child, "weight", None) is not None and child.weight.shape == (hidden,)
     ]
-    gathered = sorted({path.split(".")[0] for path, style in layer_plan.items() if style == "colwise"})
+    gathered = sorted({path.split(".")[0] for path, style in layer_plan.items() if style in _GATHERING_STYLES})
     return DecoderParts(
-        model=model, base=base, layers=layers, embed=embed, final_norm=final_norm, lm_head=lm_head, tied=tied,
-        layer_plan=layer_plan, residual_norms=residual_norms, gathered_inputs=gathered,
+        model=model, base=base, layers=layers, embed=embed, final_norm=final_norm, lm_head=lm_head,
+        tied=lm_head.weight is embed.weight, layer_plan=layer_plan, residual_norms=residual_norms,
+        gathered_inputs=gathered, own_attention=model_attention_reason(config),
     )
+
+
+def _first_attr(module: nn.Module | None, names: tuple[str, ...]) -> nn.Module | None:
+    for name in names:
+        found = getattr(module, name, None)
+        if isinstance(found, nn.Module):
+            return found
+    return None
 
 
 def _is_norm(module: nn.Module) -> bool:

@@ -13,7 +13,18 @@ reduce-scatter back to ``Shard(1)``. Shapes, with B batch, S sequence, H hidden,
     lm_head (colwise)           (B, S/t, H) Shard(1) -> (B, S, V/t) local logits (vocab-parallel loss)
 
 The embedding output stays a DTensor because transformers derives position ids and masks from
-``inputs_embeds.shape[1]``, which must be the global length.
+``inputs_embeds.shape[1]``, which must be the global length. The vocabulary need not divide by t: the
+embedding and lm_head rows split like ``torch.chunk`` (ceil(V/t) rows per rank, fewer on the last), and
+the loss finds each rank's first row (``loss.vocab_offset``).
+
+Other styles (``models/families.py`` says which module gets which):
+
+    colwise_gather (fused qkv)  (B, S, H)            -> (B, S, out) gathered: attention on every head per rank
+    rowwise_split               (B, S, in) full      -> its slice of in, then like rowwise
+    qk_norm (one weight/head)   (B, S, heads/t, D)   weight replicated, its gradient summed over tp
+    head_norm (weight/head)     (B, S, heads/t, D)   weight (heads, D) split by head like its input
+    feature_norm (OLMo 2 q/k)   (B, S, heads/t * D)  normalized over all heads: the mean of squares is
+                                                     summed across ranks (a DTensor reduction), weight split
 """
 
 from __future__ import annotations
@@ -22,8 +33,9 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
+    ParallelStyle,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -43,14 +55,7 @@ def apply_tensor_parallel(parts: DecoderParts, tp_mesh: DeviceMesh) -> None:
     )
     for layer in parts.layers:
         plan: dict[str, Any] = {path: SequenceParallel() for path in parts.residual_norms}
-        for path, style in parts.layer_plan.items():
-            colwise, rowwise = tp_style_classes(layer.get_submodule(path))  # torchao's for FP8 linears
-            if style == "colwise":
-                plan[path] = colwise()
-            elif style == "rowwise":
-                plan[path] = rowwise(output_layouts=Shard(1), use_local_output=False)
-            else:  # qk_norm: input (B, S, heads/t, head_dim), heads split over tp
-                plan[path] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan.update({path: _style(name, layer.get_submodule(path)) for path, name in parts.layer_plan.items()})
         parallelize_module(layer, tp_mesh, plan)
         for path in parts.gathered_inputs:
             layer.get_submodule(path).register_forward_pre_hook(_gather_sequence, with_kwargs=True)
@@ -63,6 +68,56 @@ def apply_tensor_parallel(parts: DecoderParts, tp_mesh: DeviceMesh) -> None:
     if parts.tied:
         # Both sides split the (vocab, hidden) weight on dim 0, so one DTensor serves both again.
         parts.lm_head.weight = parts.embed.weight
+
+
+def _style(name: str, module: nn.Module) -> ParallelStyle:
+    """Our style names (``families.STYLES``) -> torch parallel styles, with sequence parallelism around them
+    (torchao's float8 colwise/rowwise for a linear converted to FP8)."""
+    colwise, rowwise = tp_style_classes(module)
+    if name == "colwise":
+        return colwise()
+    if name == "colwise_gather":
+        return colwise(output_layouts=Replicate())
+    if name in ("rowwise", "rowwise_split"):
+        # rowwise_split gets the whole feature dim (Replicate) and keeps its slice; rowwise gets the slice.
+        return rowwise(input_layouts=Replicate() if name == "rowwise_split" else Shard(-1),
+                       output_layouts=Shard(1), use_local_output=False)
+    if name == "qk_norm":  # input (B, S, heads/t, head_dim), heads split over tp
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
+    if name == "head_norm":  # weight (heads, head_dim), input (B, S, heads/t, head_dim)
+        return _SplitNorm(input_dim=2)
+    if name == "feature_norm":  # weight (heads * head_dim,), input (B, S, heads/t * head_dim)
+        return _SplitNorm(input_dim=-1)
+    raise ValueError(f"unknown tensor-parallel style {name!r}")
+
+
+class _SplitNorm(ParallelStyle):
+    """A norm whose weight is split over tp on dim 0, like its input on ``input_dim``.
+
+    The norm runs on DTensors, so a reduction over a split dim (OLMo 2's mean of squares over all heads)
+    is completed across ranks by DTensor, in forward and backward; the output is the local slice again.
+    """
+
+    def __init__(self, *, input_dim: int) -> None:
+        super().__init__()
+        self.input_dim = input_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._split_params, self._wrap_input, self._unwrap_output)
+
+    @staticmethod
+    def _split_params(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
+
+    def _wrap_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        x = inputs[0]
+        dim = self.input_dim % x.dim()
+        return (DTensor.from_local(x, mesh, [Shard(dim)], run_check=False), *inputs[1:])
+
+    @staticmethod
+    def _unwrap_output(module: nn.Module, output: DTensor, mesh: DeviceMesh):
+        return output.to_local()
 
 
 def _gather_sequence(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
