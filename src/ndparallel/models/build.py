@@ -19,9 +19,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
-from ndparallel import _compat
+from ndparallel import _compat, hub
 from ndparallel.errors import ModelError
 from ndparallel.lora import init_lora_tensor
+from ndparallel.vocab import grow_rows
 
 # Llama-shaped presets for pre-training from scratch (model_shape). Dims of Llama 3.2 1B/3B and Llama 3 8B.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -40,16 +41,18 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def model_config_for(*, base_model: str | None, model_shape: str | None, overrides: dict[str, Any],
-                     max_position_embeddings: int | None = None) -> PretrainedConfig:
-    """The transformers config of the model to train (no weights are read)."""
+                     max_position_embeddings: int | None = None, revision: str | None = None,
+                     trust_remote_code: bool = False) -> PretrainedConfig:
+    """The transformers config of the model to train (no weights are read). ``base_model`` is a local
+    directory or a hub id (``ndparallel.hub``: its config is fetched into the hub cache when missing)."""
     if base_model is not None:
-        path = Path(base_model)
+        path = hub.model_dir(base_model, revision=revision, weights=False, trust_remote_code=trust_remote_code)
         if not path.is_dir():
             raise ModelError(f"base_model {base_model!r} is not a directory; give a local Hugging Face model directory "
-                             f"(config.json + *.safetensors), or use model_shape for random init")
+                             f"(config.json + *.safetensors) or a hub id, or use model_shape for random init")
         if not (path / "config.json").is_file():
             raise ModelError(f"base_model {base_model!r} has no config.json; it must be a Hugging Face model directory")
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     elif model_shape is not None:
         if model_shape not in PRESETS:
             raise ModelError(f"model_shape {model_shape!r} is not a preset; choose one of {', '.join(PRESETS)}")
@@ -75,10 +78,12 @@ def meta_model(config: PretrainedConfig) -> nn.Module:
     return model
 
 
-def materialize(model: nn.Module, device: torch.device, *, weights_dir: str | None, seed: int) -> None:
+def materialize(model: nn.Module, device: torch.device, *, weights_dir: str | None, seed: int,
+                vocab_from: int | None = None) -> None:
     """Give a parallelized meta model real storage on ``device`` and fill this rank's shards.
 
     ``weights_dir``: read each tensor from its safetensors file; else a per-name seeded random init.
+    ``vocab_from``: the checkpoint's vocabulary size when the model's grew for added tokens (``vocab.py``).
     """
     model.to_empty(device=device)
     reader = _SafetensorsReader(weights_dir) if weights_dir else None
@@ -91,7 +96,7 @@ def materialize(model: nn.Module, device: torch.device, *, weights_dir: str | No
             if lora_init is not None:  # adapters start fresh, whatever the base weights
                 full = lora_init
             elif reader is not None:
-                full = reader.get(key)
+                full = grow_rows(reader.get(key), tuple(param.shape), vocab_from)
                 if tuple(full.shape) != tuple(param.shape):
                     raise ModelError(f"{key}: the weights in {weights_dir!r} have shape {tuple(full.shape)} but the model "
                                      f"expects {tuple(param.shape)}; config.json and the weights disagree")
