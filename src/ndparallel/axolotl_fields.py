@@ -110,7 +110,9 @@ POLICY: list[tuple[str, Rule]] = [
      "is_mistral_derived_model is_qwen_derived_model tokenizer_use_fast tokenizer_legacy "
      "tokenizer_save_jinja_files ray_num_workers ray_run_name resources_per_worker "
      "shuffle_before_merging_datasets peft_autocast_adapter_dtype peft_ensure_weight_tying "
-     "bnb_config_kwargs save_first_step", _ignored(PLUMBING)),
+     "bnb_config_kwargs", _ignored(PLUMBING)),
+    ("save_first_step", _ignored("an extra checkpoint after the first step only checks saving; checkpoints follow "
+                                 "save_steps / saves_per_epoch")),
     ("deepspeed", _ignored(DEEPSPEED)),
     ("save_safetensors save_only_model fsdp_final_state_dict_type", _ignored(CHECKPOINT_FORMAT)),
     ("eval_table_size eval_max_new_tokens do_causal_lm_eval eval_causal_lm_metrics do_bench_eval bench_dataset "
@@ -157,7 +159,8 @@ POLICY: list[tuple[str, Rule]] = [
     ("fix_untrained_tokens shrink_embeddings reinit_weights trainer_cls overrides_of_model_kwargs base_model_config "
      "llama4_linearized_experts scaling_softmax scaling_softmax_* s2_attention tokenizer_use_mistral_common "
      "diffusion noise_schedule num_diffusion_steps mask_token_id mask_token_str min_mask_ratio max_mask_ratio "
-     "llmcompressor kd_* loss_fn loss_fn_config", _refused(ARCH_CHANGE)),
+     "llmcompressor kd_* loss_fn loss_fn_config model_kwargs", _refused(ARCH_CHANGE)),
+    ("rope_scaling", _refused("rope_scaling belongs under model_config (Axolotl no longer reads it at the top)")),
     ("use_ray", _refused(LAUNCHER)),
     ("expert_parallel_* dense_mixer moe_* dsv4_* gemma4_fp8_nonexpert gemma4_nf4_nonexpert use_dsv4_kernels "
      "use_glm_dsa_kernels expert_backend", _refused(MOE)),

@@ -85,7 +85,10 @@ class PretrainingDatasetConfig(BaseModel):
     name: str | None = None
     split: str = "train"
     text_column: str = "text"
-    type: Literal["pretrain"] = "pretrain"
+    type: str = "pretrain"
+    """pretrain or completion: every token of text_column is trained."""
+    field: str | None = None
+    """Axolotl's datasets-style spelling of text_column."""
     data_files: str | list[str] | None = None
     revision: str | None = None
     trust_remote_code: bool = False
@@ -179,13 +182,14 @@ class TrainConfig(BaseModel):
     learning_rate: float = Field(2e-5, gt=0)
     lr_scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup"] = "cosine"
     """cosine or linear decay after warm-up, constant_with_warmup, or constant (no warm-up), as in transformers."""
-    warmup_steps: int | None = Field(None, ge=0)
-    """Warm-up steps (default: warmup_ratio of the steps, else 3% of them and at most 100, as Axolotl)."""
+    warmup_steps: int | float | None = Field(None, ge=0)
+    """Warm-up steps, or a fraction of the steps when below 1 (default: warmup_ratio of the steps, else 3% of
+    them and at most 100, as Axolotl)."""
     warmup_ratio: float | None = Field(None, ge=0, lt=1)
     """Warm-up as a fraction of the steps."""
     cosine_min_lr_ratio: float | None = Field(None, ge=0, le=1)
     """cosine: decay to this fraction of learning_rate instead of 0."""
-    cosine_constant_lr_ratio: float | None = Field(None, gt=0, le=1)
+    cosine_constant_lr_ratio: float | None = Field(None, ge=0, le=1)
     """cosine with cosine_min_lr_ratio: reach the minimum at this fraction of the steps and stay there."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay; never applied to norms and biases."""
@@ -251,7 +255,7 @@ class TrainConfig(BaseModel):
     end). Default: at each epoch's end, as Axolotl."""
     saves_per_epoch: int | None = Field(None, ge=1)
     """Checkpoints per epoch (Axolotl's: every 1 / (saves_per_epoch x num_epochs) of the steps)."""
-    save_strategy: Literal["steps", "epoch", "no"] | None = None
+    save_strategy: Literal["steps", "epoch", "no", "best"] | None = None
     """no: only the final checkpoint; epoch: at each epoch's end; steps: every save_steps."""
     save_total_limit: int | None = Field(4, ge=1)
     """Keep the last K checkpoints (Axolotl's default 4)."""
@@ -371,9 +375,13 @@ class TrainConfig(BaseModel):
         for one, other in both:
             if getattr(self, one) is not None and getattr(self, other) is not None:
                 yield f"{one} and {other} are both set: keep one"
-        if self.cosine_constant_lr_ratio is not None and self.cosine_min_lr_ratio is None:
+        if self.save_strategy == "best":
+            yield "save_strategy: best (keep the checkpoint with the best eval metric) is not implemented: use steps or epoch"
+        if self.pretraining_dataset and any(p.type not in ("pretrain", "completion") for p in self.pretraining_dataset):
+            yield "pretraining_dataset entries are read as text (type: pretrain or completion)"
+        if self.cosine_constant_lr_ratio and not self.cosine_min_lr_ratio:
             yield "cosine_constant_lr_ratio needs cosine_min_lr_ratio (the rate it holds at the end)"
-        if (self.cosine_min_lr_ratio is not None or self.cosine_constant_lr_ratio is not None) \
+        if (self.cosine_min_lr_ratio or self.cosine_constant_lr_ratio) \
                 and self.lr_scheduler != "cosine":
             yield f"cosine_min_lr_ratio applies to lr_scheduler: cosine, not {self.lr_scheduler}"
         if self.chat_template == "jinja" and not self.chat_template_jinja:
@@ -478,6 +486,22 @@ def read_config(raw: Any) -> ConfigReading:
         errors += _format_validation_error(exc)
     notes = [line for line in [not_used_line(reading.not_used)] if line] + reading.notes
     return ConfigReading(None if errors else config, errors, notes, reading.settings)
+
+
+def partial_config(settings: dict[str, Any]) -> TrainConfig | None:
+    """The config without the settings that are invalid (their defaults instead), so that ``validate`` can go
+    on to check the model, layout and data of a config that has errors; None when that is not possible."""
+    settings = dict(settings)
+    for _ in range(4):
+        try:
+            return TrainConfig.model_validate(settings)
+        except ValidationError as exc:
+            keys = {err["loc"][0] for err in exc.errors() if err["loc"]}
+            if not keys & set(settings):
+                return None
+            for key in keys:
+                settings.pop(key, None)
+    return None
 
 
 def config_errors(raw: dict) -> list[str]:

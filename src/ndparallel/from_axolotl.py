@@ -12,7 +12,7 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
-from ndparallel.axolotl_fields import PLUMBING, is_placeholder, known_names, plugin_problem, rule_for
+from ndparallel.axolotl_fields import is_placeholder, known_names, plugin_problem, rule_for
 
 LEFT_EMPTY = "left empty"
 # Axolotl's ring_attn_func -> the CP method that exchanges keys/values the same way.
@@ -47,7 +47,8 @@ def read_axolotl(raw: dict[str, Any], own_keys: set[str], dataset_keys: set[str]
     translators = {"fsdp": _fsdp_list, "fsdp_version": _fsdp_version, "fsdp_config": _fsdp_config,
                    "ring_attn_func": _ring_attn_func, "sequence_parallel_degree": _sequence_parallel_degree,
                    "bfloat16": _bfloat16, "float16": _float16, "excess_length_strategy": _excess_length,
-                   "overrides_of_model_config": _model_overrides, "rope_scaling": _rope_scaling,
+                   "overrides_of_model_config": _model_overrides, "model_config": _model_overrides,
+                   "model_revision": _model_revision,
                    "ddp_timeout": _ddp_timeout, "plugins": _plugins}
     later = []
     for key, value in raw.items():
@@ -68,6 +69,10 @@ def read_axolotl(raw: dict[str, Any], own_keys: set[str], dataset_keys: set[str]
     if isinstance(reading.settings.get("datasets"), list):
         reading.settings["datasets"] = [_dataset_entry(reading, i, entry, dataset_keys)
                                         for i, entry in enumerate(reading.settings["datasets"])]
+    if isinstance(reading.settings.get("pretraining_dataset"), list):  # nulls are unset there too
+        reading.settings["pretraining_dataset"] = [
+            {k: v for k, v in entry.items() if v is not None} if isinstance(entry, dict) else entry
+            for entry in reading.settings["pretraining_dataset"]]
     return reading
 
 
@@ -187,10 +192,8 @@ def _model_overrides(reading: Reading, value: Any) -> None:
     reading.settings["model_config_overrides"] = {**value, **reading.settings.get("model_config_overrides", {})}
 
 
-def _rope_scaling(reading: Reading, value: Any) -> None:
-    overrides = dict(reading.settings.get("model_config_overrides", {}))
-    overrides.setdefault("rope_scaling", value)
-    reading.settings["model_config_overrides"] = overrides
+def _model_revision(reading: Reading, value: Any) -> None:
+    _set_unless_given(reading, "revision_of_model", value, "model_revision")
 
 
 def _ddp_timeout(reading: Reading, value: Any) -> None:
@@ -239,6 +242,3 @@ def not_used_line(not_used: dict[str, list[str]]) -> str | None:
     if LEFT_EMPTY in not_used:
         groups.append(f"{', '.join(not_used[LEFT_EMPTY])} ({LEFT_EMPTY})")
     return "not used: " + "; ".join(groups)
-
-
-__all__ = ["LEFT_EMPTY", "PLUMBING", "Reading", "not_used_line", "read_axolotl"]

@@ -122,11 +122,18 @@ def build_optimizer(
 
     Build it after ``parallelize`` so it holds the sharded parameters.
     """
+    groups = decay_groups(model, weight_decay)
+    params = [p for group in groups for p in group["params"]]
+    if fused is None:
+        fused = all(p.is_cuda for p in params) and bool(params)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
+
+
+def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """The trainable parameters in two optimizer groups: matrices with ``weight_decay``, norms and biases
+    (1-D tensors) without."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.dim() >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if fused is None:
-        fused = all(p.is_cuda for p in decay + no_decay) and bool(decay + no_decay)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

@@ -27,16 +27,26 @@ from ndparallel import _compat
 from ndparallel import checkpoint as ckpt
 from ndparallel.batching import prepare_batch
 from ndparallel.config import TrainConfig
-from ndparallel.data import DataOrder, DatasetSpec, build_rows_distributed, load_tokenizer
+from ndparallel.data import DataOrder, build_rows_distributed
 from ndparallel.errors import ConfigError, NumericsError
 from ndparallel.layout import Layout
 from ndparallel.lora import LoraSpec, save_peft_adapter
 from ndparallel.metrics import MetricsLogger, device_peak_flops, flops_per_token
 from ndparallel.models.build import materialize, meta_model, model_config_for
 from ndparallel.parallelize import ParallelOptions, parallelize
-from ndparallel.step import build_optimizer, clip_grad_norm_, count_tokens, reduce_loss, set_gradient_sync, token_loss
+from ndparallel.run_inputs import (
+    base_model_dir,
+    build_run_optimizer,
+    dataset_specs,
+    fetch_run_inputs,
+    hub_fetches,
+    load_run_tokenizer,
+    token_budget,
+)
+from ndparallel.schedule import Schedule, schedule_for
+from ndparallel.step import clip_grad_norm_, count_tokens, reduce_loss, set_gradient_sync, token_loss
 from ndparallel.topology import Topology, default_device_type, init_distributed
-from ndparallel.validate import resolve_data_path
+from ndparallel.vocab import fit_vocab
 
 log = logging.getLogger("ndparallel")
 
@@ -59,17 +69,7 @@ def resolve_layout(cfg: TrainConfig, world_size: int, model_config) -> tuple[Lay
                                      activation_checkpointing=cfg.ac_mode,
                                      lora_rank=cfg.lora_r if cfg.adapter == "lora" else None)
         return layout, reason
-    return cfg.parallelism().resolve(world_size), None
-
-
-def lr_factor(step: int, *, warmup: int, total: int, kind: str) -> float:
-    """Multiplier of the peak learning rate at optimizer step ``step`` (0-based)."""
-    if warmup and step < warmup:
-        return (step + 1) / warmup
-    if kind == "constant" or total <= warmup:
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return 0.5 * (1.0 + math.cos(math.pi * progress)) if kind == "cosine" else 1.0 - progress
+    return cfg.parallelism(world_size=world_size).resolve(world_size), None
 
 
 def _quiet_libraries(rank: int) -> None:
@@ -104,6 +104,8 @@ class TrainingRun:
     resume_dir: Path | None
     layout_reason: str | None
     load_s: float | None = None
+    schedule: Schedule | None = None
+    vocab_note: str | None = None
 
 
 def setup(cfg: TrainConfig) -> TrainingRun:
@@ -116,16 +118,18 @@ def setup(cfg: TrainConfig) -> TrainingRun:
     rank = int(os.environ.get("RANK", "0"))
     _quiet_libraries(rank)
     torch.manual_seed(cfg.seed)
+    if hub_fetches(cfg):  # hub ids: local rank 0 of each node downloads while the others wait
+        init_distributed(device_type=device_type, timeout_s=cfg.process_group_timeout_s)
+        fetch_run_inputs(cfg)
 
     # 1. Checks that need no communication: the same answer on every rank.
     model_config = model_config_for(base_model=cfg.base_model, model_shape=cfg.model_shape,
-                                    overrides=cfg.model_config_overrides, max_position_embeddings=cfg.sequence_len)
+                                    overrides=cfg.model_config_overrides, max_position_embeddings=cfg.sequence_len,
+                                    revision=cfg.revision_of_model, trust_remote_code=cfg.trust_remote_code)
     layout, layout_reason = resolve_layout(cfg, world, model_config)
+    tokenizer, added_tokens = load_run_tokenizer(cfg)
+    vocab_from, vocab_note = fit_vocab(model_config, len(tokenizer), added_tokens, tp=layout.tp)
     layout.check_model(model_config, seq_len=cfg.sequence_len)
-    tokenizer = load_tokenizer(cfg.tokenizer_config or cfg.base_model)
-    if len(tokenizer) > model_config.vocab_size:
-        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
-                          f"{model_config.vocab_size}; use the model's own tokenizer or raise vocab_size")
     output_dir = Path(cfg.output_dir)
     resume_dir = ckpt.find_resume(output_dir, cfg.resume_from_checkpoint)
     if resume_dir is None and ckpt.has_checkpoints(output_dir) and not cfg.overwrite_output_dir:
@@ -139,11 +143,13 @@ def setup(cfg: TrainConfig) -> TrainingRun:
     # 2. Mesh, data, model.
     init_distributed(device_type=device_type, timeout_s=cfg.process_group_timeout_s)
     topo = Topology.build(layout, device_type=device_type, timeout_s=cfg.process_group_timeout_s)
-    specs = [DatasetSpec(**{**d.model_dump(), "path": resolve_data_path(d.path)}) for d in cfg.datasets]
+    specs = dataset_specs(cfg, template=tokenizer.chat_template)
     cache_dir = cfg.dataset_prepared_path or str(output_dir / "prepared")
+    global_rows = cfg.micro_batch_size * layout.batch_size * cfg.gradient_accumulation_steps
     train_rows, eval_rows = build_rows_distributed(
-        specs, tokenizer, seq_len=cfg.sequence_len, packing=cfg.sample_packing, cache_dir=cache_dir,
-        long_rows=cfg.long_rows, eval_fraction=cfg.val_set_size, seed=cfg.seed,
+        specs, tokenizer, seq_len=cfg.sequence_len, packing=cfg.sample_packing or bool(cfg.pretraining_dataset),
+        cache_dir=cache_dir, long_rows=cfg.long_rows_policy, eval_fraction=cfg.val_set_size, seed=cfg.seed,
+        min_len=cfg.min_sample_len, eval_packing=cfg.eval_packing, token_budget=token_budget(cfg, global_rows),
         is_main=topo.is_main, barrier=dist.barrier)
     bf16 = cfg.bf16 if cfg.bf16 != "auto" else device_type == "cuda"
     options = ParallelOptions(param_dtype="bfloat16" if bf16 else None, reduce_dtype="float32",
@@ -153,18 +159,16 @@ def setup(cfg: TrainConfig) -> TrainingRun:
     model = meta_model(model_config)
     lora = LoraSpec.from_config(cfg)
     parallelize(model, topo, options=options, lora=lora)
-    materialize(model, topo.device, weights_dir=cfg.base_model, seed=cfg.seed)
+    materialize(model, topo.device, weights_dir=base_model_dir(cfg), seed=cfg.seed, vocab_from=vocab_from)
     model.train()
-    optimizer = build_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
-                                fused=None if cfg.optimizer != "adamw_torch" else False)
+    optimizer = build_run_optimizer(model, cfg, device_type)
 
     order = DataOrder(len(train_rows), rows_per_rank=cfg.micro_batch_size, batch_rank=topo.batch_rank,
                       batch_ranks=layout.batch_size, seed=cfg.seed)
     steps_per_epoch = max(1, order.batches_per_epoch // cfg.gradient_accumulation_steps)
-    total_steps = cfg.max_steps or max(1, math.ceil(cfg.num_epochs * steps_per_epoch))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, warmup=cfg.warmup_steps, total=total_steps, kind=cfg.lr_scheduler))
+    schedule = schedule_for(cfg, steps_per_epoch=steps_per_epoch)
+    total_steps = schedule.total_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.lr_factor)
     state = ckpt.TrainState()
     load_s = None
     if resume_dir is not None:
@@ -180,7 +184,7 @@ def setup(cfg: TrainConfig) -> TrainingRun:
                        optimizer=optimizer, scheduler=scheduler, order=order, train_rows=train_rows,
                        eval_rows=eval_rows, lora=lora, state=state, total_steps=total_steps,
                        steps_per_epoch=steps_per_epoch, resume_dir=resume_dir, layout_reason=layout_reason,
-                       load_s=load_s)
+                       load_s=load_s, schedule=schedule, vocab_note=vocab_note)
 
 
 def run_training(cfg: TrainConfig) -> TrainResult:
@@ -197,6 +201,8 @@ def run_training(cfg: TrainConfig) -> TrainResult:
         metrics.message(topo.describe())
         if run.layout_reason:
             metrics.message(f"layout chosen by the planner: {run.layout_reason}")
+        if run.vocab_note:
+            metrics.message(run.vocab_note)
         metrics.message(f"data: {len(train_rows)} rows of {cfg.sequence_len} tokens; {run.steps_per_epoch} steps "
                         f"per epoch; {total_steps} steps"
                         + (f"; resumed at step {state.step} from {resume_dir} (loaded in {run.load_s:.1f} s)"
@@ -221,7 +227,7 @@ def run_training(cfg: TrainConfig) -> TrainResult:
                  for _ in range(accum)]
         step_loss, step_tokens = forward_backward(model, micro, topo, compiled_loss=cfg.torch_compile)
         tokens_since_log += step_tokens
-        grad_norm = clip_grad_norm_(trainable, cfg.max_grad_norm)
+        grad_norm = clip_grad_norm_(trainable, cfg.clip_norm)
         if cfg.nan_policy == "skip" and not _finite_everywhere(step_loss, grad_norm, topo):
             optimizer.zero_grad(set_to_none=True)
             skipped += 1
@@ -238,9 +244,9 @@ def run_training(cfg: TrainConfig) -> TrainResult:
         state.step = step + 1
         metrics.advance()
 
-        last = state.step == total_steps
-        saving = bool(cfg.save_steps and state.step % cfg.save_steps == 0) or last
-        logging_now = state.step % cfg.logging_steps == 0 or last
+        saving = run.schedule.saving(state.step)
+        evaluating = eval_rows is not None and run.schedule.evaluating(state.step)
+        logging_now = run.schedule.logging(state.step) or evaluating
         if (logging_now or saving) and cfg.nan_policy == "stop":
             bad = _first_bad_step(first_bad, topo)
             if bad is not None:  # never log on, never save weights that saw a non-finite update
@@ -263,7 +269,7 @@ def run_training(cfg: TrainConfig) -> TrainResult:
                       "mfu": (tps * flops_tok / (peak * topo.world_size)) if peak else None,
                       "peak_memory_gib": _peak_memory_gib(topo.device),
                       "step_time_s": (now - last_time) / max(1, state.step - last_step), "skipped_steps": skipped}
-            if eval_rows is not None and (cfg.eval_steps is None or state.step % cfg.eval_steps == 0 or last):
+            if evaluating:
                 record["eval_loss"] = evaluate(model, eval_rows, topo, cfg.micro_batch_size, pad_id)
             metrics.log(record)
             tokens_since_log.zero_()

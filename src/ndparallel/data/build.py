@@ -50,6 +50,7 @@ def build_rows(
     seed: int = 0,
     min_len: int = 1,
     eval_packing: bool | None = None,
+    token_budget: int | None = None,
 ) -> tuple[Rows, Rows | None]:
     """Training rows and evaluation rows (None when ``eval_fraction`` is 0), from the cache when possible.
 
@@ -57,17 +58,19 @@ def build_rows(
     unset, packing splits them and padding refuses them. Examples shorter than ``min_len`` tokens are left
     out. ``eval_fraction`` of the examples (a fraction below 1, or a number of examples; at least one), chosen
     by a shuffle seeded with ``seed``, become the evaluation split before packing; ``eval_packing`` (default:
-    ``packing``) says whether its rows are packed. A tokenizer without a pad token gets eos as pad token
+    ``packing``) says whether its rows are packed. ``token_budget``: stop reading the datasets (in order) once
+    this many tokens are tokenized (a pretraining corpus read only as far as the steps need). A tokenizer without a pad token gets eos as pad token
     (``ensure_pad_token``): pad positions are masked, so the id does not matter.
     """
     long_rows = long_rows or ("split" if packing else "error")
     eval_packing = packing if eval_packing is None else eval_packing
     specs, directory, inputs = _cache_location(specs, tokenizer, seq_len, packing, cache_dir, long_rows,
-                                               eval_fraction, seed, min_len, eval_packing)
+                                               eval_fraction, seed, min_len, eval_packing, token_budget)
     cached = load_splits(directory)
     if cached is None:
         splits = _build(specs, tokenizer, seq_len=seq_len, packing=packing, long_rows=long_rows,
-                        eval_fraction=eval_fraction, seed=seed, min_len=min_len, eval_packing=eval_packing)
+                        eval_fraction=eval_fraction, seed=seed, min_len=min_len, eval_packing=eval_packing,
+                        token_budget=token_budget)
         save_splits(directory, splits, {"inputs": inputs})
         cached = load_splits(directory)
         if cached is None:
@@ -92,6 +95,7 @@ def build_rows_distributed(
     seed: int = 0,
     min_len: int = 1,
     eval_packing: bool | None = None,
+    token_budget: int | None = None,
 ) -> tuple[Rows, Rows | None]:
     """``build_rows`` on the main process only; every process waits at ``barrier`` and then maps the cache.
 
@@ -100,7 +104,8 @@ def build_rows_distributed(
     re-raises; the others then report that the cache is missing.
     """
     options = dict(seq_len=seq_len, packing=packing, cache_dir=cache_dir, long_rows=long_rows,
-                   eval_fraction=eval_fraction, seed=seed, min_len=min_len, eval_packing=eval_packing)
+                   eval_fraction=eval_fraction, seed=seed, min_len=min_len, eval_packing=eval_packing,
+                   token_budget=token_budget)
     if is_main:
         try:
             result = build_rows(specs, tokenizer, **options)
@@ -111,7 +116,7 @@ def build_rows_distributed(
     long_rows = long_rows or ("split" if packing else "error")
     eval_packing = packing if eval_packing is None else eval_packing
     _, directory, _ = _cache_location(specs, tokenizer, seq_len, packing, cache_dir, long_rows, eval_fraction, seed,
-                                      min_len, eval_packing)
+                                      min_len, eval_packing, token_budget)
     cached = load_splits(directory)
     if cached is None:
         raise DataError(
@@ -122,7 +127,7 @@ def build_rows_distributed(
 
 
 def _cache_location(specs, tokenizer, seq_len, packing, cache_dir, long_rows, eval_fraction, seed, min_len,
-                    eval_packing):
+                    eval_packing, token_budget=None):
     """Checked specs, the cache directory of these inputs, and the inputs themselves (for the manifest)."""
     specs = [spec if isinstance(spec, DatasetSpec) else DatasetSpec.from_dict(spec) for spec in specs]
     if not specs:
@@ -142,21 +147,26 @@ def _cache_location(specs, tokenizer, seq_len, packing, cache_dir, long_rows, ev
         "tokenizer": tokenizer_identity(tokenizer),
         "options": dict(seq_len=seq_len, packing=bool(packing), long_rows=long_rows,
                         eval_fraction=float(eval_fraction), seed=int(seed), min_len=int(min_len),
-                        eval_packing=bool(eval_packing)),
+                        eval_packing=bool(eval_packing), token_budget=token_budget),
     }
     return specs, Path(cache_dir).expanduser() / cache_key(inputs), inputs
 
 
-def _build(specs, tokenizer, *, seq_len, packing, long_rows, eval_fraction, seed, min_len, eval_packing
-           ) -> dict[str, Rows]:
-    """Tokenize all datasets in order, fit their lengths, split, then pack or pad each split."""
+def _build(specs, tokenizer, *, seq_len, packing, long_rows, eval_fraction, seed, min_len, eval_packing,
+           token_budget=None) -> dict[str, Rows]:
+    """Tokenize all datasets in order (up to ``token_budget`` tokens), fit their lengths, split, then pack or
+    pad each split."""
     pad_id = ensure_pad_token(tokenizer)
     examples = ExampleStore()
     for spec in specs:
         before = len(examples)
         for example in tokenize_records(read_records(spec), tokenizer, spec):
             examples.append(example)
+            if token_budget is not None and examples.num_tokens >= token_budget:
+                break
         logger.info("dataset %s: %d examples", spec.label, len(examples) - before)
+        if token_budget is not None and examples.num_tokens >= token_budget:
+            break
     examples = fit_long_rows(examples, seq_len, long_rows, min_len=min_len)
     if not len(examples):
         raise DataError(f"no example of {min_len} to sequence_len={seq_len} tokens is left (long_rows={long_rows}); "

@@ -12,6 +12,7 @@ import codecs
 import glob
 import json
 import os
+import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,15 @@ RECORD_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".jsonl.zst", ".json
 # Metadata a save_to_disk directory holds next to its Arrow files: never records.
 HF_METADATA_FILES = {"state.json", "dataset_info.json", "dataset_dict.json"}
 GLOB_CHARACTERS = set("*?[")
+STDLIB_PREFIX = "stdlib:"
 PARQUET_BATCH_ROWS = 1024
+
+
+def resolve_data_path(path: str) -> str:
+    """``stdlib:PATTERN`` -> a glob inside this Python's standard library directory (the built-in corpus)."""
+    if path.startswith(STDLIB_PREFIX):
+        return str(Path(sysconfig.get_paths()["stdlib"]) / (path[len(STDLIB_PREFIX):] or "*.py"))
+    return path
 
 
 def resolve_files(spec: DatasetSpec) -> list[Path]:
