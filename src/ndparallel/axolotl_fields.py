@@ -206,5 +206,5 @@ def plugin_problem(plugin: Any) -> str | None:
     name = str(plugin).rsplit(".", 1)[-1]
     if name in KERNEL_PLUGINS:
         return None
-    return (f"plugins: {plugin!r} changes training in a way ndparallel does not implement (only kernel plugins: "
-            f"{', '.join(KERNEL_PLUGINS)} are accepted, and not used); remove it")
+    return (f"plugins: {plugin!r} — this plugin changes training in a way ndparallel does not implement (only the "
+            f"kernel plugins {', '.join(KERNEL_PLUGINS)} are accepted, and not used); remove it")

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from harness import run_ranks
-from hub_cache import add_dataset, add_model, alpaca_records
+from hub_cache import add_dataset, add_model, alpaca_records, chat_records
 from ndparallel.cli import main
 from scenarios import make_model
 
@@ -91,3 +91,99 @@ def test_distributed_parallel_configs_train_like_one_process(offline_hub, name, 
 
 def _records(output_dir: str) -> list[dict]:
     return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+# --- every example config: validates as written, or is refused naming the settings that change the result ---
+
+RL = {"rl"}
+REFUSED = {  # config -> the settings its one-line errors name (everything else about it is accepted)
+    "llama-3/3b-fp8-fsdp2.yaml": {"fp8", "fp8_enable_fsdp_float8_all_gather"},
+    "llama-3/3b-qat-fsdp2.yaml": {"qat"},
+    "llama-3/3b-qat-mxfp4.yaml": {"qat"},
+    "llama-3/3b-qat-nvfp4.yaml": {"qat"},
+    "llama-3/diffusion/pretrain-1b.yaml": {"diffusion", "plugins"},
+    "llama-3/diffusion/sft-1b.yaml": {"diffusion", "plugins", "save_strategy"},
+    "llama-3/instruct-dpo-lora-8b.yml": RL | {"load_in_8bit", "datasets[0].field_chosen", "datasets[0].field_rejected"},
+    "llama-3/instruct-lora-8b.yml": {"load_in_8bit"},
+    "llama-3/lora-1b-deduplicate-dpo.yml": RL | {"load_in_8bit", "dataset_exact_deduplication"} | {
+        f"datasets[{i}].field_{k}" for i in (0, 1) for k in ("chosen", "rejected")},
+    "llama-3/lora-1b-deduplicate-sft.yml": {"load_in_8bit", "dataset_exact_deduplication"},
+    "llama-3/lora-1b-ray.yml": {"use_ray"},
+    "llama-3/lora-1b-sample-packing-sequentially.yml": {"load_in_8bit", "curriculum_sampling", "test_value"},
+    "llama-3/lora-8b.yml": {"load_in_8bit"},
+    "llama-3/opentelemetry-qlora.yml": {"adapter", "load_in_4bit", "optimizer"},
+    "llama-3/qlora-1b-gdpo.yaml": RL | {"trl"},
+    "llama-3/qlora-1b-kto.yaml": RL | {"adapter", "load_in_4bit", "rl_beta", "kto_desirable_weight"},
+    "llama-3/qlora-1b.yml": {"adapter", "load_in_4bit"},
+    "llama-3/qlora-fsdp-405b.yaml": {"adapter", "load_in_4bit"},
+    "llama-3/qlora-fsdp-70b.yaml": {"adapter", "load_in_4bit"},
+    "llama-3/qlora.yml": {"adapter", "load_in_4bit", "optimizer"},
+    "llama-3/sparse-finetuning.yaml": {"llmcompressor", "plugins"},
+    "mistral/bigstral/bigstral-ds-zero3.yaml": {"unfrozen_parameters"},
+    "mistral/dpo/mistral-dpo-qlora.yml": RL | {"adapter", "load_in_4bit", "datasets[0].field_chosen",
+                                               "datasets[0].field_rejected"},
+    "mistral/lora.yml": {"load_in_8bit"},
+    "mistral/mistral-qlora-fsdp.yml": {"adapter", "load_in_4bit"},
+    "mistral/mixtral/mixtral-8x22b-qlora-fsdp.yml": {"adapter", "load_in_4bit"},
+    "mistral/mixtral/mixtral-qlora-fsdp.yml": {"adapter", "load_in_4bit"},
+    "mistral/mixtral/mixtral.yml": {"adapter", "load_in_4bit"},
+    "mistral/mixtral/mixtral_22.yml": {"unfrozen_parameters"},
+    "mistral/orpo/mistral-qlora-orpo.yml": RL | {"adapter", "load_in_4bit", "orpo_alpha"},
+    "mistral/qlora.yml": {"adapter", "load_in_4bit"},
+    "qwen3/30b-a3b-nvfp4-lora.yaml": {"lora_target_parameters", "nvfp4_merge_aware"},
+    "qwen3/8b-qat-fsdp2.yml": {"qat"},
+    "qwen3/reward-model.yaml": {"model_type", "num_labels", "reward_model", "center_rewards_coefficient"},
+}
+WORLD = {"distributed-parallel/qwen3-8b-fsdp-tp-cp.yaml": 8, "distributed-parallel/llama-3_1-8b-hsdp-tp.yaml": 16,
+         "alst/llama3-8b-fsdp2-alst.yaml": 8}
+CONFIGS = sorted(str(p.relative_to(FIXTURES)) for p in FIXTURES.rglob("*.y*ml"))
+
+
+@pytest.fixture(scope="module")
+def example_hub(tmp_path_factory):
+    """The hub cache every validating example needs: published config.json shapes (no weights), the family's
+    tokenizer, and small datasets laid out as on the hub."""
+    from hub_cache import PUBLISHED
+
+    root = tmp_path_factory.mktemp("examples-hf")
+    cache = root / "hub"
+    for repo, family in [("meta-llama/Llama-3.1-8B", "llama"), ("NousResearch/Meta-Llama-3.1-8B", "llama"),
+                         ("NousResearch/Llama-3.2-1B", "llama"), ("Qwen/Qwen3-8B", "qwen3"),
+                         ("mistralai/Mistral-7B-v0.1", "mistral")]:
+        add_model(cache, repo, PUBLISHED[repo], family)
+    add_dataset(cache, "tatsu-lab/alpaca", {"data/train-00000-of-00001.parquet": alpaca_records()})
+    add_dataset(cache, "teknium/GPT4-LLM-Cleaned", {"alpaca_gpt4_data_unfiltered.json": alpaca_records()})
+    add_dataset(cache, "mhenrichsen/alpaca_2k_test", {"alpaca_2000.jsonl": alpaca_records()})
+    add_dataset(cache, "mlabonne/FineTome-100k", {"data/train-00000-of-00001.parquet": chat_records()})
+    add_dataset(cache, "princeton-nlp/TextbookChapters", {"data/train.parquet": [{"chapter": "x " * 50}] * 4})
+    add_dataset(cache, "togethercomputer/Long-Data-Collections", {"pretrain/rp_sub.jsonl.zst": b"(not read)"})
+    return root
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_example_config_validates_or_is_refused_by_name(example_hub, monkeypatch, tmp_path, capsys, name):
+    monkeypatch.setenv("HF_HOME", str(example_hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    world = ["--world-size", str(WORLD[name])] if name in WORLD else []
+    code = main(["validate", str(FIXTURES / name), *world])
+    out = capsys.readouterr()
+    if name not in REFUSED:
+        assert code == 0, out.err
+        assert "config OK for" in out.out
+        return
+    assert code == 2
+    lines = [line.removeprefix("  - ") for line in out.err.splitlines() if line.startswith("  - ")]
+    named = {line.split(":")[0].split(" ")[0] for line in lines if " — " in line or line.startswith("adapter:")
+             or line.startswith("optimizer:") or line.startswith("save_strategy:")}
+    named |= {line.split("'")[1] for line in lines if line.startswith("unknown setting '")}
+    assert REFUSED[name] <= named, (named, lines)
+    assert all("\n" not in line for line in lines)
+
+
+def test_a_dpo_config_is_refused_naming_rl(example_hub, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HOME", str(example_hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["validate", str(FIXTURES / "llama-3/instruct-dpo-lora-8b.yml")]) == 2
+    err = capsys.readouterr().err
+    assert "  - rl: 'dpo' — preference, reinforcement-learning and reward-model training are not supported" in err
