@@ -54,15 +54,18 @@ def _snapshot(cache: Path, kind: str, repo_id: str) -> Path:
     return snapshot
 
 
-def family_tokenizer(family: str):
-    """The byte-level tokenizer with the family's special tokens (eos/bos as the family names them)."""
+def family_tokenizer(family: str, *, leave_out: tuple[str, ...] = ()):
+    """The byte-level tokenizer with the family's special tokens (eos/bos as the family names them), except
+    ``leave_out`` (so that a config's special_tokens must add them)."""
     from ndparallel.data.tokenizer import byte_tokenizer
 
     tokenizer = byte_tokenizer()
-    tokens = FAMILY_TOKENS[family]
+    tokens = [t for t in FAMILY_TOKENS[family] if t not in leave_out]
     tokenizer.add_tokens(tokens, special_tokens=True)
     if family == "llama":
-        tokenizer.bos_token, tokenizer.eos_token = "<|begin_of_text|>", "<|end_of_text|>"
+        tokenizer.bos_token = "<|begin_of_text|>"
+        if "<|end_of_text|>" not in leave_out:
+            tokenizer.eos_token = "<|end_of_text|>"
     elif family == "qwen3":
         tokenizer.eos_token = "<|im_end|>"
     else:
@@ -70,14 +73,15 @@ def family_tokenizer(family: str):
     return tokenizer
 
 
-def add_model(cache: Path, repo_id: str, config: PretrainedConfig, family: str, model=None) -> Path:
-    """A model repository: config.json, the family's tokenizer, and safetensors weights when ``model`` is given."""
+def add_model(cache: Path, repo_id: str, config: PretrainedConfig, family: str, model=None, tokenizer=None) -> Path:
+    """A model repository: config.json, the family's tokenizer (or ``tokenizer``), and safetensors weights when
+    ``model`` is given."""
     snapshot = _snapshot(cache, "model", repo_id)
     if model is not None:
         model.save_pretrained(snapshot, safe_serialization=True)
     else:
         config.save_pretrained(snapshot)
-    family_tokenizer(family).save_pretrained(snapshot)
+    (tokenizer or family_tokenizer(family)).save_pretrained(snapshot)
     return snapshot
 
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from harness import run_ranks
-from hub_cache import add_dataset, add_model, alpaca_records, chat_records
+from hub_cache import add_dataset, add_model, alpaca_records, chat_records, family_tokenizer
 from ndparallel.cli import main
 from scenarios import make_model
 
@@ -59,8 +59,12 @@ TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_la
     ("llama-3_1-8b-hsdp-tp.yaml", "meta-llama/Llama-3.1-8B", "llama", {"dp_shard_size": 2}, 4),
 ])
 def test_distributed_parallel_configs_train_like_one_process(offline_hub, name, repo, family, sizes, data_ranks):
-    model = make_model(family, seed=3, **TINY)
-    add_model(offline_hub, repo, model.config, family, model=model)
+    # The Llama config's special_tokens (pad_token: <|end_of_text|>) name a token this tokenizer lacks, and the
+    # model's vocabulary is exactly the tokenizer's: the embeddings must grow, split over tp like the rest.
+    tokenizer = family_tokenizer(family, leave_out=("<|end_of_text|>",))
+    vocab = len(tokenizer) if family == "llama" else TINY["vocab_size"]
+    model = make_model(family, seed=3, **{**TINY, "vocab_size": vocab})
+    add_model(offline_hub, repo, model.config, family, model=model, tokenizer=tokenizer)
     add_dataset(offline_hub, "tatsu-lab/alpaca", {"data/train-00000-of-00001.parquet": alpaca_records(48)})
     config = str(FIXTURES / "distributed-parallel" / name)
     # CPU-sized run: short rows, fp32 (for the 1e-5 comparison), 3 steps, a checkpoint after step 2 and 3.
@@ -70,6 +74,8 @@ def test_distributed_parallel_configs_train_like_one_process(offline_hub, name, 
     assert code == 0, err[-3000:]
     assert all(r[0] == 0 for r in results), [r[1][-500:] for r in results if r[0]]
     assert "not used: attn_implementation" in out and "plugins: CutCrossEntropyPlugin" in out
+    if family == "llama":
+        assert f"vocabulary: 1 token(s) added (<|end_of_text|>); embeddings grow from {vocab} to 320 rows" in out
     parallel = _records("outputs/ndp-out")
     # one process reading the same global batch: micro_batch_size = the layout's data-parallel ranks
     single = run_ranks(1, _train_in_rank, config, _sets(**common, dp_shard_size=1, dp_replicate_size=1,
