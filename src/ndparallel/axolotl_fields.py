@@ -166,6 +166,18 @@ POLICY: list[tuple[str, Rule]] = [
      "use_glm_dsa_kernels expert_backend", _refused(MOE)),
 ]
 
+# ndparallel settings that are accepted (so a config keeps them) but not acted on yet, and why.
+OWN_NOT_USED = {
+    "use_wandb": "Weights & Biases logging is not wired into this build's trainer yet",
+    "wandb_project": "Weights & Biases logging is not wired into this build's trainer yet",
+    "wandb_entity": "Weights & Biases logging is not wired into this build's trainer yet",
+    "wandb_name": "Weights & Biases logging is not wired into this build's trainer yet",
+    "wandb_run_id": "Weights & Biases logging is not wired into this build's trainer yet",
+    "wandb_mode": "Weights & Biases logging is not wired into this build's trainer yet",
+    "wandb_watch": "gradient watching would gather sharded parameters; the gradient norm is logged instead",
+    "wandb_log_model": "checkpoints stay in output_dir; nothing is uploaded",
+}
+
 # Plugins that only swap kernels or add outputs (accepted, not used); any other plugin is refused.
 KERNEL_PLUGINS = ("CutCrossEntropyPlugin", "LigerPlugin", "KernelsPlugin", "LMEvalPlugin", "SwanLabPlugin")
 

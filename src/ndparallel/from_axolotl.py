@@ -12,7 +12,7 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
-from ndparallel.axolotl_fields import is_placeholder, known_names, plugin_problem, rule_for
+from ndparallel.axolotl_fields import OWN_NOT_USED, is_placeholder, known_names, plugin_problem, rule_for
 
 LEFT_EMPTY = "left empty"
 # Axolotl's ring_attn_func -> the CP method that exchanges keys/values the same way.
@@ -57,6 +57,8 @@ def read_axolotl(raw: dict[str, Any], own_keys: set[str], dataset_keys: set[str]
         elif key in own_keys:
             if value is not None:  # null is Axolotl's "unset": the default applies
                 reading.settings[key] = value
+            if key in OWN_NOT_USED and not is_placeholder(value):
+                reading.skip(key, OWN_NOT_USED[key])
         else:
             _sort_other(reading, str(key), value, own_keys)
     for key, value in later:  # after the own settings: an explicit own setting wins over a translation

@@ -17,8 +17,8 @@ from ndparallel.data.hub_files import snapshot_patterns
 from ndparallel.data.files import resolve_data_path
 from ndparallel.data.templates import template_source
 from ndparallel.data.tokenizer import add_config_tokens
-from ndparallel.errors import ConfigError
-from ndparallel.step import build_optimizer, decay_groups
+from ndparallel.optim8bit import build_adamw_8bit
+from ndparallel.step import build_optimizer
 
 # Waiting for one rank's downloads can take far longer than a collective should: a separate gloo group.
 DOWNLOAD_TIMEOUT = timedelta(hours=12)
@@ -130,18 +130,10 @@ def token_budget(cfg: TrainConfig, global_rows: int) -> int | None:
 
 
 def build_run_optimizer(model: torch.nn.Module, cfg: TrainConfig, device_type: str) -> torch.optim.Optimizer:
-    """AdamW as the config says; the 8-bit variants are torchao's AdamW8bit (it takes DTensor parameters:
-    each rank quantizes its own shard's optimizer state in blocks of 256 values)."""
+    """AdamW as the config says; the 8-bit variants are torchao's AdamW8bit (``optim8bit``)."""
     betas, eps = (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_epsilon
-    if not cfg.eight_bit_optimizer:
-        return build_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=betas, eps=eps,
-                               fused=None if cfg.optimizer != "adamw_torch" else False)
-    if device_type != "cuda":
-        raise ConfigError(f"optimizer: {cfg.optimizer} (8-bit AdamW) needs a CUDA GPU: torchao's AdamW8bit compiles "
-                          f"its update for the GPU; use optimizer: adamw_torch on {device_type}")
-    try:
-        from torchao.optim import AdamW8bit
-    except ImportError:
-        raise ConfigError(f"optimizer: {cfg.optimizer} needs torchao (8-bit AdamW for sharded parameters): pip "
-                          f"install 'torchao>=0.17', or use optimizer: adamw_torch_fused") from None
-    return AdamW8bit(decay_groups(model, cfg.weight_decay), lr=cfg.learning_rate, betas=betas, eps=eps)
+    if cfg.eight_bit_optimizer:
+        return build_adamw_8bit(model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=betas, eps=eps,
+                                device_type=device_type, setting=cfg.optimizer)
+    return build_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=betas, eps=eps,
+                           fused=None if cfg.optimizer != "adamw_torch" else False)

@@ -46,6 +46,13 @@ def test_settings_that_change_the_result_are_refused_in_one_line(extra, message)
     assert all("\n" not in line for line in errors)
 
 
+def test_wandb_settings_are_kept_and_said_to_be_unused():
+    reading = read_config({**BASE, "wandb_project": "p", "wandb_watch": "gradients", "wandb_entity": None})
+    assert reading.config.wandb_project == "p" and reading.config.wandb_entity is None
+    assert "wandb_project (Weights & Biases logging is not wired" in reading.notes[0]
+    assert "wandb_watch (gradient watching would gather sharded parameters" in reading.notes[0]
+
+
 def test_unrelated_names_get_no_did_you_mean():
     (line,) = read_config({**BASE, "xyzzy_frobnicate": 1}).errors
     assert line == "unknown setting 'xyzzy_frobnicate'; see `ndparallel validate --help-fields`"
