@@ -140,3 +140,16 @@ def test_cosine_with_a_floor_and_a_constant_tail():
     assert s.lr_factor(0) == pytest.approx(1.0) and s.lr_factor(10) == pytest.approx(0.1)
     held = _schedule(max_steps=10, warmup_steps=0, cosine_min_lr_ratio=0.1, cosine_constant_lr_ratio=0.5)
     assert [held.lr_factor(i) for i in (5, 7, 9)] == pytest.approx([0.1, 0.1, 0.1])
+
+
+def test_lora_target_modules_as_a_regex_matches_full_module_paths():
+    from ndparallel.lora import LoraSpec, peft_config_dict, target_paths
+    from scenarios import make_model
+
+    regex = r".*layers\.1\.self_attn\.(q|v)_proj"
+    spec = LoraSpec.from_config(read_config({**BASE, "adapter": "lora", "lora_target_modules": regex}).config)
+    assert target_paths(make_model("llama"), spec) == ["model.layers.1.self_attn.q_proj",
+                                                       "model.layers.1.self_attn.v_proj"]
+    assert peft_config_dict(spec, None)["target_modules"] == regex
+    (error,) = read_config({**BASE, "adapter": "lora", "lora_target_modules": "(q_proj"}).errors
+    assert error.startswith("lora_target_modules: '(q_proj' is not a valid regular expression")
