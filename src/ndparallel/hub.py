@@ -13,6 +13,8 @@ then every rank resolves from the cache without network.
 
 from __future__ import annotations
 
+import fnmatch
+import json
 import os
 import re
 from collections.abc import Callable
@@ -76,17 +78,32 @@ def dataset_dir(name: str, *, revision: str | None = None, patterns: list[str] |
     patterns = (patterns or DATA_FILES) + ["README.md"]
     cached = _snapshot(name, "dataset", revision, patterns, local_only=True, error=DataError, setting=setting,
                        quiet=True)
-    if cached is not None and any(p.is_file() and p.name != "README.md" for p in cached.rglob("*")):
+    if cached is not None and any(p.is_file() and p.name != "README.md" and _matches(p.relative_to(cached), patterns)
+                                  for p in cached.rglob("*")):
         return cached
     if not download or offline():
         raise DataError(_not_cached(setting, name, revision, "dataset"))
     return _snapshot(name, "dataset", revision, patterns, local_only=False, error=DataError, setting=setting)
 
 
+def _matches(relative: Path, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatch(relative.as_posix(), p) or fnmatch.fnmatch(relative.name, p) for p in patterns)
+
+
 def _complete(directory: Path, weights: bool) -> bool:
+    """config.json there, and with ``weights`` every safetensors file (all shards the index names)."""
     if not (directory / "config.json").is_file():
         return False
-    return not weights or any(directory.glob("*.safetensors"))
+    if not weights:
+        return True
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        except (OSError, ValueError, KeyError):
+            return False
+        return all((directory / shard).is_file() for shard in shards)
+    return any(directory.glob("*.safetensors"))
 
 
 def _snapshot(name: str, kind: str, revision: str | None, patterns: list[str], *, local_only: bool,
