@@ -193,3 +193,27 @@ def test_a_dpo_config_is_refused_naming_rl(example_hub, monkeypatch, capsys):
     assert main(["validate", str(FIXTURES / "llama-3/instruct-dpo-lora-8b.yml")]) == 2
     err = capsys.readouterr().err
     assert "  - rl: 'dpo' — preference, reinforcement-learning and reward-model training are not supported" in err
+
+
+@pytest.mark.slow
+def test_a_chat_config_trains_as_written(offline_hub):
+    """llama-3/fft-8b-liger-fsdp.yaml: a hub chat dataset sliced train[:20%] with ShareGPT keys mapped, the
+    llama3 template by name, special_tokens, fsdp_config with CPU offload, liger plugin: 2 ranks, 2 steps."""
+    model = make_model("llama", seed=3, **TINY)
+    add_model(offline_hub, "NousResearch/Meta-Llama-3.1-8B", model.config, "llama", model=model)
+    add_dataset(offline_hub, "mlabonne/FineTome-100k", {"data/train-00000-of-00001.parquet": chat_records(60)})
+    config = str(FIXTURES / "llama-3" / "fft-8b-liger-fsdp.yaml")
+    results = run_ranks(2, _train_in_rank, config, _sets(sequence_len=128, bf16="false", max_steps=2,
+                                                         micro_batch_size=1, gradient_accumulation_steps=1),
+                        timeout_s=300)
+    code, err, out = results[0]
+    assert code == 0, err[-3000:]
+    assert "liger_rope" in next(line for line in out.splitlines() if line.startswith("ndparallel: not used: "))
+    records = _records("outputs/out")
+    assert [r["step"] for r in records] == [1, 2] and all(r["loss"] == r["loss"] for r in records)
+    assert "eval_loss" in records[-1]  # val_set_size 0.02, evals_per_epoch 2
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained("outputs/out/checkpoints/step-2/tokenizer")
+    assert tokenizer.eos_token == "<|eot_id|>" and tokenizer.pad_token == "<|finetune_right_pad_id|>"
+    assert tokenizer.chat_template.startswith("{{ bos_token }}{% for message in messages %}<|start_header_id|>")
