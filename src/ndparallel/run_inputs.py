@@ -47,14 +47,18 @@ def _dataset(spec: DatasetSpec, download: bool) -> None:
                     setting=f"datasets path {spec.path}")
 
 
-def fetch_run_inputs(cfg: TrainConfig) -> None:
+def fetch_run_inputs(cfg: TrainConfig, device_type: str) -> None:
     """Download what the config names from the hub: local rank 0 of each node fetches while the other ranks
-    wait (on a gloo group with a long timeout), then every rank finds the files in its node's cache. The
-    process group must be up. Nothing happens (and no collective runs) when the config names no hub id."""
+    wait (on a gloo group with a long timeout), then every rank finds the files in its node's cache. Starts the
+    process group for that. Nothing happens (and no collective runs) when the config names no hub id."""
     jobs = hub_fetches(cfg)
     if not jobs:
         return
     import torch.distributed as dist
+
+    from ndparallel.topology import init_distributed
+
+    init_distributed(device_type=device_type, timeout_s=cfg.process_group_timeout_s)
 
     group = dist.new_group(backend="gloo", timeout=DOWNLOAD_TIMEOUT)
 

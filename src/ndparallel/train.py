@@ -39,7 +39,6 @@ from ndparallel.run_inputs import (
     build_run_optimizer,
     dataset_specs,
     fetch_run_inputs,
-    hub_fetches,
     load_run_tokenizer,
     token_budget,
 )
@@ -118,9 +117,7 @@ def setup(cfg: TrainConfig) -> TrainingRun:
     rank = int(os.environ.get("RANK", "0"))
     _quiet_libraries(rank)
     torch.manual_seed(cfg.seed)
-    if hub_fetches(cfg):  # hub ids: local rank 0 of each node downloads while the others wait
-        init_distributed(device_type=device_type, timeout_s=cfg.process_group_timeout_s)
-        fetch_run_inputs(cfg)
+    fetch_run_inputs(cfg, device_type)  # hub ids: local rank 0 of each node downloads while the others wait
 
     # 1. Checks that need no communication: the same answer on every rank.
     model_config = model_config_for(base_model=cfg.base_model, model_shape=cfg.model_shape,
@@ -199,10 +196,9 @@ def run_training(cfg: TrainConfig) -> TrainResult:
     metrics = MetricsLogger(output_dir, enabled=topo.is_main, total_steps=total_steps, start_step=state.step)
     if topo.is_main:
         metrics.message(topo.describe())
-        if run.layout_reason:
-            metrics.message(f"layout chosen by the planner: {run.layout_reason}")
-        if run.vocab_note:
-            metrics.message(run.vocab_note)
+        for note in filter(None, [run.layout_reason and f"layout chosen by the planner: {run.layout_reason}",
+                                  run.vocab_note]):
+            metrics.message(note)
         metrics.message(f"data: {len(train_rows)} rows of {cfg.sequence_len} tokens; {run.steps_per_epoch} steps "
                         f"per epoch; {total_steps} steps"
                         + (f"; resumed at step {state.step} from {resume_dir} (loaded in {run.load_s:.1f} s)"
