@@ -147,7 +147,8 @@ def test_eight_bit_adamw_is_refused_where_it_cannot_run(monkeypatch):
     cfg = read_config({"model_shape": "tiny", "datasets": [{"path": "d"}], "optimizer": "adamw_bnb_8bit"}).config
     with pytest.raises(ConfigError, match=r"optimizer: adamw_bnb_8bit \(8-bit AdamW\) needs a CUDA GPU"):
         build_run_optimizer(model, cfg, "cpu")
-    monkeypatch.setitem(__import__("sys").modules, "torchao", None)  # as if torchao were not installed
+    for name in ("torchao", "torchao.optim"):  # as if torchao were not installed
+        monkeypatch.setitem(__import__("sys").modules, name, None)
     with pytest.raises(ConfigError, match=r"needs torchao \(8-bit AdamW for sharded parameters\): pip install"):
         build_run_optimizer(model, cfg, "cuda")
     plain = read_config({"model_shape": "tiny", "datasets": [{"path": "d"}], "optimizer": "adamw_torch"}).config
