@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ndparallel.config import TrainConfig
-from ndparallel.data.files import STDLIB_PREFIX, resolve_data_path  # noqa: F401 (re-exported)
+from ndparallel.data.files import resolve_data_path
 from ndparallel.errors import NdParallelError
 from ndparallel.layout import Layout
 
