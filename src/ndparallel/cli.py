@@ -61,17 +61,24 @@ def _print_error(message: str) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from ndparallel.config import parse_config
+    from ndparallel.config import read_config
 
+    first = int(os.environ.get("RANK", "0")) == 0
     try:
         raw, accelerate = _load_raw(args.config, args.set, args.accelerate_config)
         if args.resume:
             raw["resume_from_checkpoint"] = args.resume
-        cfg = parse_config(raw)
+        reading = read_config(raw)
+        if reading.errors:
+            raise NdParallelError("; ".join(reading.errors))
     except NdParallelError as exc:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if first:
             _print_error(str(exc))
         return EXIT_USER_ERROR
+    cfg = reading.config
+    if first:  # the "not used" lines, once, from whoever read the user's file
+        for note in reading.notes:
+            print(f"ndparallel: {note}", flush=True)
     _report_not_used(accelerate)
     if _under_launcher():
         return _train_worker(cfg)
@@ -118,11 +125,14 @@ def _train_worker(cfg) -> int:
 def _nproc(cfg, args) -> int:
     if args.nproc_per_node:
         return args.nproc_per_node
-    world = cfg.fixed_world_size()
-    if world is None:
-        import torch
+    import torch
 
-        world = torch.cuda.device_count() * args.nnodes if torch.cuda.is_available() else 1
+    world = cfg.fixed_world_size()
+    gpus = torch.cuda.device_count() * args.nnodes if torch.cuda.is_available() else 0
+    if world is None:
+        world = gpus or 1
+    elif cfg.dp_replicate_size is None and gpus > world and gpus % world == 0:
+        world = gpus  # Axolotl's rule: replicas fill the GPUs that fixed sizes leave
     if world % args.nnodes:
         raise NdParallelError(f"the layout needs {world} processes, which do not split evenly over --nnodes {args.nnodes}")
     return world // args.nnodes
@@ -179,8 +189,8 @@ def _launch(cfg, args) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from ndparallel.config import TrainConfig, config_errors, field_docs
-    from ndparallel.validate import describe_run, run_errors
+    from ndparallel.config import field_docs, partial_config, read_config
+    from ndparallel.validate import describe_run, differences, run_errors
 
     if args.help_fields:
         print(field_docs())
@@ -191,19 +201,21 @@ def cmd_validate(args: argparse.Namespace) -> int:
         _print_error(str(exc))
         return EXIT_USER_ERROR
     _report_not_used(accelerate)
-    errors = config_errors(raw)
-    if errors:
-        print(f"{len(errors)} problem(s) in the config:", file=sys.stderr)
-        for line in errors:
-            print(f"  - {line}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    cfg = TrainConfig.model_validate(raw)
-    problems, plan = run_errors(cfg, world_size=args.world_size or accelerate.launch.get("world_size"))
+    reading = read_config(raw)
+    for note in reading.notes:
+        print(note)
+    cfg = reading.config or partial_config(reading.settings)
+    world_size = args.world_size or accelerate.launch.get("world_size")
+    problems, plan = run_errors(cfg, world_size=world_size) if cfg is not None else ([], None)
+    problems = reading.errors + problems
     if problems:
         print(f"{len(problems)} problem(s):", file=sys.stderr)
         for line in problems:
             print(f"  - {line}", file=sys.stderr)
         return EXIT_USER_ERROR
+    different = differences(cfg)
+    if different:
+        print(different)
     print(describe_run(cfg, plan))
     return 0
 

@@ -8,6 +8,8 @@ that suggest the nearest valid name; wrong types and ranges name the field. ``tp
 from __future__ import annotations
 
 import difflib
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,57 +18,157 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 from ndparallel.errors import ConfigError
 from ndparallel.parallelism_config import ParallelismConfig
+from ndparallel.from_axolotl import not_used_line, read_axolotl
 
 
 class DatasetConfig(BaseModel):
-    """One entry of ``datasets`` (Axolotl's layout)."""
+    """One entry of ``datasets`` (Axolotl's layout and names)."""
 
     model_config = ConfigDict(extra="forbid")
     path: str
-    """A file, directory, glob, or a dataset saved with ``datasets.save_to_disk``. ``stdlib:`` names this
-    Python's standard library source directory (the embedded default corpus)."""
+    """A local file, directory, glob or ``datasets.save_to_disk`` directory, or a Hugging Face Hub dataset id
+    (org/name, read from the hub cache; downloaded once per node unless HF_HUB_OFFLINE is set). ``stdlib:``
+    names this Python's standard library source directory (the embedded default corpus)."""
     type: str = "completion"
     """completion (a text field), alpaca (instruction/input/output), chat_template (messages), pretrain_files
     (plain text files, one document each)."""
     split: str | None = None
-    """Split of a saved DatasetDict (a sub-directory)."""
+    """Split to read (default train), with an optional slice as in datasets: train[:10%], train[100:200]."""
     field: str | None = None
     """Name of the text field for completion datasets (default: text)."""
     name: str | None = None
-    """Optional label for logs."""
+    """Configuration of a hub dataset (its README's configs), as in datasets.load_dataset(path, name)."""
+    data_files: str | list[str] | None = None
+    """Files (or glob patterns) of the dataset to read instead of all of them."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) of a hub dataset."""
+    trust_remote_code: bool = False
+    """Accepted for Axolotl configs; dataset loading scripts are never run (only data files are read)."""
+    ds_type: str | None = None
+    """File format when the extension does not say it (json, parquet, arrow, text)."""
+    field_messages: str | None = None
+    """chat_template: the column holding the messages (default: messages, or conversations)."""
+    message_property_mappings: dict[str, str] | None = None
+    """chat_template: which keys of a message hold the role and the content, e.g. {role: from, content: value}."""
+    message_field_role: str | None = None
+    """chat_template: older spelling of message_property_mappings.role."""
+    message_field_content: str | None = None
+    """chat_template: older spelling of message_property_mappings.content."""
+    roles: dict[str, list[str]] | None = None
+    """chat_template: dataset role names for each template role, e.g. {user: [human], assistant: [gpt]}."""
+    roles_to_train: list[str] | None = None
+    """chat_template: roles whose turns are trained (default: assistant)."""
+    train_on_eos: Literal["turn"] | None = None
+    """chat_template: a trained turn ends with its end-of-turn tokens, which are trained (Axolotl's 'turn')."""
+    drop_system_message: bool = False
+    """chat_template: leave system messages out."""
+    chat_template: str | None = None
+    """Chat template for this dataset (a name, tokenizer_default or jinja); default: the top-level one."""
+    chat_template_jinja: str | None = None
+    """Jinja source of this dataset's chat template."""
+
+    @property
+    def role_key(self) -> str | None:
+        return (self.message_property_mappings or {}).get("role") or self.message_field_role
+
+    @property
+    def content_key(self) -> str | None:
+        return (self.message_property_mappings or {}).get("content") or self.message_field_content
+
+
+class PretrainingDatasetConfig(BaseModel):
+    """One entry of ``pretraining_dataset``: text documents read in order, tokenized and packed as they come."""
+
+    model_config = ConfigDict(extra="forbid")
+    path: str
+    """Hub dataset id or local path, as for datasets."""
+    name: str | None = None
+    split: str = "train"
+    text_column: str = "text"
+    type: str = "pretrain"
+    """pretrain or completion: every token of text_column is trained."""
+    field: str | None = None
+    """Axolotl's datasets-style spelling of text_column."""
+    data_files: str | list[str] | None = None
+    revision: str | None = None
+    trust_remote_code: bool = False
+    skip: int | None = Field(None, ge=0)
+    """Documents to skip at the start."""
+
+
+class SpecialTokens(BaseModel):
+    """Axolotl's special_tokens: set these tokens, adding them to the vocabulary when they are new."""
+
+    model_config = ConfigDict(extra="forbid")
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    additional_special_tokens: list[str] | None = None
+
+
+EIGHT_BIT_OPTIMIZERS = ("adamw_8bit", "adamw_bnb_8bit", "adamw_torch_8bit", "paged_adamw_8bit", "ao_adamw_8bit")
 
 
 class TrainConfig(BaseModel):
-    """Everything ``ndparallel train`` reads. Field names follow Axolotl where Axolotl has one."""
+    """Everything ``ndparallel train`` reads. Field names and meanings follow Axolotl where Axolotl has one."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True)
 
     # --- model --------------------------------------------------------------------------------------
     base_model: str | None = None
-    """Local Hugging Face model directory (config.json, safetensors weights, tokenizer). Weights are loaded
-    shard by shard into the layout (no rank holds the whole model)."""
+    """Local Hugging Face model directory, or a hub id (org/name) read from the hub cache (downloaded once per
+    node unless HF_HUB_OFFLINE is set; safetensors only). Each rank reads only its slices of the weights."""
+    revision_of_model: str | None = None
+    """Hub revision (branch, tag or commit) of base_model."""
+    trust_remote_code: bool = False
+    """Allow a model or tokenizer to run Python code from its repository. Off: nothing read runs code."""
     model_shape: str | None = None
     """Random-init pre-training from a preset shape instead of base_model: tiny, byte-tiny, 1b, 3b, 8b
     (Llama-shaped)."""
     model_config_overrides: dict[str, Any] = Field(default_factory=dict)
-    """Fields of the transformers config to set or override (an inline shape with model_type)."""
+    """Fields of the transformers config to set or override (an inline shape with model_type). Axolotl's
+    overrides_of_model_config and rope_scaling land here."""
     tokenizer_config: str | None = None
-    """Tokenizer directory, or 'byte' for the built-in byte-level tokenizer. Default: base_model's."""
+    """Tokenizer directory or hub id, or 'byte' for the built-in byte-level tokenizer. Default: base_model's."""
+    tokenizer_type: str | None = None
+    """transformers tokenizer class to load it with (e.g. AutoTokenizer, PreTrainedTokenizerFast)."""
+    special_tokens: SpecialTokens | None = None
+    """bos/eos/pad/unk tokens and additional special tokens; new ones are added to the vocabulary and the
+    embeddings grow (to a multiple of 64 and of tensor_parallel_size; new rows start at the mean row)."""
+    tokens: list[str] | None = None
+    """Plain tokens to add to the vocabulary (the embeddings grow as for special_tokens)."""
+    chat_template: str | None = None
+    """Chat template by name (chatml, llama3, qwen3, qwen_25, mistral_v1, gemma, phi_3, alpaca,
+    tokenizer_default, tokenizer_default_fallback_<name>) or jinja (with chat_template_jinja)."""
+    chat_template_jinja: str | None = None
+    """Jinja source of the chat template (implies chat_template: jinja)."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra variables for the chat template (e.g. enable_thinking: false)."""
 
     # --- data ---------------------------------------------------------------------------------------
     datasets: list[DatasetConfig] = Field(default_factory=list)
     """Training data sources."""
+    pretraining_dataset: list[PretrainingDatasetConfig] | None = None
+    """Text corpora read in order and packed (documents longer than sequence_len are split); needs max_steps."""
     dataset_prepared_path: str | None = None
     """Cache directory for tokenized data (default: output_dir/prepared)."""
-    val_set_size: float = 0.0
-    """Fraction of examples held out for evaluation (0 disables eval)."""
-    sequence_len: int = Field(2048, ge=8)
+    val_set_size: float = Field(0.0, ge=0)
+    """Examples held out for evaluation: a fraction below 1, or a number of examples (0 disables eval)."""
+    eval_sample_packing: bool | None = None
+    """Pack the evaluation rows too (default: as sample_packing)."""
+    sequence_len: int = Field(512, ge=8)
     """Tokens per row."""
     sample_packing: bool = False
     """Pack several documents into each row; positions restart per document and no token attends across a
     document boundary (exact, also under context parallelism)."""
-    long_rows: Literal["error", "truncate", "drop"] = "error"
-    """Without packing, what to do with examples longer than sequence_len."""
+    long_rows: Literal["drop", "truncate", "error", "split"] | None = None
+    """Examples longer than sequence_len: drop (Axolotl's default), truncate, error, or split into pieces
+    (pretraining_dataset's default). Axolotl's excess_length_strategy (raise = error) lands here."""
+    min_sample_len: int = Field(2, ge=1)
+    """Examples with fewer tokens are left out."""
+    train_on_inputs: bool = False
+    """Also train on prompts (alpaca) and on every chat turn, not only on the answers."""
 
     # --- batch and schedule ---------------------------------------------------------------------------
     micro_batch_size: int = Field(1, ge=1)
@@ -78,17 +180,27 @@ class TrainConfig(BaseModel):
     max_steps: int | None = Field(None, ge=1)
     """Optimizer steps to run."""
     learning_rate: float = Field(2e-5, gt=0)
-    lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
-    """Decay after warm-up (to 0 for cosine/linear)."""
-    warmup_steps: int = Field(0, ge=0)
+    lr_scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup"] = "cosine"
+    """cosine or linear decay after warm-up, constant_with_warmup, or constant (no warm-up), as in transformers."""
+    warmup_steps: int | float | None = Field(None, ge=0)
+    """Warm-up steps, or a fraction of the steps when below 1 (default: warmup_ratio of the steps, else 3% of
+    them and at most 100, as Axolotl)."""
+    warmup_ratio: float | None = Field(None, ge=0, lt=1)
+    """Warm-up as a fraction of the steps."""
+    cosine_min_lr_ratio: float | None = Field(None, ge=0, le=1)
+    """cosine: decay to this fraction of learning_rate instead of 0."""
+    cosine_constant_lr_ratio: float | None = Field(None, ge=0, le=1)
+    """cosine with cosine_min_lr_ratio: reach the minimum at this fraction of the steps and stay there."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay; never applied to norms and biases."""
-    max_grad_norm: float | None = Field(1.0, gt=0)
-    """Clip the global gradient norm to this (null: no clipping, the norm is still reported)."""
-    optimizer: Literal["adamw_torch", "adamw_torch_fused", "adamw"] = "adamw_torch_fused"
-    """AdamW; the fused kernel is used where the device supports it."""
+    max_grad_norm: float | None = Field(None, ge=0)
+    """Clip the global gradient norm to this; unset means 1.0 and 0 turns clipping off (as in transformers).
+    The norm is always reported."""
+    optimizer: Literal["adamw_torch", "adamw_torch_fused", "adamw", *EIGHT_BIT_OPTIMIZERS] = "adamw_torch_fused"
+    """AdamW (fused where the device supports it), or 8-bit AdamW (adamw_8bit, adamw_bnb_8bit, adamw_torch_8bit,
+    paged_adamw_8bit, ao_adamw_8bit: all torchao's AdamW8bit, which takes sharded parameters; CUDA only)."""
     adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
+    adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
     seed: int = 42
 
@@ -100,15 +212,17 @@ class TrainConfig(BaseModel):
     gradient_checkpointing: bool = False
     """Axolotl's switch: true means activation_checkpointing: full."""
     activation_checkpointing: Literal["none", "full", "selective"] | None = None
-    """none, full (recompute each layer) or selective (keep matmul/attention outputs, recompute the rest)."""
+    """none, full (recompute each layer) or selective (keep matmul/attention outputs, recompute the rest).
+    fsdp_config.activation_checkpointing: true lands here as full."""
     torch_compile: bool = False
     """Compile each decoder layer with torch.compile."""
     fsdp_wrap: Literal["block", "model"] | int = "block"
     """FSDP unit: each layer, N layers, or the whole model."""
     reshard_after_forward: bool | int = True
-    """Free gathered parameters after forward (true), keep them (false), or keep them sharded over N ranks."""
+    """Free gathered parameters after forward (true), keep them (false), or keep them sharded over N ranks.
+    fsdp_config.reshard_after_forward lands here."""
     cpu_offload: bool = False
-    """Keep sharded parameters, gradients and optimizer state in CPU memory."""
+    """Keep sharded parameters, gradients and optimizer state in CPU memory (fsdp_config.offload_params)."""
     gradient_sync: Literal["every_micro_batch", "last_micro_batch"] = "every_micro_batch"
     """With gradient_accumulation_steps > 1: every_micro_batch reduce-scatters each micro-batch's gradients
     into the sharded fp32 gradients (the dp_replicate all-reduce waits for the last); last_micro_batch keeps
@@ -128,30 +242,44 @@ class TrainConfig(BaseModel):
     """Linears with fewer in or out features than this stay bf16 (casts cost more than FP8 saves)."""
 
     # --- parallel layout ----------------------------------------------------------------------------
-    dp_replicate_size: int = Field(1, ge=1)
+    dp_replicate_size: int | None = Field(None, ge=1)
+    """Full replicas (HSDP). Unset: 1, or, when dp_shard_size is fixed and fewer ranks are needed than started,
+    as many replicas as fill the world (Axolotl's rule)."""
     dp_shard_size: int | Literal["auto"] = -1
     """FSDP shard size; -1 fills the ranks left by the other sizes; auto lets the planner pick the layout."""
     tensor_parallel_size: int = Field(1, ge=1, validation_alias=AliasChoices("tensor_parallel_size", "tp_size"))
     context_parallel_size: int = Field(1, ge=1, validation_alias=AliasChoices("context_parallel_size", "cp_size"))
     cp_comm_strategy: Literal["allgather", "ring", "alltoall"] = "allgather"
-    """How context-parallel attention exchanges keys/values."""
+    """How context-parallel attention exchanges keys/values (ring_attn_func: varlen_llama3 means allgather,
+    batch_ring / batch_zigzag / batch_stripe mean ring)."""
     expert_parallel_size: int = Field(1, ge=1)
     """Mixture-of-experts models: split the experts over this many ranks, borrowed from dp_shard x cp x tp (it
     adds no ranks; it must divide their product and the number of experts)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train: cuda (one GPU per process), cpu (gloo), or auto (cuda when available)."""
     process_group_timeout_s: float = Field(600.0, gt=0)
-    """A collective that waits longer than this fails the job instead of hanging."""
+    """A collective that waits longer than this fails the job instead of hanging (Axolotl's ddp_timeout)."""
 
     # --- output -------------------------------------------------------------------------------------
     output_dir: str = "./outputs"
-    logging_steps: int = Field(10, ge=1)
-    eval_steps: int | None = Field(None, ge=1)
-    """Evaluate every N steps (default: at logging steps when val_set_size > 0)."""
-    save_steps: int | None = Field(None, ge=1)
-    """Save a sharded checkpoint every N steps (and always at the end)."""
-    save_total_limit: int | None = Field(3, ge=1)
-    """Keep the K most recently saved checkpoints (never deleting the one just written or the one 'latest' names)."""
+    logging_steps: int | None = Field(None, ge=1)
+    """Log every N steps (default: 0.5% of the steps, between 1 and 10, as Axolotl)."""
+    eval_steps: int | float | None = Field(None, gt=0)
+    """Evaluate every N steps, or every fraction of the steps when below 1 (default: at the end)."""
+    evals_per_epoch: int | None = Field(None, ge=1)
+    """Evaluations per epoch (Axolotl's: every 1 / (evals_per_epoch x num_epochs) of the steps)."""
+    eval_strategy: Literal["steps", "epoch", "no"] | None = None
+    """no: never evaluate; epoch: at each epoch's end; steps: every eval_steps."""
+    save_steps: int | float | None = Field(None, gt=0)
+    """Save a sharded checkpoint every N steps, or every fraction of the steps when below 1 (and always at the
+    end). Default: at each epoch's end, as Axolotl."""
+    saves_per_epoch: int | None = Field(None, ge=1)
+    """Checkpoints per epoch (Axolotl's: every 1 / (saves_per_epoch x num_epochs) of the steps)."""
+    save_strategy: Literal["steps", "epoch", "no", "best"] | None = None
+    """no: only the final checkpoint; epoch: at each epoch's end; steps: every save_steps."""
+    save_total_limit: int | None = Field(4, ge=1)
+    """Keep the K most recently saved checkpoints (Axolotl's default 4; never deleting the one just written or
+    the one 'latest' names)."""
     async_save: bool = True
     """Write checkpoints in the background: training waits only while the state is copied to host memory
     (pinned, overlapped with the next step on CUDA); 'latest' moves once the files are written and flushed.
@@ -165,12 +293,13 @@ class TrainConfig(BaseModel):
     nan_policy: Literal["stop", "skip"] = "stop"
     """A non-finite loss or gradient norm: stop the run (keeping the last good checkpoint), or skip the step
     (costs a host sync per step)."""
-
     cuda_memory_snapshot: bool = False
     """On CUDA, record the allocator's history (a little overhead) and on out-of-memory write
     output_dir/logs/memory-snapshot-rank<R>.pickle (drag it into pytorch.org/memory_viz)."""
 
     # --- experiment tracking, rank 0 only (Axolotl's names) -----------------------------------------
+    use_wandb: bool | None = None
+    """Weights & Biases on (with wandb_project) or off (false wins over wandb_project)."""
     use_tensorboard: bool | None = None
     """TensorBoard events in output_dir/tensorboard: true, false, or null (when tensorboard is installed)."""
     wandb_project: str | None = None
@@ -192,13 +321,14 @@ class TrainConfig(BaseModel):
     HF export or last checkpoint; false/null: none."""
 
     # --- fine-tuning adapters (Axolotl's names) -----------------------------------------------------
-    adapter: Literal["lora"] | None = None
+    adapter: str | None = None
     """lora: train low-rank adapters on frozen base weights; null: full fine-tune."""
     lora_r: int = Field(8, ge=1)
     lora_alpha: float = Field(16, gt=0)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
-    lora_target_modules: list[str] | None = None
-    """Module names to adapt (e.g. q_proj, v_proj)."""
+    lora_target_modules: list[str] | str | None = None
+    """Module names to adapt (e.g. [q_proj, v_proj]), or one regular expression matched against the full
+    module path (as PEFT does with a string)."""
     lora_target_linear: bool = False
     """Adapt every linear layer of the decoder blocks."""
     lora_modules_to_save: list[str] | None = None
@@ -222,24 +352,81 @@ class TrainConfig(BaseModel):
             raise ValueError("must be >= 1, -1 (fill the remaining ranks) or auto")
         return value
 
+    @field_validator("adapter")
+    @classmethod
+    def _adapter(cls, value):
+        if value == "qlora":
+            raise ValueError("qlora (LoRA on 4-bit quantized base weights) is not supported: use adapter: lora "
+                             "(bf16 base weights, sharded by FSDP)")
+        if value not in (None, "lora"):
+            raise ValueError(f"{value!r} is not supported: use lora, or leave it unset for a full fine-tune")
+        return value
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_name(cls, value):
+        from ndparallel.data.templates import check_template_name
+
+        check_template_name(value)
+        return value
+
+    @field_validator("lora_target_modules")
+    @classmethod
+    def _target_regex(cls, value):
+        if isinstance(value, str):
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"{value!r} is not a valid regular expression ({exc})") from None
+        return value
+
+    @field_validator("val_set_size")
+    @classmethod
+    def _whole_count(cls, value):
+        if value >= 1 and value != int(value):
+            raise ValueError("must be a fraction below 1 or a whole number of examples")
+        return value
+
     @model_validator(mode="after")
     def _consistent(self) -> "TrainConfig":
+        for problem in self._problems():
+            raise ValueError(problem)
+        return self
+
+    def _problems(self):
+        """Contradictions between settings (the first one is raised)."""
         if self.fp16:
-            raise ValueError("fp16 is not supported: set bf16: true (bf16 needs no loss scaling)")
+            yield "fp16 is not supported: set bf16: true (bf16 needs no loss scaling)"
         if self.base_model is None and self.model_shape is None and not self.model_config_overrides.get("model_type"):
-            raise ValueError("no model: set base_model (a local HF directory) or model_shape (tiny, 1b, 3b, 8b)")
+            yield "no model: set base_model (a HF directory or hub id) or model_shape (tiny, 1b, 3b, 8b)"
         if self.base_model is not None and self.model_shape is not None:
-            raise ValueError("base_model and model_shape are both set: keep one (model_shape means random init)")
+            yield "base_model and model_shape are both set: keep one (model_shape means random init)"
         if self.adapter == "lora" and not (self.lora_target_modules or self.lora_target_linear
                                            or self.lora_target_parameters):
-            raise ValueError("adapter: lora needs lora_target_modules (e.g. [q_proj, v_proj]), lora_target_linear: true "
-                             "or lora_target_parameters (MoE expert weights)")
+            yield ("adapter: lora needs lora_target_modules (e.g. [q_proj, v_proj]), lora_target_linear: true or "
+                   "lora_target_parameters (MoE expert weights)")
         if self.adapter is None and (self.lora_target_modules or self.lora_target_linear or self.lora_target_parameters):
-            raise ValueError("lora_target_modules / lora_target_linear / lora_target_parameters are set but adapter "
-                             "is not: add adapter: lora")
-        if not self.datasets:
-            raise ValueError("datasets is empty: add at least one entry with a path and a type")
-        return self
+            yield ("lora_target_modules / lora_target_linear / lora_target_parameters are set but adapter is not: add "
+                   "adapter: lora")
+        if not self.datasets and not self.pretraining_dataset:
+            yield "datasets is empty: add at least one entry with a path and a type (or a pretraining_dataset)"
+        if self.pretraining_dataset and self.max_steps is None:
+            yield "pretraining_dataset needs max_steps (the corpus is read only as far as the steps need)"
+        both = [("warmup_steps", "warmup_ratio"), ("save_steps", "saves_per_epoch"), ("eval_steps", "evals_per_epoch")]
+        for one, other in both:
+            if getattr(self, one) is not None and getattr(self, other) is not None:
+                yield f"{one} and {other} are both set: keep one"
+        if self.save_strategy == "best":
+            yield "save_strategy: best (keep the checkpoint with the best eval metric) is not implemented: use steps or epoch"
+        if self.pretraining_dataset and any(p.type not in ("pretrain", "completion") for p in self.pretraining_dataset):
+            yield "pretraining_dataset entries are read as text (type: pretrain or completion)"
+        if self.cosine_constant_lr_ratio and not self.cosine_min_lr_ratio:
+            yield "cosine_constant_lr_ratio needs cosine_min_lr_ratio (the rate it holds at the end)"
+        if (self.cosine_min_lr_ratio or self.cosine_constant_lr_ratio) \
+                and self.lr_scheduler != "cosine":
+            yield f"cosine_min_lr_ratio applies to lr_scheduler: cosine, not {self.lr_scheduler}"
+        if self.chat_template == "jinja" and not self.chat_template_jinja:
+            yield "chat_template: jinja needs chat_template_jinja (the template's source)"
 
     # --- derived settings ---------------------------------------------------------------------------
     @property
@@ -248,19 +435,51 @@ class TrainConfig(BaseModel):
             return self.activation_checkpointing
         return "full" if self.gradient_checkpointing else "none"
 
-    def parallelism(self, *, dp_shard_override: int | None = None) -> ParallelismConfig:
+    @property
+    def clip_norm(self) -> float | None:
+        """The clipping threshold: unset means 1.0, 0 means no clipping (transformers' meaning)."""
+        if self.max_grad_norm is None:
+            return 1.0
+        return self.max_grad_norm or None
+
+    @property
+    def eval_packing(self) -> bool:
+        return self.sample_packing if self.eval_sample_packing is None else self.eval_sample_packing
+
+    @property
+    def long_rows_policy(self) -> str:
+        return self.long_rows or ("split" if self.pretraining_dataset else "drop")
+
+    @property
+    def eight_bit_optimizer(self) -> bool:
+        return self.optimizer in EIGHT_BIT_OPTIMIZERS
+
+    def parallelism(self, *, dp_shard_override: int | None = None, world_size: int | None = None
+                    ) -> ParallelismConfig:
+        """The parallel sizes; with ``world_size``, an unset dp_replicate_size fills the ranks a fixed
+        dp_shard_size leaves (Axolotl's rule: more replicas rather than an error)."""
         shard = dp_shard_override if dp_shard_override is not None else self.dp_shard_size
         if shard == "auto":
             shard = -1
-        return ParallelismConfig(dp_replicate_size=self.dp_replicate_size, dp_shard_size=shard,
+        return ParallelismConfig(dp_replicate_size=self.replicas_for(world_size, shard), dp_shard_size=shard,
                                  tp_size=self.tensor_parallel_size, cp_size=self.context_parallel_size,
                                  cp_comm_strategy=self.cp_comm_strategy, expert_parallel_size=self.expert_parallel_size)
+
+    def replicas_for(self, world_size: int | None, shard: int) -> int | None:
+        """dp_replicate_size for ``world_size``: as set, else the fill of a fixed shard size, else unset."""
+        if self.dp_replicate_size is not None or world_size is None or shard == -1:
+            return self.dp_replicate_size
+        fixed = shard * self.tensor_parallel_size * self.context_parallel_size
+        if world_size > fixed and world_size % fixed == 0:
+            return world_size // fixed
+        return None
 
     def fixed_world_size(self) -> int | None:
         """The world size the sizes imply, or None when dp_shard_size is -1 or auto."""
         if self.dp_shard_size in (-1, "auto"):
             return None
-        return self.dp_replicate_size * self.dp_shard_size * self.tensor_parallel_size * self.context_parallel_size
+        replicas = self.dp_replicate_size or 1
+        return replicas * self.dp_shard_size * self.tensor_parallel_size * self.context_parallel_size
 
 
 def accepted_keys() -> set[str]:
@@ -271,26 +490,6 @@ def accepted_keys() -> set[str]:
         if isinstance(alias, AliasChoices):
             keys.update(a for a in alias.choices if isinstance(a, str))
     return keys
-
-
-def _unknown_key_errors(raw: dict) -> list[str]:
-    known = accepted_keys()
-    errors = []
-    for key in raw:
-        if key not in known:
-            near = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
-            hint = f"; did you mean {near[0]!r}?" if near else "; see `ndparallel validate --help-fields`"
-            errors.append(f"unknown setting {key!r}{hint}")
-    if "datasets" in raw and isinstance(raw["datasets"], list):
-        ds_known = set(DatasetConfig.model_fields)
-        for i, entry in enumerate(raw["datasets"]):
-            if isinstance(entry, dict):
-                for key in entry:
-                    if key not in ds_known:
-                        near = difflib.get_close_matches(str(key), sorted(ds_known), n=1, cutoff=0.6)
-                        hint = f"; did you mean {near[0]!r}?" if near else f"; valid: {', '.join(sorted(ds_known))}"
-                        errors.append(f"unknown setting datasets[{i}].{key}{hint}")
-    return errors
 
 
 def _format_validation_error(exc: ValidationError) -> list[str]:
@@ -304,28 +503,58 @@ def _format_validation_error(exc: ValidationError) -> list[str]:
     return lines
 
 
-def config_errors(raw: dict) -> list[str]:
-    """Every problem with a raw config mapping, one line each (empty when valid)."""
+@dataclass
+class ConfigReading:
+    """A raw config read: the validated config (None when it has errors), every error, and the notes
+    (the one "not used" line, translations that differ from Axolotl) to show the user once."""
+
+    config: TrainConfig | None
+    errors: list[str]
+    notes: list[str]
+    settings: dict[str, Any]
+
+
+def read_config(raw: Any) -> ConfigReading:
+    """Translate Axolotl's spellings, sort every other key (see ``from_axolotl``) and validate."""
     if not isinstance(raw, dict):
-        return [f"the config must be a mapping of settings, got {type(raw).__name__}"]
-    errors = _unknown_key_errors(raw)
-    known = accepted_keys()
-    rest = {k: v for k, v in raw.items() if k in known}
-    if isinstance(rest.get("datasets"), list):  # unknown dataset keys were reported above
-        rest["datasets"] = [{k: v for k, v in d.items() if k in DatasetConfig.model_fields} if isinstance(d, dict) else d
-                            for d in rest["datasets"]]
+        return ConfigReading(None, [f"the config must be a mapping of settings, got {type(raw).__name__}"], [], {})
+    reading = read_axolotl(raw, accepted_keys(), set(DatasetConfig.model_fields))
+    errors = list(reading.errors)
+    config = None
     try:
-        TrainConfig.model_validate(rest)
+        config = TrainConfig.model_validate(reading.settings)
     except ValidationError as exc:
         errors += _format_validation_error(exc)
-    return errors
+    notes = [line for line in [not_used_line(reading.not_used)] if line] + reading.notes
+    return ConfigReading(None if errors else config, errors, notes, reading.settings)
+
+
+def partial_config(settings: dict[str, Any]) -> TrainConfig | None:
+    """The config without the settings that are invalid (their defaults instead), so that ``validate`` can go
+    on to check the model, layout and data of a config that has errors; None when that is not possible."""
+    settings = dict(settings)
+    for _ in range(4):
+        try:
+            return TrainConfig.model_validate(settings)
+        except ValidationError as exc:
+            keys = {err["loc"][0] for err in exc.errors() if err["loc"]}
+            if not keys & set(settings):
+                return None
+            for key in keys:
+                settings.pop(key, None)
+    return None
+
+
+def config_errors(raw: dict) -> list[str]:
+    """Every problem with a raw config mapping, one line each (empty when valid)."""
+    return read_config(raw).errors
 
 
 def parse_config(raw: dict) -> TrainConfig:
-    errors = config_errors(raw)
-    if errors:
-        raise ConfigError("; ".join(errors))
-    return TrainConfig.model_validate(raw)
+    reading = read_config(raw)
+    if reading.errors:
+        raise ConfigError("; ".join(reading.errors))
+    return reading.config
 
 
 def load_yaml(path: str | Path) -> dict:

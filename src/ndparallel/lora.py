@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +58,8 @@ class LoraSpec:
     target_parameters: list[str] = field(default_factory=list)
     """Stacked expert weights of MoE models to adapt (PEFT's target_parameters), e.g. mlp.experts.gate_up_proj."""
     seed: int = 0
+    target_regex: str | None = None
+    """A regular expression the full module path must match (PEFT's meaning of a string target_modules)."""
     """Seeds the adapters' initial values (per parameter name: the same on every layout)."""
 
     @property
@@ -67,8 +70,10 @@ class LoraSpec:
     def from_config(cls, cfg) -> "LoraSpec | None":
         if cfg.adapter != "lora":
             return None
+        targets = cfg.lora_target_modules
         return cls(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
-                   target_modules=list(cfg.lora_target_modules or []), target_linear=cfg.lora_target_linear,
+                   target_modules=list(targets) if isinstance(targets, list) else [],
+                   target_regex=targets if isinstance(targets, str) else None, target_linear=cfg.lora_target_linear,
                    modules_to_save=list(cfg.lora_modules_to_save or []),
                    target_parameters=list(cfg.lora_target_parameters or []), seed=cfg.seed)
 
@@ -91,10 +96,13 @@ def target_paths(model: nn.Module, spec: LoraSpec) -> list[str]:
             continue
         if "lora_" in name:
             continue
-        if spec.target_linear or name.rsplit(".", 1)[-1] in spec.target_modules:
+        if spec.target_linear or name.rsplit(".", 1)[-1] in spec.target_modules or \
+                (spec.target_regex is not None and re.fullmatch(spec.target_regex, name)):
             paths.append(name)
-    if not paths and not (spec.target_parameters and not spec.target_modules and not spec.target_linear):
-        wanted = "every linear layer" if spec.target_linear else f"lora_target_modules={spec.target_modules}"
+    if not paths and not (spec.target_parameters and not spec.target_modules and not spec.target_linear
+                          and spec.target_regex is None):
+        wanted = "every linear layer" if spec.target_linear else \
+            f"lora_target_modules={spec.target_regex or spec.target_modules}"
         raise ConfigError(f"{wanted} matches no linear layer of the decoder blocks; valid names: "
                           f"{sorted({n.rsplit('.', 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})}")
     return paths
@@ -193,7 +201,8 @@ def adapter_state(model: nn.Module, spec: LoraSpec) -> dict[str, torch.Tensor]:
 
 def peft_config_dict(spec: LoraSpec, base_model: str | None) -> dict:
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.r, "lora_alpha": spec.alpha,
-            "lora_dropout": spec.dropout, "target_modules": sorted(set(spec.target_modules)) or "all-linear",
+            "lora_dropout": spec.dropout,
+            "target_modules": spec.target_regex or sorted(set(spec.target_modules)) or "all-linear",
             "modules_to_save": spec.modules_to_save or None, "bias": "none", "fan_in_fan_out": False,
             "inference_mode": True, "init_lora_weights": True, "use_rslora": False, "use_dora": False,
             "base_model_name_or_path": base_model}
@@ -210,12 +219,12 @@ def save_peft_adapter(model: nn.Module, spec: LoraSpec, out_dir: Path, *, base_m
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = peft_config_dict(spec, base_model)
-    if spec.target_linear and not spec.target_modules:
+    if spec.target_linear and not spec.target_modules and spec.target_regex is None:
         config["target_modules"] = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in tensors if ".lora_" in k
                                            and ".experts." not in k})
     if spec.target_parameters:
         config["target_parameters"] = expert_target_parameters(model)
-        if not spec.target_modules and not spec.target_linear:
+        if not spec.target_modules and not spec.target_linear and spec.target_regex is None:
             config["target_modules"] = []
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     save_file(tensors, str(out_dir / "adapter_model.safetensors"))

@@ -151,19 +151,26 @@ def build_optimizer(
     ``ndparallel.optim.FlatAdamW``: the same math and state, one fused update per group. ``fused=False``
     asks for torch's unfused AdamW everywhere.
     """
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (decay if param.dim() >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = decay_groups(model, weight_decay)
     flat = single_rank_state(model)
     if flat is not None and fused is not False:
         optimizer = FlatAdamW(groups, flat=flat, lr=lr, betas=betas, eps=eps)
     else:
+        params = [p for group in groups for p in group["params"]]
         if fused is None:
-            fused = all(p.is_cuda for p in decay + no_decay) and bool(decay + no_decay)
+            fused = all(p.is_cuda for p in params) and bool(params)
         optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
     scales = fp8_post_step_hook(model)  # float8 all-gather: every weight's scale in one all-reduce per step
     if scales is not None:
         optimizer.register_step_post_hook(scales)
     return optimizer
+
+
+def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """The trainable parameters in two optimizer groups: matrices with ``weight_decay``, norms and biases
+    (1-D tensors) without."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

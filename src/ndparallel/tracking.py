@@ -41,7 +41,7 @@ def check_trackers_installed(cfg) -> None:
 
 
 def wandb_wanted(cfg) -> bool:
-    return bool(cfg.wandb_project) and cfg.wandb_mode != "disabled"
+    return bool(cfg.wandb_project) and cfg.wandb_mode != "disabled" and getattr(cfg, "use_wandb", None) is not False
 
 
 class TensorBoardTracker:

@@ -31,7 +31,7 @@ from ndparallel import _compat
 from ndparallel import checkpoint as ckpt
 from ndparallel.batching import prepare_batch
 from ndparallel.config import TrainConfig
-from ndparallel.data import DataOrder, DatasetSpec, build_rows_distributed, load_tokenizer
+from ndparallel.data import DataOrder, build_rows_distributed
 from ndparallel.errors import ConfigError
 from ndparallel.layout import Layout
 from ndparallel.lora import LoraSpec, save_peft_adapter
@@ -42,11 +42,20 @@ from ndparallel.parallel.float8 import Fp8Spec
 from ndparallel.parallelize import ParallelOptions, parallelize
 from ndparallel.progress import human_seconds
 from ndparallel.router_loss import router_aux_loss
-from ndparallel.step import build_optimizer, clip_grad_norm_, count_tokens, set_gradient_sync, token_loss
+from ndparallel.run_inputs import (
+    base_model_dir,
+    build_run_optimizer,
+    dataset_specs,
+    fetch_run_inputs,
+    load_run_tokenizer,
+    token_budget,
+)
+from ndparallel.schedule import Schedule, schedule_for
+from ndparallel.step import clip_grad_norm_, count_tokens, set_gradient_sync, token_loss
 from ndparallel.steptime import PhaseTimer
 from ndparallel.topology import Topology, default_device_type, init_distributed
 from ndparallel.tracking import check_trackers_installed, open_trackers, wandb_wanted
-from ndparallel.validate import resolve_data_path
+from ndparallel.vocab import fit_vocab
 from ndparallel.window import LogWindow, StepResult
 
 log = logging.getLogger("ndparallel")
@@ -72,7 +81,7 @@ def resolve_layout(cfg: TrainConfig, world_size: int, model_config) -> tuple[Lay
                                      lora_rank=cfg.lora_r if cfg.adapter == "lora" else None)
         # The planner does not weigh expert parallelism yet: the ep size asked for is applied to its layout.
         return dataclasses.replace(layout, ep=cfg.expert_parallel_size), reason
-    return cfg.parallelism().resolve(world_size), None
+    return cfg.parallelism(world_size=world_size).resolve(world_size), None
 
 
 def fp8_spec(cfg: TrainConfig) -> Fp8Spec | None:
@@ -81,16 +90,6 @@ def fp8_spec(cfg: TrainConfig) -> Fp8Spec | None:
     return Fp8Spec(recipe=cfg.fp8_recipe, keep_bf16_layers=tuple(cfg.fp8_keep_bf16_layers),
                    keep_bf16_modules=tuple(cfg.fp8_keep_bf16_modules), min_features=cfg.fp8_min_features,
                    fsdp_float8_all_gather=cfg.fp8_enable_fsdp_float8_all_gather)
-
-
-def lr_factor(step: int, *, warmup: int, total: int, kind: str) -> float:
-    """Multiplier of the peak learning rate at optimizer step ``step`` (0-based)."""
-    if warmup and step < warmup:
-        return (step + 1) / warmup
-    if kind == "constant" or total <= warmup:
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return 0.5 * (1.0 + math.cos(math.pi * progress)) if kind == "cosine" else 1.0 - progress
 
 
 @contextlib.contextmanager
@@ -133,7 +132,10 @@ class TrainingRun:
     steps_per_epoch: int
     resume_dir: Path | None
     layout_reason: str | None
+    schedule: Schedule
+    """When to save, evaluate and log, and the learning-rate factor per step (schedule.py)."""
     load_s: float | None = None
+    vocab_note: str | None = None
 
     @property
     def trainable(self) -> list[torch.nn.Parameter]:
@@ -148,40 +150,40 @@ def setup(cfg: TrainConfig) -> TrainingRun:
                           "cpu or auto")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     torch.manual_seed(cfg.seed)
+    fetch_run_inputs(cfg, device_type)  # hub ids: local rank 0 of each node downloads while the others wait
 
     # 1. Checks that need no communication: the same answer on every rank.
     model_config = model_config_for(base_model=cfg.base_model, model_shape=cfg.model_shape,
-                                    overrides=cfg.model_config_overrides, max_position_embeddings=cfg.sequence_len)
+                                    overrides=cfg.model_config_overrides, max_position_embeddings=cfg.sequence_len,
+                                    revision=cfg.revision_of_model, trust_remote_code=cfg.trust_remote_code)
     layout, layout_reason = resolve_layout(cfg, world, model_config)
+    tokenizer, added_tokens = load_run_tokenizer(cfg)
+    vocab_from, vocab_note = fit_vocab(model_config, len(tokenizer), added_tokens, tp=layout.tp)
     layout.check_model(model_config, seq_len=cfg.sequence_len)
     check_trackers_installed(cfg)
-    tokenizer = load_tokenizer(cfg.tokenizer_config or cfg.base_model)
-    if len(tokenizer) > model_config.vocab_size:
-        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
-                          f"{model_config.vocab_size}; use the model's own tokenizer or raise vocab_size")
     output_dir = Path(cfg.output_dir)
     resume_dir = _check_output_dir(cfg, output_dir)
 
     # 2. Mesh, data, model.
     init_distributed(device_type=device_type, timeout_s=cfg.process_group_timeout_s)
     topo = Topology.build(layout, device_type=device_type, timeout_s=cfg.process_group_timeout_s)
-    specs = [DatasetSpec(**{**d.model_dump(), "path": resolve_data_path(d.path)}) for d in cfg.datasets]
+    specs = dataset_specs(cfg, template=tokenizer.chat_template)
     cache_dir = cfg.dataset_prepared_path or str(output_dir / "prepared")
+    global_rows = cfg.micro_batch_size * layout.batch_size * cfg.gradient_accumulation_steps
     train_rows, eval_rows = build_rows_distributed(
-        specs, tokenizer, seq_len=cfg.sequence_len, packing=cfg.sample_packing, cache_dir=cache_dir,
-        long_rows=cfg.long_rows, eval_fraction=cfg.val_set_size, seed=cfg.seed,
+        specs, tokenizer, seq_len=cfg.sequence_len, packing=cfg.sample_packing or bool(cfg.pretraining_dataset),
+        cache_dir=cache_dir, long_rows=cfg.long_rows_policy, eval_fraction=cfg.val_set_size, seed=cfg.seed,
+        min_len=cfg.min_sample_len, eval_packing=cfg.eval_packing, token_budget=token_budget(cfg, global_rows),
         is_main=topo.is_main, barrier=dist.barrier)
-    model, lora = _build_model(cfg, model_config, topo)
-    optimizer = build_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
-                                fused=None if cfg.optimizer != "adamw_torch" else False)
+    model, lora = _build_model(cfg, model_config, topo, vocab_from=vocab_from)
+    optimizer = build_run_optimizer(model, cfg, device_type)
 
     order = DataOrder(len(train_rows), rows_per_rank=cfg.micro_batch_size, batch_rank=topo.batch_rank,
                       batch_ranks=layout.batch_size, seed=cfg.seed)
     steps_per_epoch = max(1, order.batches_per_epoch // cfg.gradient_accumulation_steps)
-    total_steps = cfg.max_steps or max(1, math.ceil(cfg.num_epochs * steps_per_epoch))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, warmup=cfg.warmup_steps, total=total_steps, kind=cfg.lr_scheduler))
+    schedule = schedule_for(cfg, steps_per_epoch=steps_per_epoch)
+    total_steps = schedule.total_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.lr_factor)
     state = ckpt.TrainState()
     checkpointer = ckpt.trainer_checkpointer(output_dir, keep=cfg.save_total_limit, async_save=cfg.async_save,
                                              timeout_s=cfg.process_group_timeout_s)
@@ -199,7 +201,7 @@ def setup(cfg: TrainConfig) -> TrainingRun:
                        optimizer=optimizer, scheduler=scheduler, order=order, train_rows=train_rows,
                        eval_rows=eval_rows, lora=lora, state=state, checkpointer=checkpointer, total_steps=total_steps,
                        steps_per_epoch=steps_per_epoch, resume_dir=resume_dir, layout_reason=layout_reason,
-                       load_s=load_s)
+                       schedule=schedule, load_s=load_s, vocab_note=vocab_note)
 
 
 def _check_output_dir(cfg: TrainConfig, output_dir: Path) -> Path | None:
@@ -215,7 +217,8 @@ def _check_output_dir(cfg: TrainConfig, output_dir: Path) -> Path | None:
     return resume_dir
 
 
-def _build_model(cfg: TrainConfig, model_config, topo: Topology) -> tuple[torch.nn.Module, LoraSpec | None]:
+def _build_model(cfg: TrainConfig, model_config, topo: Topology, *, vocab_from: int | None = None
+                 ) -> tuple[torch.nn.Module, LoraSpec | None]:
     """The model built on the meta device, parallelized, then filled shard by shard (offloaded: on the CPU)."""
     bf16 = cfg.bf16 if cfg.bf16 != "auto" else topo.device.type == "cuda"
     options = ParallelOptions(param_dtype="bfloat16" if bf16 else None, reduce_dtype="float32",
@@ -227,12 +230,14 @@ def _build_model(cfg: TrainConfig, model_config, topo: Topology) -> tuple[torch.
     if cfg.cpu_offload and topo.world_size == 1:
         # FSDP2 takes over a one-rank unit's parameters when fully_shard runs (it re-reads them later only when
         # they are sharded), so offloaded parameters must have their CPU storage before it.
-        materialize(model, topo.device, weights_dir=cfg.base_model, seed=cfg.seed, offload_params=True)
+        materialize(model, topo.device, weights_dir=base_model_dir(cfg), seed=cfg.seed, offload_params=True,
+                    vocab_from=vocab_from)
         parallelize(model, topo, options=options, lora=lora)
         initialize_adapters(model, cfg.seed)
     else:
         parallelize(model, topo, options=options, lora=lora)
-        materialize(model, topo.device, weights_dir=cfg.base_model, seed=cfg.seed, offload_params=cfg.cpu_offload)
+        materialize(model, topo.device, weights_dir=base_model_dir(cfg), seed=cfg.seed,
+                    offload_params=cfg.cpu_offload, vocab_from=vocab_from)
     model.train()
     return model, lora
 
@@ -271,8 +276,9 @@ def _open_metrics(run: TrainingRun) -> MetricsLogger:
     metrics = MetricsLogger(output_dir, enabled=topo.is_main, total_steps=run.total_steps, start_step=state.step,
                             trackers=trackers)
     metrics.message(topo.describe())
-    if run.layout_reason:
-        metrics.message(f"layout chosen by the planner: {run.layout_reason}")
+    for note in filter(None, [run.layout_reason and f"layout chosen by the planner: {run.layout_reason}",
+                              run.vocab_note]):
+        metrics.message(note)
     metrics.message(f"data: {len(run.train_rows)} rows of {cfg.sequence_len} tokens; {run.steps_per_epoch} steps "
                     f"per epoch; {run.total_steps} steps"
                     + (f"; resumed at step {state.step} from {run.resume_dir} (loaded in {human_seconds(run.load_s)})"
@@ -305,15 +311,15 @@ def _train_loop(run: TrainingRun, metrics: MetricsLogger) -> None:
             if window.skipped_now:
                 metrics.message(f"step {state.step}: non-finite loss or gradient norm; step skipped "
                                 f"(nan_policy: skip)")
-            last = state.step == run.total_steps
-            saving = bool(cfg.save_steps and state.step % cfg.save_steps == 0) or last
-            logging_now = state.step % cfg.logging_steps == 0 or last
+            saving = run.schedule.saving(state.step)
+            evaluating = run.eval_rows is not None and run.schedule.evaluating(state.step)
+            logging_now = run.schedule.logging(state.step) or evaluating
             if logging_now or saving:
                 window.raise_if_not_finite(saved)  # never log on, never save weights after a non-finite update
             if saving:
                 saved = _save(run, metrics, window)
             if logging_now:
-                _log(run, metrics, window, last)
+                _log(run, metrics, window, evaluating)
 
 
 def train_step(run: TrainingRun, micro_batches: list, timer: PhaseTimer) -> StepResult:
@@ -324,7 +330,7 @@ def train_step(run: TrainingRun, micro_batches: list, timer: PhaseTimer) -> Step
         loss, tokens = forward_backward(run.model, micro_batches, topo, compiled_loss=cfg.torch_compile,
                                         gradient_sync=cfg.gradient_sync)
     with timer.phase("optimizer"):
-        grad_norm = clip_grad_norm_(run.trainable, cfg.max_grad_norm)
+        grad_norm = clip_grad_norm_(run.trainable, cfg.clip_norm)
         skip = cfg.nan_policy == "skip" and not _finite_everywhere(loss, grad_norm, topo)
         if not skip:
             optimizer.step()
@@ -364,12 +370,12 @@ def _save(run: TrainingRun, metrics: MetricsLogger, window: LogWindow) -> Path:
     return path
 
 
-def _log(run: TrainingRun, metrics: MetricsLogger, window: LogWindow, last: bool) -> None:
+def _log(run: TrainingRun, metrics: MetricsLogger, window: LogWindow, evaluating: bool) -> None:
     cfg, topo, state = run.cfg, run.topo, run.state
     record = window.close(state.step, lr=run.scheduler.get_last_lr()[0])
     state.tokens += record.pop("window_tokens")
     record["tokens"] = state.tokens
-    if run.eval_rows is not None and (cfg.eval_steps is None or state.step % cfg.eval_steps == 0 or last):
+    if evaluating:
         record["eval_loss"] = evaluate(run.model, run.eval_rows, topo, cfg.micro_batch_size,
                                        run.tokenizer.pad_token_id)
     metrics.log(record)

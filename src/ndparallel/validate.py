@@ -4,22 +4,14 @@ from __future__ import annotations
 
 import glob
 import math
-import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ndparallel.config import TrainConfig
+from ndparallel.data.files import resolve_data_path
 from ndparallel.errors import NdParallelError
 from ndparallel.layout import Layout
 
-STDLIB_PREFIX = "stdlib:"
-
-
-def resolve_data_path(path: str) -> str:
-    """``stdlib:PATTERN`` -> a glob inside this Python's standard library directory."""
-    if path.startswith(STDLIB_PREFIX):
-        return str(Path(sysconfig.get_paths()["stdlib"]) / (path[len(STDLIB_PREFIX):] or "*.py"))
-    return path
 
 
 @dataclass
@@ -27,35 +19,107 @@ class RunPlan:
     layout: Layout
     world_size: int
     reason: str | None
+    notes: list[str] = field(default_factory=list)
 
 
 def run_errors(cfg: TrainConfig, *, world_size: int | None) -> tuple[list[str], RunPlan | None]:
-    """Problems that would stop ``train`` (model, layout, data paths), collected rather than raised."""
+    """Problems that would stop ``train`` (model, tokenizer, layout, data, optimizer), all of them, collected
+    rather than raised; hub ids are looked up in the hub cache (config and tokenizer files are fetched unless
+    HF_HUB_OFFLINE is set, weights are not)."""
     from ndparallel.models.build import model_config_for
+    from ndparallel.run_inputs import load_run_tokenizer
     from ndparallel.train import resolve_layout
+    from ndparallel.vocab import fit_vocab
 
     problems: list[str] = []
-    try:
-        model_config = model_config_for(base_model=cfg.base_model, model_shape=cfg.model_shape,
-                                        overrides=cfg.model_config_overrides,
-                                        max_position_embeddings=cfg.sequence_len)
-    except NdParallelError as exc:
-        return [str(exc)], None
+    model_config = _attempt(problems, lambda: model_config_for(
+        base_model=cfg.base_model, model_shape=cfg.model_shape, overrides=cfg.model_config_overrides,
+        max_position_embeddings=cfg.sequence_len, revision=cfg.revision_of_model,
+        trust_remote_code=cfg.trust_remote_code))
+    tokenizer = _attempt(problems, lambda: load_run_tokenizer(cfg))
     world = world_size or cfg.fixed_world_size() or 1
     plan = None
     try:
-        layout, reason = resolve_layout(cfg, world, model_config)
-        problems += list(layout.model_problems(model_config, seq_len=cfg.sequence_len))
-        plan = RunPlan(layout=layout, world_size=world, reason=reason)
+        layout, reason = resolve_layout(cfg, world, model_config) if model_config is not None or \
+            cfg.dp_shard_size != "auto" else (None, None)
+        if layout is not None:
+            plan = RunPlan(layout=layout, world_size=world, reason=reason)
+            if cfg.dp_replicate_size is None and layout.dp_replicate > 1:
+                plan.notes.append(f"dp_replicate_size is unset: {layout.dp_replicate} replicas fill the {world} "
+                                  f"processes (Axolotl's rule)")
     except NdParallelError as exc:
         problems.append(str(exc))
-    for i, dataset in enumerate(cfg.datasets):
-        path = resolve_data_path(dataset.path)
-        if not (Path(path).exists() or glob.glob(path)):
-            problems.append(f"datasets[{i}].path {dataset.path!r} matches no file or directory")
-    if cfg.tokenizer_config not in (None, "byte") and not Path(cfg.tokenizer_config).is_dir():
-        problems.append(f"tokenizer_config {cfg.tokenizer_config!r} is not a directory; give a tokenizer directory or 'byte'")
+    if model_config is not None and tokenizer is not None and plan is not None:
+        note = _attempt(problems, lambda: fit_vocab(model_config, len(tokenizer[0]), tokenizer[1],
+                                                   tp=plan.layout.tp)[1])
+        if note:
+            plan.notes.append(note)
+    if model_config is not None and plan is not None:
+        problems += list(plan.layout.model_problems(model_config, seq_len=cfg.sequence_len))
+    problems += _data_problems(cfg)
+    if cfg.eight_bit_optimizer and cfg.device == "cpu":
+        problems.append(f"optimizer: {cfg.optimizer} (8-bit AdamW) needs a CUDA GPU; use adamw_torch with device: cpu")
     return problems, plan
+
+
+def _attempt(problems: list[str], make):
+    try:
+        return make()
+    except NdParallelError as exc:
+        problems.append(str(exc))
+        return None
+
+
+def _data_problems(cfg: TrainConfig) -> list[str]:
+    from ndparallel import hub
+
+    problems = []
+    entries = [("datasets", d.path, d.revision) for d in cfg.datasets]
+    entries += [("pretraining_dataset", d.path, d.revision) for d in cfg.pretraining_dataset or []]
+    for i, (setting, raw_path, revision) in enumerate(entries):
+        path = resolve_data_path(raw_path)
+        if hub.is_hub_id(path):
+            problem = _hub_dataset_problem(path, revision, f"{setting} path")
+            if problem:
+                problems.append(problem)
+        elif not (Path(path).exists() or glob.glob(path)):
+            problems.append(f"{setting}[{i}].path {raw_path!r} matches no file or directory (nor a hub dataset id "
+                            f"org/name)")
+    return problems
+
+
+def _hub_dataset_problem(name: str, revision: str | None, setting: str) -> str | None:
+    """Why hub dataset ``name`` cannot be read: not cached while offline, or not on the hub."""
+    from ndparallel import hub
+
+    try:
+        hub.dataset_dir(name, revision=revision, download=False, setting=setting)
+        return None
+    except NdParallelError as exc:
+        if hub.offline():
+            return str(exc)
+    from huggingface_hub import HfApi
+
+    try:
+        if not HfApi().repo_exists(name, repo_type="dataset"):
+            return f"{setting} {name!r} is neither a local path nor a dataset on the Hugging Face Hub; check it"
+    except Exception as exc:  # no network: train will say more when it downloads
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"{setting} {name!r}: cannot reach the Hugging Face Hub to check it ({first[:120]})"
+    return None
+
+
+def differences(cfg: TrainConfig) -> str | None:
+    """One line naming where this run means something other than Axolotl would, on purpose."""
+    items = []
+    if cfg.lr_scheduler != "constant":
+        items.append("warm-up reaches lr x (s+1)/warmup at step s, so the first step learns (transformers: s/warmup)")
+    if cfg.sample_packing or cfg.pretraining_dataset:
+        items.append("packing is first-fit in document order (Axolotl's multipack bins by length), so rows hold "
+                     "other document mixes")
+    if cfg.val_set_size and cfg.eval_steps is None and cfg.evals_per_epoch is None and cfg.eval_strategy is None:
+        items.append("with val_set_size and no evaluation cadence the held-out loss is computed once, at the end")
+    return ("differs from Axolotl on purpose: " + "; ".join(items)) if items else None
 
 
 def describe_run(cfg: TrainConfig, plan: RunPlan) -> str:
@@ -63,7 +127,7 @@ def describe_run(cfg: TrainConfig, plan: RunPlan) -> str:
     rows_per_step = cfg.micro_batch_size * layout.batch_size * cfg.gradient_accumulation_steps
     tokens_per_step = rows_per_step * cfg.sequence_len
     tokens_per_rank = cfg.micro_batch_size * math.ceil(cfg.sequence_len / layout.cp)
-    lines = [layout.describe()]
+    lines = [layout.describe(), *plan.notes]
     if plan.reason:
         lines.append(f"layout chosen by the planner: {plan.reason}")
     lines += [

@@ -94,7 +94,7 @@ CASES = [
     ("zero-dp-shard", 1, {"dp_shard_size": 0}, [], "must be >= 1, -1 (fill the remaining ranks) or auto"),
     ("two-fill-sizes", 1, {"dp_shard_size": -1, "tp_size": -1}, [], "tp_size: Input should be greater than or equal to 1"),
     ("negative-lr", 1, {"learning_rate": -0.1}, [], "learning_rate: Input should be greater than 0"),
-    ("bad-scheduler", 1, {"lr_scheduler": "onecycle"}, [], "lr_scheduler: Input should be 'cosine', 'linear' or 'constant'"),
+    ("bad-scheduler", 1, {"lr_scheduler": "onecycle"}, [], "lr_scheduler: Input should be 'cosine', 'linear', 'constant' or 'constant_with_warmup'"),
     ("bad-cp-method", 1, {"cp_comm_strategy": "ulysses"}, [], "cp_comm_strategy: Input should be 'allgather', 'ring' or"),
     ("zero-timeout", 1, {"process_group_timeout_s": 0}, [], "process_group_timeout_s: Input should be greater than 0"),
     ("fsdp-wrap-zero", 1, {"fsdp_wrap": 0}, [], "fsdp_wrap"),
@@ -108,7 +108,7 @@ CASES = [
     # --- layout against world size and model ----------------------------------------------------------
     ("product-not-world", 2, {"dp_shard_size": 2, "tensor_parallel_size": 2}, [],
      "= 4, but 2 processes were started"),
-    ("more-processes-than-layout", 4, {"dp_shard_size": 1, "tensor_parallel_size": 2}, [],
+    ("more-processes-than-layout", 4, {"dp_replicate_size": 1, "dp_shard_size": 1, "tensor_parallel_size": 2}, [],
      "= 2, but 4 processes were started"),
     ("fill-does-not-divide", 3, {"dp_shard_size": -1, "tensor_parallel_size": 2}, [],
      "does not divide the world size 3"),
@@ -155,7 +155,7 @@ CASES = [
                                                           "type": "alpaca"}]}, [], "output"),
     ("unknown-dataset-type", 1, lambda t: {"datasets": [{"path": _jsonl(t, "u.jsonl", [{"text": "x"}]),
                                                          "type": "sharegpt_v9"}]}, [], "sharegpt_v9"),
-    ("rows-too-long", 1, lambda t: {"sample_packing": False, "datasets": [
+    ("rows-too-long", 1, lambda t: {"sample_packing": False, "long_rows": "error", "datasets": [
         {"path": _jsonl(t, "long.jsonl", [{"text": "x" * 500}] * 40), "type": "completion"}]}, [],
      "longer than sequence_len=64"),
     ("non-utf8-text", 1, lambda t: {"datasets": [{"path": _non_utf8(t), "type": "pretrain_files"}]}, [], "bad.txt"),

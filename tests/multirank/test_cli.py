@@ -21,9 +21,12 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 def _fake_8b(tmp: Path) -> Path:
     """A directory with the config (no weights) of an 8B Llama: enough for validate."""
+    from ndparallel.data.tokenizer import byte_tokenizer
+
     path = tmp / "llama-8b"
     LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072).save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)  # validate loads the tokenizer, as train would
     return path
 
 
@@ -49,7 +52,10 @@ def test_validate_reports_every_problem(tmp_path, capsys):
                                    "learnig_rate": 1e-4, "micro_batch_size": 0}))
     assert main(["validate", str(bad)]) == 2
     err = capsys.readouterr().err
-    assert "2 problem(s)" in err and "did you mean 'learning_rate'" in err and "micro_batch_size" in err
+    # the config's mistakes, then (with defaults in their place) the model's and the data's
+    assert "4 problem(s)" in err and "did you mean 'learning_rate'" in err and "micro_batch_size" in err
+    assert "the tokenizer has 262 tokens but the model's vocab_size is 256" in err
+    assert "datasets[0].path 'nowhere.jsonl' matches no file or directory" in err
 
 
 def test_validate_checks_the_layout_against_the_model(tmp_path, capsys):

@@ -124,7 +124,7 @@ def _train_expecting(config: dict):
 def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
     config = layout_config(tiny_config(tmp_path, max_steps=4, save_steps=2), s=2)
     run_train(2, config)
-    diverging = {**config, "resume_from_checkpoint": "latest", "learning_rate": 1e9, "max_grad_norm": None,
+    diverging = {**config, "resume_from_checkpoint": "latest", "learning_rate": 1e9, "max_grad_norm": 0,
                  "max_steps": 10, "save_steps": 1, "logging_steps": 3}
     results = run_ranks(2, _train_expecting, diverging)
     message = results[0]["error"]
@@ -141,7 +141,7 @@ def test_nan_policy_skip_finishes_with_finite_weights(tmp_path):
     from ndparallel.export import export_checkpoint
     from safetensors.torch import load_file
 
-    config = layout_config(tiny_config(tmp_path, max_steps=5, learning_rate=1e9, max_grad_norm=None,
+    config = layout_config(tiny_config(tmp_path, max_steps=5, learning_rate=1e9, max_grad_norm=0,
                                        nan_policy="skip", warmup_steps=0, lr_scheduler="constant"), s=2)
     records = run_ranks(2, _train_expecting, config)[0]["records"]
     assert records[-1]["skipped_steps"] >= 1

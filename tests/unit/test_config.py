@@ -32,12 +32,12 @@ BAD = [
     ({"dp_shard_size": -3}, "dp_shard_size"),
     ({"dp_shard_size": 0}, "must be >= 1, -1 (fill the remaining ranks) or auto"),
     ({"cp_comm_strategy": "ulysses"}, "cp_comm_strategy: Input should be 'allgather', 'ring' or 'alltoall'"),
-    ({"lr_scheduler": "cosine_with_restarts"}, "lr_scheduler: Input should be 'cosine', 'linear' or 'constant'"),
+    ({"lr_scheduler": "cosine_with_restarts"}, "lr_scheduler: Input should be 'cosine', 'linear', 'constant' or 'constant_with_warmup'"),
     ({"sequence_len": 4}, "sequence_len: Input should be greater than or equal to 8"),
     ({"fp16": True}, "fp16 is not supported: set bf16: true"),
     ({"adapter": "lora"}, "adapter: lora needs lora_target_modules"),
     ({"lora_target_linear": True}, "but adapter is not: add adapter: lora"),
-    ({"adapter": "qlora"}, "adapter: Input should be 'lora'"),
+    ({"adapter": "qlora"}, "adapter: qlora (LoRA on 4-bit quantized base weights) is not supported"),
     ({"base_model": "/models/x"}, "base_model and model_shape are both set"),
     ({"datasets": []}, "datasets is empty"),
     ({"fsdp_wrap": 0}, "fsdp_wrap"),
@@ -45,7 +45,7 @@ BAD = [
     ({"val_set_size": "ten"}, "val_set_size: Input should be a valid number"),
     ({"max_steps": 0}, "max_steps: Input should be greater than or equal to 1"),
     ({"gradient_accumulation_steps": 1.5}, "gradient_accumulation_steps: Input should be a valid integer"),
-    ({"long_rows": "split"}, "long_rows: Input should be 'error', 'truncate' or 'drop'"),
+    ({"long_rows": "cut"}, "long_rows: Input should be 'drop', 'truncate', 'error' or 'split'"),
 ]
 
 
@@ -64,7 +64,7 @@ def test_all_mistakes_are_reported_at_once():
 
 def test_no_model_is_an_error():
     assert config_errors({"datasets": BASE["datasets"]}) == [
-        "no model: set base_model (a local HF directory) or model_shape (tiny, 1b, 3b, 8b)"]
+        "no model: set base_model (a HF directory or hub id) or model_shape (tiny, 1b, 3b, 8b)"]
 
 
 def test_overrides_parse_values_as_yaml_and_nest():

@@ -24,9 +24,9 @@ def calls(monkeypatch):
     count = {"n": 0}
     original = build_module.tokenize_records
 
-    def counting(records, tokenizer):
+    def counting(records, tokenizer, spec=None):
         count["n"] += 1
-        return original(records, tokenizer)
+        return original(records, tokenizer, spec)
 
     monkeypatch.setattr(build_module, "tokenize_records", counting)
     return count
@@ -128,8 +128,10 @@ def test_eval_split_is_deterministic_disjoint_and_complete(tmp_path, tokenizer):
 def test_bad_options_are_refused(tmp_path, tokenizer):
     spec = write_docs(tmp_path / "a.jsonl", ["x", "y"])
     options = dict(seq_len=8, packing=True, cache_dir=tmp_path / "c")
-    with pytest.raises(DataError, match=r"eval_fraction=1.0 must be in \[0, 1\)"):
-        build_rows([spec], tokenizer, **options | {"eval_fraction": 1.0})
+    with pytest.raises(DataError, match=r"val_set_size=1.5 must be a fraction in \[0, 1\) or a whole number"):
+        build_rows([spec], tokenizer, **options | {"eval_fraction": 1.5})
+    with pytest.raises(DataError, match="eval_fraction=2 of 2 examples leaves no training example"):
+        build_rows([spec], tokenizer, **options | {"eval_fraction": 2})
     with pytest.raises(DataError, match="eval_fraction=0.8 of 2 examples leaves no training example"):
         build_rows([spec], tokenizer, **options | {"eval_fraction": 0.8})
     with pytest.raises(DataError, match="datasets: is empty"):

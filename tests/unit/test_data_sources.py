@@ -135,7 +135,7 @@ ERRORS = [
     ("missing file", lambda p: DatasetSpec(str(p / "nope.jsonl"), "completion"),
      r"nope\.jsonl' does not exist .*; fix path:"),
     ("empty file", lambda p: DatasetSpec(str(write_jsonl(p / "e.jsonl", [])), "completion"),
-     r"e\.jsonl holds no records; fix path: or add data"),
+     r"e\.jsonl holds no records \(for split=None\); fix path: or split:, or add data"),
     ("no matching files", lambda p: DatasetSpec(str(p / "*.parquet"), "completion"),
      r"no file matches path='.*\*\.parquet'"),
     ("empty directory", lambda p: DatasetSpec(str(p), "completion"), r"holds no \*\.jsonl, \*\.json"),
@@ -188,7 +188,7 @@ def test_unknown_type_lists_the_valid_ones():
 
 def test_spec_from_dict_rejects_unknown_and_missing_keys():
     assert DatasetSpec.from_dict({"path": "x.jsonl", "type": "chat"}).kind == "chat_template"
-    with pytest.raises(DataError, match="unknown setting.* feild; a dataset entry takes field, name, path"):
+    with pytest.raises(DataError, match="unknown setting.* feild; a dataset entry takes .*field, name, path"):
         DatasetSpec.from_dict({"path": "x.jsonl", "type": "text", "feild": "body"})
     with pytest.raises(DataError, match="missing type; every dataset entry needs path: and type:"):
         DatasetSpec.from_dict({"path": "x.jsonl"})

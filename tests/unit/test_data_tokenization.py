@@ -105,7 +105,7 @@ def examples_of_lengths(*lengths):
 
 def test_long_rows_error_says_how_many_and_what_to_do():
     expected = (r"^2 of 4 examples are longer than sequence_len=5 \(longest 9 tokens\); raise sequence_len, "
-                r"enable sample_packing, or set long_rows: truncate\|drop$")
+                r"or set long_rows \(excess_length_strategy\) to truncate\|drop\|split$")
     with pytest.raises(DataError, match=expected):
         fit_long_rows(examples_of_lengths(3, 9, 5, 6), 5)
 
@@ -117,5 +117,7 @@ def test_long_rows_truncate_and_drop():
     assert [list(e.labels) for e in truncated] == [list(e.input_ids) for e in truncated]
     dropped = fit_long_rows(examples, 5, "drop")
     assert list(dropped.lengths) == [3, 5]
-    with pytest.raises(DataError, match="long_rows='cut' is not a policy; use one of error, truncate, drop"):
+    split = fit_long_rows(examples, 5, "split", min_len=4)
+    assert list(split.lengths) == [5, 4, 5, 5, 1]  # 3 is shorter than min_len; 9 -> 5 + 4; 6 -> 5 + 1
+    with pytest.raises(DataError, match="long_rows='cut' is not a policy; use one of error, truncate, drop, split"):
         fit_long_rows(examples, 5, "cut")

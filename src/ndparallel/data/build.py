@@ -45,23 +45,32 @@ def build_rows(
     seq_len: int,
     packing: bool,
     cache_dir: str | Path,
-    long_rows: str = "error",
+    long_rows: str | None = None,
     eval_fraction: float = 0.0,
     seed: int = 0,
+    min_len: int = 1,
+    eval_packing: bool | None = None,
+    token_budget: int | None = None,
 ) -> tuple[Rows, Rows | None]:
     """Training rows and evaluation rows (None when ``eval_fraction`` is 0), from the cache when possible.
 
-    ``long_rows`` (``error`` / ``truncate`` / ``drop``) applies without packing; packing cuts long
-    documents into ``seq_len`` pieces instead. ``eval_fraction`` of the examples (at least one), chosen by
-    a shuffle seeded with ``seed``, become the evaluation split before packing. A tokenizer without a pad
-    token gets eos as pad token (``ensure_pad_token``): pad positions are masked, so the id does not matter.
+    ``long_rows`` (``error`` / ``truncate`` / ``drop`` / ``split``) handles examples longer than ``seq_len``;
+    unset, packing splits them and padding refuses them. Examples shorter than ``min_len`` tokens are left
+    out. ``eval_fraction`` of the examples (a fraction below 1, or a number of examples; at least one), chosen
+    by a shuffle seeded with ``seed``, become the evaluation split before packing; ``eval_packing`` (default:
+    ``packing``) says whether its rows are packed. ``token_budget``: stop reading the datasets (in order) once
+    this many tokens are tokenized (a pretraining corpus read only as far as the steps need). A tokenizer without a pad token gets eos as pad token
+    (``ensure_pad_token``): pad positions are masked, so the id does not matter.
     """
+    long_rows = long_rows or ("split" if packing else "error")
+    eval_packing = packing if eval_packing is None else eval_packing
     specs, directory, inputs = _cache_location(specs, tokenizer, seq_len, packing, cache_dir, long_rows,
-                                               eval_fraction, seed)
+                                               eval_fraction, seed, min_len, eval_packing, token_budget)
     cached = load_splits(directory)
     if cached is None:
         splits = _build(specs, tokenizer, seq_len=seq_len, packing=packing, long_rows=long_rows,
-                        eval_fraction=eval_fraction, seed=seed)
+                        eval_fraction=eval_fraction, seed=seed, min_len=min_len, eval_packing=eval_packing,
+                        token_budget=token_budget)
         save_splits(directory, splits, {"inputs": inputs})
         cached = load_splits(directory)
         if cached is None:
@@ -81,9 +90,12 @@ def build_rows_distributed(
     seq_len: int,
     packing: bool,
     cache_dir: str | Path,
-    long_rows: str = "error",
+    long_rows: str | None = None,
     eval_fraction: float = 0.0,
     seed: int = 0,
+    min_len: int = 1,
+    eval_packing: bool | None = None,
+    token_budget: int | None = None,
 ) -> tuple[Rows, Rows | None]:
     """``build_rows`` on the main process only; every process waits at ``barrier`` and then maps the cache.
 
@@ -92,7 +104,8 @@ def build_rows_distributed(
     re-raises; the others then report that the cache is missing.
     """
     options = dict(seq_len=seq_len, packing=packing, cache_dir=cache_dir, long_rows=long_rows,
-                   eval_fraction=eval_fraction, seed=seed)
+                   eval_fraction=eval_fraction, seed=seed, min_len=min_len, eval_packing=eval_packing,
+                   token_budget=token_budget)
     if is_main:
         try:
             result = build_rows(specs, tokenizer, **options)
@@ -100,7 +113,10 @@ def build_rows_distributed(
             barrier()
         return result
     barrier()
-    _, directory, _ = _cache_location(specs, tokenizer, seq_len, packing, cache_dir, long_rows, eval_fraction, seed)
+    long_rows = long_rows or ("split" if packing else "error")
+    eval_packing = packing if eval_packing is None else eval_packing
+    _, directory, _ = _cache_location(specs, tokenizer, seq_len, packing, cache_dir, long_rows, eval_fraction, seed,
+                                      min_len, eval_packing, token_budget)
     cached = load_splits(directory)
     if cached is None:
         raise DataError(
@@ -110,15 +126,18 @@ def build_rows_distributed(
     return cached["train"], cached.get("eval")
 
 
-def _cache_location(specs, tokenizer, seq_len, packing, cache_dir, long_rows, eval_fraction, seed):
+def _cache_location(specs, tokenizer, seq_len, packing, cache_dir, long_rows, eval_fraction, seed, min_len,
+                    eval_packing, token_budget=None):
     """Checked specs, the cache directory of these inputs, and the inputs themselves (for the manifest)."""
     specs = [spec if isinstance(spec, DatasetSpec) else DatasetSpec.from_dict(spec) for spec in specs]
     if not specs:
         raise DataError("datasets: is empty; list at least one dataset with path: and type:")
     if long_rows not in LONG_ROWS_POLICIES:
         raise DataError(f"long_rows={long_rows!r} is not a policy; use one of {', '.join(LONG_ROWS_POLICIES)}")
-    if not isinstance(eval_fraction, (int, float)) or not 0 <= eval_fraction < 1:
-        raise DataError(f"eval_fraction={eval_fraction!r} must be in [0, 1); e.g. 0.05 keeps 5% for evaluation")
+    if not isinstance(eval_fraction, (int, float)) or eval_fraction < 0 or (eval_fraction >= 1 and
+                                                                             eval_fraction != int(eval_fraction)):
+        raise DataError(f"val_set_size={eval_fraction!r} must be a fraction in [0, 1) or a whole number of examples; "
+                        f"e.g. 0.05 keeps 5% for evaluation")
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
         raise DataError(f"sequence_len={seq_len!r} must be a whole number >= 1; fix sequence_len")
     ensure_pad_token(tokenizer)  # before the identity is taken: it includes the pad id
@@ -127,42 +146,48 @@ def _cache_location(specs, tokenizer, seq_len, packing, cache_dir, long_rows, ev
         "sources": [source_identity(spec) for spec in specs],
         "tokenizer": tokenizer_identity(tokenizer),
         "options": dict(seq_len=seq_len, packing=bool(packing), long_rows=long_rows,
-                        eval_fraction=float(eval_fraction), seed=int(seed)),
+                        eval_fraction=float(eval_fraction), seed=int(seed), min_len=int(min_len),
+                        eval_packing=bool(eval_packing), token_budget=token_budget),
     }
     return specs, Path(cache_dir).expanduser() / cache_key(inputs), inputs
 
 
-def _build(specs, tokenizer, *, seq_len, packing, long_rows, eval_fraction, seed) -> dict[str, Rows]:
-    """Tokenize all datasets in order, split, then pack or pad each split."""
+def _build(specs, tokenizer, *, seq_len, packing, long_rows, eval_fraction, seed, min_len, eval_packing,
+           token_budget=None) -> dict[str, Rows]:
+    """Tokenize all datasets in order (up to ``token_budget`` tokens), fit their lengths, split, then pack or
+    pad each split."""
     pad_id = ensure_pad_token(tokenizer)
     examples = ExampleStore()
     for spec in specs:
         before = len(examples)
-        for example in tokenize_records(read_records(spec), tokenizer):
+        for example in tokenize_records(read_records(spec), tokenizer, spec):
             examples.append(example)
+            if token_budget is not None and examples.num_tokens >= token_budget:
+                break
         logger.info("dataset %s: %d examples", spec.label, len(examples) - before)
-    if not packing:
-        examples = fit_long_rows(examples, seq_len, long_rows)
-        if not len(examples):
-            raise DataError(f"long_rows=drop left no example of at most sequence_len={seq_len} tokens; raise "
-                            f"sequence_len or enable sample_packing")
+        if token_budget is not None and examples.num_tokens >= token_budget:
+            break
+    examples = fit_long_rows(examples, seq_len, long_rows, min_len=min_len)
+    if not len(examples):
+        raise DataError(f"no example of {min_len} to sequence_len={seq_len} tokens is left (long_rows={long_rows}); "
+                        f"raise sequence_len, or set long_rows (excess_length_strategy) to truncate or split")
     train, evaluation = split_examples(examples, eval_fraction, seed)
-    arrange = pack_examples if packing else pad_examples
-    splits = {"train": arrange(train, seq_len, pad_id)}
+    splits = {"train": (pack_examples if packing else pad_examples)(train, seq_len, pad_id)}
     if evaluation is not None:
-        splits["eval"] = arrange(evaluation, seq_len, pad_id)
+        splits["eval"] = (pack_examples if eval_packing else pad_examples)(evaluation, seq_len, pad_id)
     return splits
 
 
 def split_examples(examples: ExampleStore, fraction: float, seed: int) -> tuple[ExampleStore, ExampleStore | None]:
-    """(train, eval): ``round(fraction * n)`` examples (at least one) picked by a seeded shuffle go to eval.
+    """(train, eval): ``round(fraction * n)`` examples (at least one; ``fraction`` >= 1 is a count) picked by a
+    seeded shuffle go to eval.
 
     Both splits keep the examples' original order.
     """
     if fraction == 0:
         return examples, None
     total = len(examples)
-    count = max(1, round(fraction * total))
+    count = int(fraction) if fraction >= 1 else max(1, round(fraction * total))
     if count >= total:
         raise DataError(
             f"eval_fraction={fraction} of {total} examples leaves no training example; lower eval_fraction or add data"

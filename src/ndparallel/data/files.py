@@ -12,6 +12,7 @@ import codecs
 import glob
 import json
 import os
+import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,16 +20,30 @@ from typing import Any
 from ndparallel.data.spec import DatasetSpec
 from ndparallel.errors import DataError
 
-RECORD_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
+RECORD_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".jsonl.zst", ".jsonl.gz", ".json.gz")
 # Metadata a save_to_disk directory holds next to its Arrow files: never records.
 HF_METADATA_FILES = {"state.json", "dataset_info.json", "dataset_dict.json"}
 GLOB_CHARACTERS = set("*?[")
+STDLIB_PREFIX = "stdlib:"
 PARQUET_BATCH_ROWS = 1024
+
+
+def resolve_data_path(path: str) -> str:
+    """``stdlib:PATTERN`` -> a glob inside this Python's standard library directory (the built-in corpus)."""
+    if path.startswith(STDLIB_PREFIX):
+        return str(Path(sysconfig.get_paths()["stdlib"]) / (path[len(STDLIB_PREFIX):] or "*.py"))
+    return path
 
 
 def resolve_files(spec: DatasetSpec) -> list[Path]:
     """The data files of ``spec`` in reading order; a DataError if there are none."""
+    from ndparallel.hub import is_hub_id
+
     pattern = spec.path
+    if is_hub_id(pattern):
+        from ndparallel.data.hub_files import hub_files
+
+        return hub_files(spec)
     # An existing path is taken literally even if its name contains glob characters ("data[1].jsonl").
     if GLOB_CHARACTERS & set(pattern) and not Path(pattern).expanduser().exists():
         files = sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True) if Path(p).is_file())
@@ -49,7 +64,7 @@ def resolve_files(spec: DatasetSpec) -> list[Path]:
         return _saved_dataset_files(path)
     files = sorted(p for p in path.rglob("*") if p.is_file() and not _hidden(p.relative_to(path)))
     if spec.kind != "pretrain_files":
-        files = [p for p in files if p.suffix in RECORD_SUFFIXES and p.name not in HF_METADATA_FILES]
+        files = [p for p in files if p.name.endswith(RECORD_SUFFIXES) and p.name not in HF_METADATA_FILES]
     if not files:
         wanted = "files" if spec.kind == "pretrain_files" else "*" + ", *".join(RECORD_SUFFIXES) + " files"
         raise DataError(f"dataset {spec.label}: directory {path} holds no {wanted}; fix path: or add data files")
@@ -63,7 +78,10 @@ def _hidden(relative: Path) -> bool:
 def _dataset_dict_split(path: Path, spec: DatasetSpec) -> Path:
     """The split directory of a saved DatasetDict (``split:``, default ``train``)."""
     splits = _read_json_file(path / "dataset_dict.json").get("splits", [])
-    split = spec.split or "train"
+    names = [name for name, _, _ in spec.split_parts]
+    if len(names) != 1:
+        raise DataError(f"dataset {spec.label}: a saved DatasetDict is read one split at a time; split={spec.split!r}")
+    split = names[0]
     if split not in splits or not (path / split).is_dir():
         raise DataError(
             f"dataset {spec.label}: the saved DatasetDict {path} has no split {split!r}; set split: to one of "
@@ -120,6 +138,9 @@ def read_utf8(path: Path) -> str:
 def iter_rows(path: Path) -> Iterator[tuple[str, Any]]:
     """``(where, row)`` for each record of a data file; ``where`` names the file and record for messages."""
     readers = {".jsonl": _iter_json_lines, ".json": _iter_json, ".parquet": _iter_parquet, ".arrow": _iter_arrow}
+    if path.suffix in (".zst", ".gz") and Path(path.stem).suffix in (".jsonl", ".json"):
+        yield from _iter_json_lines(path, _decompress(path))
+        return
     reader = readers.get(path.suffix)
     if reader is None:
         raise DataError(
@@ -127,6 +148,23 @@ def iter_rows(path: Path) -> Iterator[tuple[str, Any]]:
             f"'{path.suffix}' files; convert it, or use type: pretrain_files for plain text"
         )
     yield from reader(path)
+
+
+def _decompress(path: Path) -> str:
+    """The text of a .gz (gzip) or .zst (zstandard, through pyarrow) compressed file."""
+    if path.suffix == ".gz":
+        import gzip
+
+        with gzip.open(path, "rb") as f:
+            data = f.read()
+    else:
+        pyarrow, _ = _import_pyarrow(path)
+        with pyarrow.input_stream(str(path), compression="zstd") as f:
+            data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise DataError(f"{path}: the decompressed data is not UTF-8 text (byte offset {error.start})") from None
 
 
 def _iter_json_lines(path: Path, text: str | None = None) -> Iterator[tuple[str, Any]]:

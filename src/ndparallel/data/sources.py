@@ -58,21 +58,56 @@ Record = TextRecord | InstructionRecord | ChatRecord
 
 
 def read_records(spec: DatasetSpec) -> Iterator[Record]:
-    """The records of one dataset, file by file in order; a DataError if there are none."""
+    """The records of one dataset, file by file in order, sliced as ``split`` says and after ``skip`` records;
+    a DataError if there are none."""
+    files = resolve_files(spec)
+    ranges = _slice_ranges(spec, files)
     count = 0
-    for path in resolve_files(spec):
-        if spec.kind == "pretrain_files":
-            records: Iterator[Record] = iter([TextRecord(read_utf8(path), str(path))])
-        else:
-            records = (_normalise(row, where, spec) for where, row in iter_rows(path))
-        for record in records:
-            count += 1
-            yield record
+    for number, record in enumerate(_all_records(spec, files)):
+        if number < spec.skip or (ranges is not None and not any(a <= number < b for a, b in ranges)):
+            continue
+        count += 1
+        yield record
     if count == 0:
-        raise DataError(f"dataset {spec.label}: {spec.path} holds no records; fix path: or add data")
+        raise DataError(f"dataset {spec.label}: {spec.path} holds no records (for split={spec.split!r}); fix path: "
+                        f"or split:, or add data")
 
 
-def _normalise(row: Any, where: str, spec: DatasetSpec) -> Record:
+def _all_records(spec: DatasetSpec, files: list) -> Iterator[Record]:
+    for path in files:
+        if spec.kind == "pretrain_files":
+            yield TextRecord(read_utf8(path), str(path))
+        else:
+            for where, row in iter_rows(path):
+                record = _normalise(row, where, spec)
+                if record is not None:
+                    yield record
+
+
+def _slice_ranges(spec: DatasetSpec, files: list) -> list[tuple[int, int]] | None:
+    """Record index ranges of the split's slices (None: every record). Percent bounds round to the nearest
+    record, as ``datasets`` does; counting the records costs one extra pass only when a bound is a percent."""
+    parts = spec.split_parts
+    if all(start is None and stop is None for _, start, stop in parts):
+        return None
+    if len(parts) > 1:
+        raise DataError(f"dataset {spec.label}: split={spec.split!r}: slices apply to one split at a time")
+    _, start, stop = parts[0]
+    total = sum(1 for _ in _all_records(spec, files)) if "%" in f"{start}{stop}" else None
+    return [(_bound(start, total, 0), _bound(stop, total, None))]
+
+
+def _bound(text: str | None, total: int | None, default: int | None) -> float:
+    if text is None:
+        return default if default is not None else float("inf")
+    if text.endswith("%"):
+        value = round(int(text[:-1]) * total / 100)
+    else:
+        value = int(text)
+    return value if value >= 0 else max(0, (total if total is not None else 0) + value)
+
+
+def _normalise(row: Any, where: str, spec: DatasetSpec) -> Record | None:
     if not isinstance(row, dict):
         raise DataError(f"{where}: a record must be a JSON object / table row, found {_kind(row)}; "
                         f"fix the file")
@@ -88,7 +123,10 @@ def _normalise(row: Any, where: str, spec: DatasetSpec) -> Record:
             output=_string(row, "output", where, fix),
             where=where,
         )
-    return ChatRecord(_messages(row, where, spec), where)
+    messages = _messages(row, where, spec)
+    if spec.drop_system_message:
+        messages = tuple(m for m in messages if m["role"] != "system")
+    return ChatRecord(messages, where) if messages else None
 
 
 def _string(row: dict, field: str, where: str, fix: str) -> str:
@@ -119,13 +157,32 @@ def _messages(row: dict, where: str, spec: DatasetSpec) -> tuple[dict[str, str],
     if not isinstance(turns, list) or not turns:
         what = "an empty list" if isinstance(turns, list) else _kind(turns)
         raise DataError(f"{where}: field '{key}' holds {what}, not a list of messages; {fix}")
-    return tuple(_message(turn, number, key, where) for number, turn in enumerate(turns, start=1))
+    roles = _role_names(spec)
+    return tuple(_message(turn, number, key, where, spec, roles) for number, turn in enumerate(turns, start=1))
 
 
-def _message(turn: Any, number: int, key: str, where: str) -> dict[str, str]:
+def _role_names(spec: DatasetSpec) -> dict[str, str]:
+    """Dataset role name -> template role: ShareGPT's names, then the config's ``roles`` mapping."""
+    names = dict(SHAREGPT_ROLES)
+    for role, aliases in (spec.roles or {}).items():
+        for alias in aliases:
+            names[str(alias)] = str(role)
+    return names
+
+
+def _message(turn: Any, number: int, key: str, where: str, spec: DatasetSpec, roles: dict[str, str]
+             ) -> dict[str, str]:
     place = f"{where}: message {number} of '{key}'"
-    if isinstance(turn, dict) and "role" in turn:
-        role, content = turn.get("role"), turn.get("content")
+    role_key, content_key = spec.role_key, spec.content_key
+    if isinstance(turn, dict) and (role_key or content_key):
+        role_key, content_key = role_key or "role", content_key or "content"
+        if role_key not in turn or content_key not in turn:
+            raise DataError(f"{place}: no {role_key!r} / {content_key!r} keys (found {_describe(turn)}); fix "
+                            f"message_property_mappings")
+        role, content = roles.get(turn[role_key], turn[role_key]), turn[content_key]
+    elif isinstance(turn, dict) and "role" in turn:
+        role, content = roles.get(turn.get("role"), turn.get("role")) if spec.roles else turn.get("role"), \
+            turn.get("content")
     elif isinstance(turn, dict) and "from" in turn:
         speaker = turn.get("from")
         if speaker not in SHAREGPT_ROLES:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -18,13 +20,19 @@ DATASET_TYPES = {
 ALIASES = {"text": "completion", "instruction": "alpaca", "chat": "chat_template", "text_files": "pretrain_files"}
 
 
+SPLIT_PART = re.compile(r"^\s*([\w.\-]+)\s*(?:\[\s*(-?\d+%?)?\s*:\s*(-?\d+%?)?\s*\])?\s*$")
+
+
 @dataclass(frozen=True)
 class DatasetSpec:
-    """One dataset: ``path`` (file, directory, glob or ``save_to_disk`` directory) and its ``type``.
+    """One dataset: ``path`` (file, directory, glob, ``save_to_disk`` directory or hub dataset id) and its ``type``.
 
-    ``split`` picks a split of a saved ``DatasetDict`` (default: ``train``); ``field`` names the text column
-    of a completion dataset (default ``text``) or the messages column of a chat dataset; ``name`` is only a
-    label for messages and logs.
+    ``split`` picks a split (of a saved ``DatasetDict``, or of a hub dataset by its file names / README
+    configs), optionally sliced as in ``datasets``: ``train[:10%]``, ``train[100:200]``, ``train+test``.
+    ``field`` names the text column of a completion dataset (default ``text``) or the messages column of a
+    chat dataset; ``name`` is a hub dataset's configuration. The chat options (``role_key``, ``content_key``,
+    ``roles``, ``roles_to_train``, ``drop_system_message``, ``chat_template`` source, ``template_kwargs``) and
+    ``train_on_inputs`` decide which tokens are trained; all of them are part of the data cache's key.
     """
 
     path: str
@@ -32,6 +40,30 @@ class DatasetSpec:
     split: str | None = None
     field: str | None = None
     name: str | None = None
+    data_files: tuple[str, ...] | None = None
+    revision: str | None = None
+    ds_type: str | None = None
+    role_key: str | None = None
+    content_key: str | None = None
+    roles: dict[str, list[str]] | None = None
+    roles_to_train: tuple[str, ...] = ("assistant",)
+    drop_system_message: bool = False
+    chat_template: str | None = None
+    template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    train_on_inputs: bool = False
+    skip: int = 0
+
+    @property
+    def split_parts(self) -> list[tuple[str, str | None, str | None]]:
+        """``split`` as (name, start, stop) parts; bounds are ints or percents as written, None when open."""
+        parts = []
+        for text in (self.split or "train").split("+"):
+            match = SPLIT_PART.match(text)
+            if match is None:
+                raise DataError(f"dataset {self.label}: split={self.split!r} is not a split name with an optional "
+                                f"slice, e.g. train, train[:10%], train[100:200]; fix split:")
+            parts.append(match.groups())
+        return parts
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
@@ -48,7 +80,7 @@ class DatasetSpec:
     @property
     def label(self) -> str:
         """How messages refer to this dataset."""
-        return self.name or self.path
+        return self.path + (f" ({self.name})" if self.name else "")
 
     @classmethod
     def from_dict(cls, settings: dict[str, Any]) -> DatasetSpec:
@@ -64,4 +96,9 @@ class DatasetSpec:
         if missing:
             raise DataError(f"dataset {settings.get('path', '?')}: missing {' and '.join(missing)}; every dataset "
                             f"entry needs path: and type:")
+        for key in ("data_files", "roles_to_train"):
+            if isinstance(settings.get(key), str):
+                settings = {**settings, key: (settings[key],)}
+            elif isinstance(settings.get(key), list):
+                settings = {**settings, key: tuple(settings[key])}
         return cls(**settings)

@@ -23,6 +23,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ndparallel.data.examples import IGNORE_INDEX, Example, ExampleStore, example_lengths
 from ndparallel.data.sources import ChatRecord, InstructionRecord, Record, TextRecord
+from ndparallel.data.spec import DatasetSpec
 from ndparallel.errors import DataError
 
 ALPACA_PROMPT = (
@@ -34,17 +35,25 @@ ALPACA_PROMPT_WITH_INPUT = (
     "Write a response that appropriately completes the request."
     "\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 )
-LONG_ROWS_POLICIES = ("error", "truncate", "drop")
+LONG_ROWS_POLICIES = ("error", "truncate", "drop", "split")
 
 logger = logging.getLogger(__name__)
 
 
 class RecordTokenizer:
-    """Turns records into examples with one tokenizer (what it adds by itself is probed once)."""
+    """Turns records into examples with one tokenizer (what it adds by itself is probed once).
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    ``spec`` (optional) brings the chat options: the template source (default: the tokenizer's), extra
+    template variables, the roles whose turns are trained, and ``train_on_inputs`` (train every token).
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, spec: DatasetSpec | None = None) -> None:
         self.tokenizer = tokenizer
         self.bos = self._leading_bos()
+        self.template = (spec.chat_template if spec else None) or tokenizer.chat_template
+        self.template_kwargs = dict(spec.template_kwargs) if spec else {}
+        self.trained_roles = set(spec.roles_to_train) if spec else {"assistant"}
+        self.train_on_inputs = bool(spec and spec.train_on_inputs)
 
     def __call__(self, record: Record) -> Example:
         if isinstance(record, TextRecord):
@@ -54,7 +63,8 @@ class RecordTokenizer:
             template = ALPACA_PROMPT_WITH_INPUT if record.input else ALPACA_PROMPT
             prompt = self.bos + self._encode(template.format(instruction=record.instruction, input=record.input))
             answer = self._encode(record.output) + self._eos(record)
-            return Example(prompt + answer, [IGNORE_INDEX] * len(prompt) + answer)
+            prompt_labels = prompt if self.train_on_inputs else [IGNORE_INDEX] * len(prompt)
+            return Example(prompt + answer, prompt_labels + answer)
         return self._chat(record)
 
     def _encode(self, text: str) -> list[int]:
@@ -77,7 +87,7 @@ class RecordTokenizer:
         return [eos]
 
     def _chat(self, record: ChatRecord) -> Example:
-        if not self.tokenizer.chat_template:
+        if not self.template:
             raise DataError(
                 f"{record.where}: tokenizer {self.tokenizer.name_or_path!r} has no chat template, which "
                 f"chat_template datasets need; set chat_template: in the config or use a tokenizer that has one"
@@ -86,18 +96,19 @@ class RecordTokenizer:
         ids: list[int] = []
         labels: list[int] = []
         for index, message in enumerate(messages):
-            is_assistant = message["role"] == "assistant"
-            if is_assistant and index > 0:  # the assistant header is prompt, not answer
+            trained = self.train_on_inputs or message["role"] in self.trained_roles
+            if message["role"] == "assistant" and index > 0:  # the assistant header is prompt, not answer
                 header = self._render(messages[:index], record, generation_prompt=True)
-                self._extend(ids, labels, header, trained=False, record=record, index=index)
+                self._extend(ids, labels, header, trained=self.train_on_inputs, record=record, index=index)
             rendering = self._render(messages[: index + 1], record, generation_prompt=False)
-            self._extend(ids, labels, rendering, trained=is_assistant, record=record, index=index)
+            self._extend(ids, labels, rendering, trained=trained, record=record, index=index)
         return Example(ids, labels)
 
     def _render(self, messages: list[dict[str, str]], record: ChatRecord, *, generation_prompt: bool) -> list[int]:
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=generation_prompt
+                messages, tokenize=False, add_generation_prompt=generation_prompt, chat_template=self.template,
+                **self.template_kwargs,
             )
         except jinja2.TemplateError as error:
             raise DataError(
@@ -122,18 +133,21 @@ class RecordTokenizer:
         labels.extend(added if trained else [IGNORE_INDEX] * len(added))
 
 
-def tokenize_records(records: Iterable[Record], tokenizer: PreTrainedTokenizerBase) -> Iterator[Example]:
-    """One example per record, in order."""
-    encode = RecordTokenizer(tokenizer)
+def tokenize_records(records: Iterable[Record], tokenizer: PreTrainedTokenizerBase,
+                     spec: DatasetSpec | None = None) -> Iterator[Example]:
+    """One example per record, in order (``spec``: the dataset's chat and training options)."""
+    encode = RecordTokenizer(tokenizer, spec)
     for record in records:
         yield encode(record)
 
 
-def fit_long_rows(examples: Sequence[Example], seq_len: int, policy: str = "error") -> ExampleStore:
-    """Examples that fit in ``seq_len`` tokens, when rows are padded rather than packed.
+def fit_long_rows(examples: Sequence[Example], seq_len: int, policy: str = "error", *, min_len: int = 1
+                  ) -> ExampleStore:
+    """Examples of ``min_len`` to ``seq_len`` tokens: shorter ones are left out, longer ones handled by ``policy``.
 
-    ``policy``: ``error`` (default) refuses longer examples, ``truncate`` keeps their first ``seq_len``
-    tokens, ``drop`` leaves them out.
+    ``error`` (default) refuses longer examples, ``truncate`` keeps their first ``seq_len`` tokens, ``drop``
+    leaves them out (Axolotl's default), ``split`` cuts them into ``seq_len`` pieces (each piece's positions
+    restart at 0: the last token of a piece predicts nothing).
     """
     if policy not in LONG_ROWS_POLICIES:
         raise DataError(f"long_rows={policy!r} is not a policy; use one of {', '.join(LONG_ROWS_POLICIES)}")
@@ -142,13 +156,23 @@ def fit_long_rows(examples: Sequence[Example], seq_len: int, policy: str = "erro
     if too_long and policy == "error":
         raise DataError(
             f"{len(too_long)} of {len(lengths)} examples are longer than sequence_len={seq_len} (longest "
-            f"{max(too_long)} tokens); raise sequence_len, enable sample_packing, or set long_rows: truncate|drop"
+            f"{max(too_long)} tokens); raise sequence_len, or set long_rows (excess_length_strategy) to "
+            f"truncate|drop|split"
         )
-    if too_long:
-        logger.info("long_rows=%s: %s %d of %d examples longer than sequence_len=%d", policy,
-                    "truncated" if policy == "truncate" else "dropped", len(too_long), len(lengths), seq_len)
-    if policy == "drop":
-        kept = (example for example, n in zip(examples, lengths) if n <= seq_len)
-    else:
-        kept = (Example(example.input_ids[:seq_len], example.labels[:seq_len]) for example in examples)
-    return ExampleStore.from_examples(kept)
+    short = sum(1 for n in lengths if n < min_len)
+    if too_long or short:
+        logger.info("long_rows=%s: %s %d of %d examples longer than sequence_len=%d; %d shorter than %d left out",
+                    policy, {"truncate": "truncated", "split": "split"}.get(policy, "dropped"), len(too_long),
+                    len(lengths), seq_len, short, min_len)
+    return ExampleStore.from_examples(_fitted(examples, lengths, seq_len, policy, min_len))
+
+
+def _fitted(examples, lengths, seq_len: int, policy: str, min_len: int):
+    for example, length in zip(examples, lengths):
+        if length < min_len or (length > seq_len and policy == "drop"):
+            continue
+        if length <= seq_len or policy == "truncate":
+            yield Example(example.input_ids[:seq_len], example.labels[:seq_len])
+            continue
+        for start in range(0, length, seq_len):  # split
+            yield Example(example.input_ids[start:start + seq_len], example.labels[start:start + seq_len])

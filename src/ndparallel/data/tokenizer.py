@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from ndparallel.errors import DataError
+from ndparallel.errors import DataError, NdParallelError
 
 logger = logging.getLogger(__name__)
 
@@ -88,24 +89,33 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def load_tokenizer(name_or_path: str | Path | None) -> PreTrainedTokenizerBase:
+def load_tokenizer(name_or_path: str | Path | None, *, revision: str | None = None, tokenizer_type: str | None = None,
+                   trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """The tokenizer named by the ``tokenizer_config`` (or ``base_model``) setting.
 
-    ``None`` or ``"byte"`` gives :func:`byte_tokenizer`; anything else must be a local directory that
-    ``AutoTokenizer.from_pretrained`` can read (nothing is downloaded). A tokenizer without a pad token
-    gets its eos token as pad token: padding is masked out of attention and loss, so any id works, and
-    reusing eos keeps the vocabulary (and the model's embedding size) unchanged.
+    ``None`` or ``"byte"`` gives :func:`byte_tokenizer`; anything else is a local directory or a hub id whose
+    tokenizer files are in the hub cache (``ndparallel.hub``), read by ``AutoTokenizer`` or by the transformers
+    class ``tokenizer_type`` names. A tokenizer without a pad token gets its eos token as pad token: padding is
+    masked out of attention and loss, so any id works, and reusing eos keeps the vocabulary (and the model's
+    embedding size) unchanged.
     """
+    from ndparallel.hub import model_dir
+
     if name_or_path is None or str(name_or_path) == BYTE_TOKENIZER_NAME:
         return byte_tokenizer()
-    path = Path(name_or_path).expanduser()
+    try:
+        path = model_dir(str(name_or_path), revision=revision, weights=False, trust_remote_code=trust_remote_code,
+                         setting="tokenizer_config (or base_model)")
+    except NdParallelError as error:
+        raise DataError(str(error)) from None
     if not path.is_dir():
         raise DataError(
             f"tokenizer_config (or base_model) = {str(name_or_path)!r} is not a local directory; point it at a "
-            f"directory holding tokenizer.json / tokenizer_config.json (a saved model), or use 'byte'"
+            f"directory holding tokenizer.json / tokenizer_config.json (a saved model), a hub id, or use 'byte'"
         )
+    loader = _tokenizer_class(tokenizer_type)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tokenizer = loader.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise DataError(
@@ -114,6 +124,37 @@ def load_tokenizer(name_or_path: str | Path | None) -> PreTrainedTokenizerBase:
         ) from error
     ensure_pad_token(tokenizer)
     return tokenizer
+
+
+def _tokenizer_class(name: str | None):
+    """The transformers tokenizer class ``tokenizer_type`` names (AutoTokenizer when unset)."""
+    if name is None or name == "AutoTokenizer":
+        return AutoTokenizer
+    import transformers
+
+    loader = getattr(transformers, name, None) if name.endswith(("Tokenizer", "TokenizerFast")) else None
+    if loader is None or not hasattr(loader, "from_pretrained"):
+        raise DataError(f"tokenizer_type {name!r} is not a transformers tokenizer class; use AutoTokenizer or a "
+                        f"class such as PreTrainedTokenizerFast, LlamaTokenizerFast")
+    return loader
+
+
+def add_config_tokens(tokenizer: PreTrainedTokenizerBase, special_tokens: dict[str, Any] | None,
+                      tokens: list[str] | None) -> list[str]:
+    """Axolotl's ``special_tokens`` and ``tokens``: set bos/eos/pad/unk, add the others; returns the tokens that
+    were new to the vocabulary (the model's embeddings must grow by that many)."""
+    before = set(tokenizer.get_vocab())
+    specials = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+    extra = list(specials.pop("additional_special_tokens", None) or [])
+    for key, token in specials.items():
+        tokenizer.add_special_tokens({key: AddedToken(token, rstrip=False, lstrip=False, normalized=False)})
+    if extra:  # special: never split, as Axolotl's additional_special_tokens
+        tokenizer.add_tokens([AddedToken(t, rstrip=False, lstrip=False, normalized=False) for t in extra],
+                             special_tokens=True)
+    if tokens:
+        tokenizer.add_tokens([AddedToken(t, rstrip=False, lstrip=False, normalized=False) for t in tokens])
+    vocab = tokenizer.get_vocab()
+    return sorted((t for t in vocab if t not in before), key=vocab.get)
 
 
 def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> int:

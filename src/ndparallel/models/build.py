@@ -22,27 +22,30 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from ndparallel import _compat
+from ndparallel import _compat, hub
 from ndparallel.errors import ModelError
 from ndparallel.lora import init_lora_tensor
 from ndparallel.models import presets
-from ndparallel.parallel.single_rank import reallocate
+from ndparallel.models.families import needs_eager_attention
 from ndparallel.models.moe import is_moe_weight
 from ndparallel.models.moe_weights import hub_expert_tensor
-from ndparallel.models.families import needs_eager_attention
+from ndparallel.parallel.single_rank import reallocate
+from ndparallel.vocab import grow_rows
 
 
 def model_config_for(*, base_model: str | None, model_shape: str | None, overrides: dict[str, Any],
-                     max_position_embeddings: int | None = None) -> PretrainedConfig:
-    """The transformers config of the model to train (no weights are read)."""
+                     max_position_embeddings: int | None = None, revision: str | None = None,
+                     trust_remote_code: bool = False) -> PretrainedConfig:
+    """The transformers config of the model to train (no weights are read). ``base_model`` is a local
+    directory or a hub id (``ndparallel.hub``: its config is fetched into the hub cache when missing)."""
     if base_model is not None:
-        path = Path(base_model)
+        path = hub.model_dir(base_model, revision=revision, weights=False, trust_remote_code=trust_remote_code)
         if not path.is_dir():
             raise ModelError(f"base_model {base_model!r} is not a directory; give a local Hugging Face model directory "
-                             f"(config.json + *.safetensors), or use model_shape for random init")
+                             f"(config.json + *.safetensors) or a hub id, or use model_shape for random init")
         if not (path / "config.json").is_file():
             raise ModelError(f"base_model {base_model!r} has no config.json; it must be a Hugging Face model directory")
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     elif model_shape is not None:
         key = presets.canonical_name(model_shape)
         if key is None:
@@ -87,13 +90,14 @@ def attention_for(config: PretrainedConfig) -> str:
 
 
 def materialize(model: nn.Module, device: torch.device, *, weights_dir: str | None, seed: int,
-                offload_params: bool = False) -> None:
+                offload_params: bool = False, vocab_from: int | None = None) -> None:
     """Give a parallelized meta model real storage and fill this rank's shards.
 
     ``weights_dir``: read this rank's slice of each tensor from its safetensors file; else a per-name seeded
     random init (generated whole on ``device``, so every layout starts from the same weights).
     ``offload_params``: parameters get CPU storage (FSDP's ``cpu_offload`` keeps its shards there and copies
     each unit to ``device`` when it runs); buffers (rotary tables) always live on ``device``.
+    ``vocab_from``: the checkpoint's vocabulary size when the model's grew for added tokens (``vocab.py``).
     """
     model.to_empty(device=torch.device("cpu") if offload_params else device)
     reallocate(model)  # a one-rank model keeps its parameters in flat buffers (parallel/single_rank.py)
@@ -107,7 +111,15 @@ def materialize(model: nn.Module, device: torch.device, *, weights_dir: str | No
             if lora_init is not None:  # adapters start fresh, whatever the base weights
                 _copy_shard(param, lora_init)
             elif reader is not None:
-                reader.read_into(key, param)
+                if vocab_from is not None and param.shape[0] == model.config.vocab_size:
+                    # The vocabulary grew for added tokens: read the rows there are, add the new ones (vocab.py).
+                    full = grow_rows(reader.get(key), tuple(param.shape), vocab_from)
+                    if tuple(full.shape) != tuple(param.shape):
+                        raise ModelError(f"{key}: the weights in {weights_dir!r} have shape {tuple(full.shape)} but "
+                                         f"the model expects {tuple(param.shape)}; config.json and the weights disagree")
+                    _copy_shard(param, full)
+                else:
+                    reader.read_into(key, param)
             else:
                 _copy_shard(param, _init_tensor(key, owners[name], tuple(param.shape), init_std, seed, device))
         restore_buffers(model, device)
