@@ -116,15 +116,17 @@ def plain_reference(config: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     from ndparallel.config import parse_config
-    from ndparallel.data import DataOrder, DatasetSpec, build_rows_distributed, load_tokenizer
+    from ndparallel.data import DataOrder, build_rows_distributed, load_tokenizer
     from ndparallel.lora import LoraSpec
+    from ndparallel.run_inputs import dataset_specs
     from scenarios import peft_lora, plain_targets, reference_mask
 
     cfg = parse_config(config)
-    rows, _ = build_rows_distributed([DatasetSpec(**d.model_dump()) for d in cfg.datasets],
-                                     load_tokenizer(cfg.tokenizer_config or cfg.base_model), is_main=True,
+    tokenizer = load_tokenizer(cfg.tokenizer_config or cfg.base_model)
+    rows, _ = build_rows_distributed(dataset_specs(cfg, template=tokenizer.chat_template), tokenizer, is_main=True,
                                      barrier=lambda: None, seq_len=cfg.sequence_len, packing=cfg.sample_packing,
-                                     cache_dir=cfg.dataset_prepared_path, seed=cfg.seed)
+                                     cache_dir=cfg.dataset_prepared_path, long_rows=cfg.long_rows_policy,
+                                     seed=cfg.seed)
     batches = iter(DataOrder(len(rows), rows_per_rank=cfg.micro_batch_size, batch_rank=0, batch_ranks=1,
                              seed=cfg.seed))
     model = AutoModelForCausalLM.from_pretrained(cfg.base_model, attn_implementation="sdpa", dtype=torch.float32)
@@ -134,7 +136,9 @@ def plain_reference(config: dict) -> dict:
     opt = torch.optim.AdamW([{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": cfg.weight_decay},
                              {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}],
                             lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
-    warmup, total = cfg.warmup_steps, cfg.max_steps
+    total = cfg.max_steps
+    # warm-up steps as given, else Axolotl's default: 3% of the steps, at most 100
+    warmup = int(cfg.warmup_steps) if cfg.warmup_steps is not None else min(int(0.03 * total), 100)
 
     def factor(step: int) -> float:  # warm-up, then cosine to 0
         if step < warmup:
@@ -153,7 +157,9 @@ def plain_reference(config: dict) -> dict:
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum") / count
             loss.backward()
             total_loss += loss.item()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)))
+        # max_grad_norm unset means 1.0 (Axolotl's and transformers' default)
+        max_norm = 1.0 if cfg.max_grad_norm is None else cfg.max_grad_norm
+        norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, max_norm)))
         opt.step()
         schedule.step()
         opt.zero_grad()

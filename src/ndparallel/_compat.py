@@ -13,10 +13,9 @@ from typing import Iterator, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils import _python_dispatch, _pytree
 
-# Observing every aten op (the planner's activation measurement, planner/measure.py): a dispatch mode,
-# and the tensors inside an op's nested outputs. No public equivalent in torch 2.11-2.13.
+# Observing every aten op (the planner's memory measurement, tests/planner_memory/measure.py): a dispatch
+# mode, and the tensors inside an op's nested outputs. No public equivalent in torch 2.11-2.13.
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -124,6 +123,7 @@ SDPA_KERNEL_OPS = frozenset({
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_cudnn_attention.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._flash_attention_forward.default,  # the variable-length calls of packed rows and CP (cp_attention.py)
 })
 
 
@@ -163,14 +163,6 @@ def scale_tensors_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
     if tensors:
         torch._foreach_mul_(tensors, factor.to(tensors[0].device))
 
-
-# ---------------------------------------------------------------------------------------------
-# Watching every op and its outputs: the memory measurements in tests/planner_memory (no public
-# equivalents of the dispatch-mode base class or of pytree's leaf walk).
-# ---------------------------------------------------------------------------------------------
-
-TorchDispatchMode = _python_dispatch.TorchDispatchMode
-tree_leaves = _pytree.tree_leaves
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,

@@ -31,8 +31,8 @@ def fit_vocab(model_config: Any, tokenizer_size: int, added: list[str], *, tp: i
     Returns the vocabulary size the checkpoint has (None when nothing grows) and a one-line note for the user.
     A tokenizer larger than the model for any other reason is an error: it is not the model's tokenizer.
     """
-    vocab = model_config.vocab_size
-    if tokenizer_size <= vocab:
+    vocab = getattr(model_config, "vocab_size", None)
+    if vocab is None or tokenizer_size <= vocab:  # no vocabulary of its own (a multimodal wrapper): refused elsewhere
         return None, None
     if not added:
         raise ConfigError(f"the tokenizer has {tokenizer_size} tokens but the model's vocab_size is {vocab}; use the "

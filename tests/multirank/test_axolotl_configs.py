@@ -103,7 +103,6 @@ def _records(output_dir: str) -> list[dict]:
 
 RL = {"rl"}
 REFUSED = {  # config -> the settings its one-line errors name (everything else about it is accepted)
-    "llama-3/3b-fp8-fsdp2.yaml": {"fp8", "fp8_enable_fsdp_float8_all_gather"},
     "llama-3/3b-qat-fsdp2.yaml": {"qat"},
     "llama-3/3b-qat-mxfp4.yaml": {"qat"},
     "llama-3/3b-qat-nvfp4.yaml": {"qat"},
@@ -136,7 +135,7 @@ REFUSED = {  # config -> the settings its one-line errors name (everything else 
     "mistral/mixtral/mixtral_22.yml": {"unfrozen_parameters"},
     "mistral/orpo/mistral-qlora-orpo.yml": RL | {"adapter", "load_in_4bit", "orpo_alpha"},
     "mistral/qlora.yml": {"adapter", "load_in_4bit"},
-    "qwen3/30b-a3b-nvfp4-lora.yaml": {"lora_target_parameters", "nvfp4_merge_aware"},
+    "qwen3/30b-a3b-nvfp4-lora.yaml": {"nvfp4_merge_aware"},  # lora_target_parameters (experts) is supported
     "qwen3/8b-qat-fsdp2.yml": {"qat"},
     "qwen3/reward-model.yaml": {"model_type", "num_labels", "reward_model", "center_rewards_coefficient"},
 }
@@ -154,11 +153,13 @@ def example_hub(tmp_path_factory):
     root = tmp_path_factory.mktemp("examples-hf")
     cache = root / "hub"
     for repo, family in [("meta-llama/Llama-3.1-8B", "llama"), ("NousResearch/Meta-Llama-3.1-8B", "llama"),
-                         ("NousResearch/Llama-3.2-1B", "llama"), ("Qwen/Qwen3-8B", "qwen3"),
+                         ("NousResearch/Llama-3.2-1B", "llama"), ("meta-llama/Llama-3.2-3B", "llama"),
+                         ("Qwen/Qwen3-8B", "qwen3"),
                          ("mistralai/Mistral-7B-v0.1", "mistral")]:
         add_model(cache, repo, PUBLISHED[repo], family)
     add_dataset(cache, "tatsu-lab/alpaca", {"data/train-00000-of-00001.parquet": alpaca_records()})
     add_dataset(cache, "teknium/GPT4-LLM-Cleaned", {"alpaca_gpt4_data_unfiltered.json": alpaca_records()})
+    add_dataset(cache, "yahma/alpaca-cleaned", {"alpaca_data_cleaned.json": alpaca_records()})
     add_dataset(cache, "mhenrichsen/alpaca_2k_test", {"alpaca_2000.jsonl": alpaca_records()})
     add_dataset(cache, "mlabonne/FineTome-100k", {"data/train-00000-of-00001.parquet": chat_records()})
     add_dataset(cache, "princeton-nlp/TextbookChapters", {"data/train.parquet": [{"chapter": "x " * 50}] * 4})

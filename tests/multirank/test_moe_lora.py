@@ -70,8 +70,9 @@ def _save_adapter(family: str, out_dir: str, probe: torch.Tensor):
     generator = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "lora_B" in name:  # one rank: the local part is the whole tensor
-                param.to_local().copy_(torch.randn(param.shape, generator=generator) * 0.05)
+            if "lora_B" in name:  # one rank: the local part is the whole tensor (a DTensor under FSDP)
+                local = param.to_local() if hasattr(param, "to_local") else param
+                local.copy_(torch.randn(param.shape, generator=generator) * 0.05)
     save_peft_adapter(model, SPEC, out_dir)
     return model(input_ids=probe).logits.detach()
 

@@ -24,7 +24,7 @@ HSDP_TP = {
     "parallelism_config": {"parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 2,
                            "parallelism_config_tp_size": 2, "parallelism_config_cp_size": 1},
 }
-RUN = {"model_shape": "tiny", "datasets": [{"path": "stdlib:os.py", "type": "pretrain_files"}], "sequence_len": 64}
+RUN = {"model_shape": "byte-tiny", "datasets": [{"path": "stdlib:os.py", "type": "pretrain_files"}], "sequence_len": 64}
 SIZE_VARIABLES = ("DP_REPLICATE_SIZE", "DP_SHARD_SIZE", "TP_SIZE", "CP_SIZE", "CP_COMM_STRATEGY")
 
 
@@ -110,7 +110,8 @@ def test_sizes_come_from_yaml_then_environment_then_defaults(monkeypatch):
     assert (cfg.tensor_parallel_size, cfg.context_parallel_size, cfg.cp_comm_strategy) == (2, 1, "allgather")
     cfg = parse_config(merge(RUN)[0])
     assert (cfg.tensor_parallel_size, cfg.context_parallel_size, cfg.cp_comm_strategy) == (2, 2, "ring")
-    assert (cfg.dp_replicate_size, cfg.dp_shard_size) == (1, -1)   # defaults
+    # defaults: replicas unset (they fill what fixed sizes leave, Axolotl's rule), shards fill the rest
+    assert (cfg.dp_replicate_size, cfg.dp_shard_size) == (None, -1)
     monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "two")
     with pytest.raises(ConfigError, match="PARALLELISM_CONFIG_DP_SHARD_SIZE='two' is not an integer"):
         merge(RUN)

@@ -102,7 +102,7 @@ def test_validate_refuses_what_a_family_cannot_do(tmp_path, capsys, overrides, s
                                    "dp_shard_size": 1, **sizes}))
     assert main(["validate", str(cfg), "--world-size", str(world)]) == 2
     err = capsys.readouterr().err
-    assert "1 problem(s)" in err and expected in err, err
+    assert expected in err, err  # (a toy vocabulary may also be smaller than the default tokenizer: reported too)
 
 
 def test_validate_accepts_a_vocabulary_tp_does_not_divide(tmp_path, capsys):

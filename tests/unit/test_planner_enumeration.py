@@ -18,7 +18,10 @@ def brute_force(model: ModelShape, world: int, seq: int) -> set[tuple]:
     for r, s, c, t in itertools.product(range(1, world + 1), repeat=4):
         if r * s * c * t != world:
             continue
-        if any(x % t for x in (model.heads, model.kv_heads, model.intermediate, model.vocab)):
+        if any(x % t for x in (model.heads, model.kv_heads, model.intermediate)):
+            continue
+        # The vocabulary splits like torch.chunk (ceil(V/t) rows a rank): the last rank must keep a row.
+        if model.vocab - (t - 1) * -(-model.vocab // t) < 1:
             continue
         multiple = 2 * c * t if c > 1 else t
         if seq < multiple or seq % multiple:
@@ -48,10 +51,11 @@ def test_known_counts_and_exclusions():
     shapes = {(x.shape, x.cp_comm_strategy) for x in valid_layouts(PRESETS["llama-3b"], 16, 131072)}
     assert not any(shape[3] == 16 for shape, _ in shapes)
     assert ((1, 1, 16, 1), "alltoall") not in shapes and ((1, 1, 16, 1), "ring") in shapes
-    # ODD's vocabulary (32002) allows tp 1 or 2 only; 96 tokens split into 2*cp*tp parts up to 32 (cp 8 x tp 2).
+    # ODD's heads (12) and key/value heads (4) allow tp up to 4 (its vocabulary 32002 need not divide: the last
+    # rank's share is smaller); 96 tokens split into 2*cp*tp parts up to 32 (cp 8 x tp 2, cp 4 x tp 4).
     odd = {x.shape for x in valid_layouts(ODD, 8, 96)}
-    assert {(1, 2, 2, 2), (1, 1, 4, 2), (1, 1, 8, 1)} <= odd
-    assert not any(shape[3] > 2 for shape in odd)
+    assert {(1, 2, 2, 2), (1, 1, 4, 2), (1, 1, 8, 1), (1, 2, 1, 4)} <= odd
+    assert not any(shape[3] > 4 for shape in odd)
     # 30 tokens do not split into 2*cp chunks for any cp > 1.
     assert all(x.cp == 1 for x in valid_layouts(ODD, 8, 30))
 

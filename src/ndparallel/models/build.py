@@ -231,9 +231,8 @@ class _SafetensorsReader:
         self.directory = directory
         self.used: set[str] = set()
 
-    def read_into(self, key: str, param: torch.Tensor) -> None:
-        """Fill this rank's part of ``param`` from the weight ``key``: only that slice is read from disk, cast
-        to the parameter's dtype on the host, then copied to the parameter's device."""
+    def get(self, key: str) -> torch.Tensor:
+        """The whole weight ``key`` (for the few readers that need all of it: stacked experts, grown rows)."""
         if key not in self.files:
             # MoE experts stored one tensor per expert (the Hub layout) for a stacked parameter
             stacked = hub_expert_tensor(key, self.files.__contains__, self.get)
@@ -241,6 +240,19 @@ class _SafetensorsReader:
                 return stacked
             raise ModelError(f"base_model {self.directory!r}: no weight named {key!r} in its safetensors files "
                              f"(is it a checkpoint of another architecture?)")
+        self.used.add(key)
+        try:
+            with safe_open(self.files[key], framework="pt") as f:
+                return f.get_tensor(key)
+        except Exception as exc:  # a truncated or corrupted file
+            raise ModelError(f"cannot read {key!r} from {str(self.files[key])!r}: {exc}; the file may be truncated") from None
+
+    def read_into(self, key: str, param: torch.Tensor) -> None:
+        """Fill this rank's part of ``param`` from the weight ``key``: only that slice is read from disk, cast
+        to the parameter's dtype on the host, then copied to the parameter's device."""
+        if key not in self.files:  # e.g. MoE experts stored one tensor per expert: assembled whole
+            _copy_shard(param, self.get(key))
+            return
         self.used.add(key)
         local, box = _local_box(param)
         try:

@@ -67,6 +67,11 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
     layer_plan = layer_tp_plan(config)
     for path in layer_plan:
         if _get(first, path) is None:
+            if not getattr(config, "base_model_tp_plan", None):  # no plan of its own, and not built like Llama
+                raise ModelError(
+                    f"{arch} does not have the decoder shape ndparallel parallelizes (its layers are not built like "
+                    f"Llama's: no {path!r}, and transformers ships no tensor-parallel plan for it); supported "
+                    f"families are listed in the README's model table")
             raise ModelError(f"{arch}: the tensor-parallel plan names {path!r}, which layer 0 does not have")
     hidden = embed.weight.shape[1]
     residual_norms = [

@@ -4,7 +4,8 @@ Two kernels, the same results:
 - CUDA in bf16/fp16: FlashAttention's variable-length kernel, which takes the call's cumulative lengths,
   its window and grouped key/value heads as they are (no copies of k/v, no mask);
 - elsewhere (CPU, or fp32 on CUDA): the pieces are gathered into a few padded batches of similar size
-  (each dimension rounded up by at most ~1/8) and run through the dense fused kernels with
+  (each dimension rounded up by at most ~1/8, keys of a masked batch to a multiple of 8) and run through
+  the dense fused kernels with
   log-sum-exp. A batch of square causal pieces needs no mask at all (top-left causal and padding at the
   end); other batches get a visibility mask per piece, O(piece area): the same order as the work.
 
@@ -52,9 +53,11 @@ def call_backward(grad_out, q, k, v, out, lse, call: VarlenCall, scale: float):
 # ------------------------------------------------------------------------------------------------
 
 
-def _round_up(n: torch.Tensor) -> torch.Tensor:
-    """Padded sizes: multiples of 16, and of 2^(floor(log2 n) - 3) for longer pieces (<= ~1/8 waste)."""
-    grain = torch.exp2(torch.floor(torch.log2(n.clamp(min=1).double())) - 3).long().clamp(min=16)
+def _round_up(n: torch.Tensor, multiple: int = 1) -> torch.Tensor:
+    """Padded sizes: multiples of 2^(floor(log2 n) - 3) (<= ~1/8 waste, so few distinct sizes) and of
+    ``multiple``."""
+    grain = torch.exp2(torch.floor(torch.log2(n.clamp(min=1).double())) - 3).long().clamp(min=1)
+    grain = torch.lcm(grain, torch.tensor(multiple))
     return (n + grain - 1) // grain * grain
 
 
@@ -66,7 +69,8 @@ def _buckets(call: VarlenCall, device: torch.device) -> list[dict]:
     p = call.pieces
     square_causal = call.causal and call.window_left == UNBOUNDED and bool((p.q_len == p.k_len).all())
     q_pad = _round_up(p.q_len)
-    k_pad = q_pad if square_causal else _round_up(p.k_len)
+    # A masked batch's keys are a multiple of 8: the memory-efficient kernel wants its bias rows aligned.
+    k_pad = q_pad if square_causal else _round_up(p.k_len, 8)
     buckets = []
     for lq, lk in torch.unique(torch.stack([q_pad, k_pad], 1), dim=0).tolist():
         sel = (q_pad == lq) & (k_pad == lk)
