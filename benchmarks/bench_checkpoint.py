@@ -40,8 +40,17 @@ import ndparallel as ndp
 from ndparallel.models.build import materialize, meta_model, model_config_for
 from ndparallel.models.presets import PRESETS
 
-SHAPES = {**PRESETS, "cpu-small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
-                                       num_attention_heads=8, num_key_value_heads=4, vocab_size=32000)}
+SHAPES = {
+    **PRESETS,
+    "cpu-small": dict(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=32000,
+    ),
+}
 
 
 def _sync(device: torch.device) -> None:
@@ -51,8 +60,12 @@ def _sync(device: torch.device) -> None:
 
 def _build(args, topo: ndp.Topology):
     overrides = SHAPES[args.shape] if args.shape not in PRESETS else {}
-    config = model_config_for(base_model=None, model_shape=args.shape if args.shape in PRESETS else "tiny",
-                              overrides=overrides, max_position_embeddings=args.seq)
+    config = model_config_for(
+        base_model=None,
+        model_shape=args.shape if args.shape in PRESETS else "tiny",
+        overrides=overrides,
+        max_position_embeddings=args.seq,
+    )
     model = meta_model(config)
     bf16 = topo.device.type == "cuda"
     ndp.parallelize(model, topo, options=ndp.ParallelOptions(param_dtype="bfloat16" if bf16 else None))
@@ -129,9 +142,9 @@ def _run_mode(args, topo, mode: str, root: Path) -> dict:
     model, optimizer, vocab = _build(args, topo)
     ckpt = ndp.Checkpointer(root, async_save=mode == "async")
     plain, calls, stalls, after, path, fingerprint = _saves(args, topo, model, optimizer, vocab, ckpt, root)
-    median = statistics.median(plain + [t for extra in after for t in extra[-args.gap:]])
+    median = statistics.median(plain + [t for extra in after for t in extra[-args.gap :]])
     # Everything the save cost the steps around it (also sharing the host or PCIe with the writer).
-    excess = [call + sum(max(0.0, t - median) for t in extra[:-args.gap]) for call, extra in zip(calls, after)]
+    excess = [call + sum(max(0.0, t - median) for t in extra[: -args.gap]) for call, extra in zip(calls, after)]
     load_start = time.perf_counter()
     ckpt.load({"model": model, "optimizer": optimizer}, path)
     _sync(topo.device)
@@ -142,12 +155,20 @@ def _run_mode(args, topo, mode: str, root: Path) -> dict:
     dist.barrier()
     if topo.is_main:  # free the disk for the next mode
         shutil.rmtree(root, ignore_errors=True)
-    return {"mode": mode, "shape": args.shape, "world": topo.world_size, "seq": args.seq,
-            "median_step_s": round(median, 4), "save_call_s": [round(t, 3) for t in calls],
-            "stall_s": [round(t, 3) for t in stalls], "step_excess_s": [round(t, 3) for t in excess],
-            "steps_until_published": [len(e) - args.gap for e in after],
-            "load_s": round(load_s, 2), "exact": exact,
-            "checkpoint_gb": round(size_gb, 2)}
+    return {
+        "mode": mode,
+        "shape": args.shape,
+        "world": topo.world_size,
+        "seq": args.seq,
+        "median_step_s": round(median, 4),
+        "save_call_s": [round(t, 3) for t in calls],
+        "stall_s": [round(t, 3) for t in stalls],
+        "step_excess_s": [round(t, 3) for t in excess],
+        "steps_until_published": [len(e) - args.gap for e in after],
+        "load_s": round(load_s, 2),
+        "exact": exact,
+        "checkpoint_gb": round(size_gb, 2),
+    }
 
 
 def main() -> None:
@@ -177,10 +198,13 @@ def main() -> None:
             torch.cuda.empty_cache()
         if topo.is_main:
             r = results[-1]
-            print(f"{mode:5s} {args.shape} world {topo.world_size}: stall per save {r['stall_s']} s (save() "
-                  f"{r['save_call_s']} s; extra step time until published {r['step_excess_s']} s), median step "
-                  f"{r['median_step_s']} s, load {r['load_s']} s, "
-                  f"{r['checkpoint_gb']} GB, exact resume: {r['exact']}", flush=True)
+            print(
+                f"{mode:5s} {args.shape} world {topo.world_size}: stall per save {r['stall_s']} s (save() "
+                f"{r['save_call_s']} s; extra step time until published {r['step_excess_s']} s), median step "
+                f"{r['median_step_s']} s, load {r['load_s']} s, "
+                f"{r['checkpoint_gb']} GB, exact resume: {r['exact']}",
+                flush=True,
+            )
     if topo.is_main:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         with open(Path(args.out) / "bench_checkpoint.jsonl", "a", encoding="utf-8") as f:

@@ -38,9 +38,10 @@ def _saved_bytes(fn):
 
 
 def worker(args) -> None:
-    import ndparallel as ndp
     from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    import ndparallel as ndp
 
     cp = int(os.environ.get("WORLD_SIZE", "1"))
     results = []
@@ -48,9 +49,15 @@ def worker(args) -> None:
         topo = ndp.Topology.build(ndp.ParallelismConfig(dp_shard_size=1, cp_size=cp, cp_comm_strategy=method))
         for seq in (int(s) for s in args.seqs.split(",")):
             torch.manual_seed(0)
-            config = LlamaConfig(vocab_size=256, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                                 num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
-                                 max_position_embeddings=seq)
+            config = LlamaConfig(
+                vocab_size=256,
+                hidden_size=args.hidden,
+                intermediate_size=4 * args.hidden,
+                num_hidden_layers=args.layers,
+                num_attention_heads=8,
+                num_key_value_heads=4,
+                max_position_embeddings=seq,
+            )
             model = AutoModelForCausalLM.from_config(config)
             ndp.parallelize(model, topo, options=ndp.ParallelOptions(param_dtype=None))
             ids = torch.randint(0, 256, (1, seq), generator=torch.Generator().manual_seed(1))
@@ -81,10 +88,17 @@ def worker(args) -> None:
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - start)
             # The attention's own saves are counted by the inner hook only: add them to the total.
-            results.append({"cp": cp, "method": method if cp > 1 else "-", "seq": seq,
-                            "activation_mib": (total + attention_bytes) / 2**20, "attention_mib": attention_bytes / 2**20,
-                            "step_s": statistics.median(times[1:]) if len(times) > 1 else times[0]})
-            del model
+            results.append(
+                {
+                    "cp": cp,
+                    "method": method if cp > 1 else "-",
+                    "seq": seq,
+                    "activation_mib": (total + attention_bytes) / 2**20,
+                    "attention_mib": attention_bytes / 2**20,
+                    "step_s": statistics.median(times[1:]) if len(times) > 1 else times[0],
+                }
+            )
+            model = None  # free it before the next length
         if cp == 1:
             break  # one method is enough without cp
     if topo.is_main:
@@ -110,17 +124,44 @@ def main() -> int:
         return 0
     out = args.out or tempfile.mktemp(suffix=".jsonl")
     for cp in (int(c) for c in args.cps.split(",")):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cp}", __file__,
-               "--worker", "--seqs", args.seqs, "--methods", args.methods, "--hidden", str(args.hidden),
-               "--layers", str(args.layers), "--steps", str(args.steps), "--out", out]
-        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={cp}",
+            __file__,
+            "--worker",
+            "--seqs",
+            args.seqs,
+            "--methods",
+            args.methods,
+            "--hidden",
+            str(args.hidden),
+            "--layers",
+            str(args.layers),
+            "--steps",
+            str(args.steps),
+            "--out",
+            out,
+        ]
+        subprocess.run(
+            cmd,
+            check=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
     rows = [json.loads(line) for line in open(out)]
-    print(f"{'cp':>3s} {'method':>10s} {'seq':>6s} {'activations MiB/rank':>21s} {'attention MiB/rank':>19s} "
-          f"{'step s':>7s}")
+    print(
+        f"{'cp':>3s} {'method':>10s} {'seq':>6s} {'activations MiB/rank':>21s} {'attention MiB/rank':>19s} "
+        f"{'step s':>7s}"
+    )
     for r in sorted(rows, key=lambda r: (r["seq"], r["cp"], r["method"])):
-        print(f"{r['cp']:3d} {r['method']:>10s} {r['seq']:6d} {r['activation_mib']:21.1f} {r['attention_mib']:19.1f} "
-              f"{r['step_s']:7.3f}")
+        print(
+            f"{r['cp']:3d} {r['method']:>10s} {r['seq']:6d} {r['activation_mib']:21.1f} {r['attention_mib']:19.1f} "
+            f"{r['step_s']:7.3f}"
+        )
     return 0
 
 

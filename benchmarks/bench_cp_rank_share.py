@@ -40,13 +40,20 @@ def measure(method, cp, seq, kind, device, dtype, heads, kv_heads, head_dim) -> 
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     start = time.perf_counter()
-    rank_share(q, k, v, grad, segments, cp=cp, rank=0, method=method, scale=head_dim ** -0.5)
+    rank_share(q, k, v, grad, segments, cp=cp, rank=0, method=method, scale=head_dim**-0.5)
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if device.type == "cuda" else None
-    return {"method": method, "cp": cp, "seq": seq, "data": kind, "seconds": round(seconds, 4),
-            "tokens_per_s_per_rank": round(seq / cp / seconds, 1), "peak_above_inputs_gib": peak and round(peak, 2)}
+    return {
+        "method": method,
+        "cp": cp,
+        "seq": seq,
+        "data": kind,
+        "seconds": round(seconds, 4),
+        "tokens_per_s_per_rank": round(seq / cp / seconds, 1),
+        "peak_above_inputs_gib": peak and round(peak, 2),
+    }
 
 
 def main() -> int:
@@ -55,8 +62,12 @@ def main() -> int:
     p.add_argument("--cps", default="2,4,8")
     p.add_argument("--methods", default="allgather,ring,alltoall")
     p.add_argument("--data", default="packed,single")
-    p.add_argument("--max-single-work", type=float, default=1.4e11,
-                   help="skip single-document cases whose per-rank S^2/cp exceeds this (time budget)")
+    p.add_argument(
+        "--max-single-work",
+        type=float,
+        default=1.4e11,
+        help="skip single-document cases whose per-rank S^2/cp exceeds this (time budget)",
+    )
     p.add_argument("--device", default="cuda")
     p.add_argument("--heads", default="32,8,128")
     p.add_argument("--out", required=True)
@@ -72,8 +83,11 @@ def main() -> int:
                     continue
                 for method in args.methods.split(","):
                     record = measure(method, cp, seq, kind, device, dtype, heads, kv_heads, head_dim)
-                    record.update(date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
-                                  device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
+                    record.update(
+                        date=time.strftime("%Y-%m-%d"),
+                        torch=torch.__version__,
+                        device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                    )
                     print(json.dumps(record), flush=True)
                     with open(args.out, "a") as f:
                         f.write(json.dumps(record) + "\n")

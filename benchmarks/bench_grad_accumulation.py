@@ -45,10 +45,20 @@ def _micro_batch(model, topo, ids):
 
 
 def measure(args, topo, mode: str) -> dict:
-    config = model_config_for(base_model=None, model_shape=None, max_position_embeddings=args.seq,
-                              overrides={"model_type": "llama", "hidden_size": args.hidden,
-                                         "num_hidden_layers": args.layers, "intermediate_size": 3 * args.hidden,
-                                         "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 8192})
+    config = model_config_for(
+        base_model=None,
+        model_shape=None,
+        max_position_embeddings=args.seq,
+        overrides={
+            "model_type": "llama",
+            "hidden_size": args.hidden,
+            "num_hidden_layers": args.layers,
+            "intermediate_size": 3 * args.hidden,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "vocab_size": 8192,
+        },
+    )
     model = meta_model(config)
     ndp.parallelize(model, topo, options=ndp.ParallelOptions(param_dtype=None))
     materialize(model, topo.device, weights_dir=None, seed=0)
@@ -83,15 +93,18 @@ def main() -> int:
     args = p.parse_args()
     if not torch.cuda.is_available() and os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
-    topo = ndp.Topology.build(ndp.ParallelismConfig(dp_replicate_size=args.dp_replicate, dp_shard_size=args.dp_shard,
-                                                    tp_size=args.tp))
+    topo = ndp.Topology.build(
+        ndp.ParallelismConfig(dp_replicate_size=args.dp_replicate, dp_shard_size=args.dp_shard, tp_size=args.tp)
+    )
     rows = [measure(args, topo, mode) for mode in MODES]
     worst = [torch.tensor(r["held_mib"]) for r in rows]
     for value in worst:  # the largest over ranks
         torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
     if topo.is_main:
-        print(f"layout {topo.layout.shape} (dp_replicate, dp_shard, cp, tp); llama hidden {args.hidden}, "
-              f"{args.layers} layers, fp32; gradient memory held between micro-batches, per rank:")
+        print(
+            f"layout {topo.layout.shape} (dp_replicate, dp_shard, cp, tp); llama hidden {args.hidden}, "
+            f"{args.layers} layers, fp32; gradient memory held between micro-batches, per rank:"
+        )
         for r, value in zip(rows, worst):
             r["held_mib_max_over_ranks"] = float(value)
             print(f"  {r['mode']:18s} measured {float(value):9.1f} MiB   expected {r['expected_mib']:9.1f} MiB")

@@ -31,8 +31,16 @@ import ndparallel as ndp
 from ndparallel.models import build
 from ndparallel.models.build import materialize, meta_model, model_config_for
 
-SHAPE = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-             num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0)
+SHAPE = dict(
+    model_type="llama",
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+    rope_theta=500000.0,
+)
 
 
 def make(directory: Path, layers: int) -> None:
@@ -106,16 +114,23 @@ def load(directory: Path, args) -> None:
             materialize(model, topo.device, weights_dir=str(directory), seed=0)
     seconds = time.perf_counter() - start
     kept = sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in model.parameters())
-    row = {"rank": topo.rank, "host_rss_before_gib": before / 2**30, "host_peak_during_load_gib": rss.peak / 2**30,
-           "host_peak_minus_before_gib": (rss.peak - before) / 2**30, "shards_kept_gib": kept / 2**30,
-           "seconds": seconds}
+    row = {
+        "rank": topo.rank,
+        "host_rss_before_gib": before / 2**30,
+        "host_peak_during_load_gib": rss.peak / 2**30,
+        "host_peak_minus_before_gib": (rss.peak - before) / 2**30,
+        "shards_kept_gib": kept / 2**30,
+        "seconds": seconds,
+    }
     if on_cuda:
         row["device_peak_gib"] = torch.cuda.max_memory_allocated(topo.device) / 2**30
     rows = [None] * topo.world_size
     torch.distributed.all_gather_object(rows, row)
     if topo.is_main:
-        print(f"{'whole tensors' if args.whole_tensors else 'slices only'}; layout {topo.layout.shape} "
-              f"(dp_replicate, dp_shard, cp, tp); {directory}")
+        print(
+            f"{'whole tensors' if args.whole_tensors else 'slices only'}; layout {topo.layout.shape} "
+            f"(dp_replicate, dp_shard, cp, tp); {directory}"
+        )
         for r in rows:
             print("  " + " ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
         print(json.dumps(rows))

@@ -59,9 +59,15 @@ def _measure(model, opt, topo, kind, length, vocab, steps, device) -> dict:
     step_s = statistics.median(times[1:])
     tokens = data["input_ids"].numel()
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    return {"kind": kind, "length": length, "tokens": tokens, "step_s": round(step_s, 4),
-            "tokens_per_s": round(tokens / step_s, 1), "cpu_s": round(statistics.median(cpu_times[1:]), 4),
-            "peak_gib": None if peak is None else round(peak, 2)}
+    return {
+        "kind": kind,
+        "length": length,
+        "tokens": tokens,
+        "step_s": round(step_s, 4),
+        "tokens_per_s": round(tokens / step_s, 1),
+        "cpu_s": round(statistics.median(cpu_times[1:]), 4),
+        "peak_gib": None if peak is None else round(peak, 2),
+    }
 
 
 def _sync(device):
@@ -86,22 +92,36 @@ def main() -> int:
     if device_type == "cpu":
         torch.set_num_threads(1)
     ndp.init_distributed(device_type=device_type)
-    topo = ndp.Topology.build(ndp.ParallelismConfig(dp_shard_size=1, cp_size=args.cp, cp_comm_strategy=args.cp_method),
-                              device_type=device_type)
+    topo = ndp.Topology.build(
+        ndp.ParallelismConfig(dp_shard_size=1, cp_size=args.cp, cp_comm_strategy=args.cp_method),
+        device_type=device_type,
+    )
     device = topo.device
     lengths = [int(x) for x in args.lengths.split(",")]
     longest = [int(x) for x in args.longest.split(",") if x]
-    config = model_config_for(base_model=None, model_shape=args.shape, overrides={},
-                              max_position_embeddings=max(lengths + longest))
+    config = model_config_for(
+        base_model=None, model_shape=args.shape, overrides={}, max_position_embeddings=max(lengths + longest)
+    )
     model = meta_model(config)
-    ndp.parallelize(model, topo, options=ndp.ParallelOptions(activation_checkpointing=args.ac,
-                                                              param_dtype="bfloat16" if device.type == "cuda" else None))
+    ndp.parallelize(
+        model,
+        topo,
+        options=ndp.ParallelOptions(
+            activation_checkpointing=args.ac, param_dtype="bfloat16" if device.type == "cuda" else None
+        ),
+    )
     materialize(model, device, weights_dir=None, seed=0)
     model.train()
     opt = ndp.build_optimizer(model, lr=1e-5, weight_decay=0.1)
-    meta = {"shape": args.shape, "ac": args.ac, "cp": args.cp, "cp_method": args.cp_method if args.cp > 1 else None,
-            "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    meta = {
+        "shape": args.shape,
+        "ac": args.ac,
+        "cp": args.cp,
+        "cp_method": args.cp_method if args.cp > 1 else None,
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+    }
     cases = [(kind, length) for length in lengths for kind in args.kinds.split(",")]
     cases += [("packed-4096", length) for length in longest]
     for kind, length in cases:
@@ -119,7 +139,7 @@ def main() -> int:
             print(json.dumps(record), flush=True)
             with open(args.out, "a") as f:
                 f.write(json.dumps(record) + "\n")
-        if record["status"] == "oom" and (kind, length) in cases[len(cases) - len(longest):]:
+        if record["status"] == "oom" and (kind, length) in cases[len(cases) - len(longest) :]:
             break
     return 0
 

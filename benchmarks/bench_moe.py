@@ -35,18 +35,36 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 import ndparallel as ndp
 
 SHAPES = {
-    "qwen3-30b-a3b": dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
-                          intermediate_size=6144),
-    "tiny": dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=256, intermediate_size=128),
+    "qwen3-30b-a3b": dict(
+        hidden_size=2048,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        intermediate_size=6144,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        intermediate_size=128,
+    ),
 }
 IMPLEMENTATIONS = ("eager", "grouped_mm", "ndparallel")
 
 
 def _config(shape: str, layers: int, **overrides) -> Qwen3MoeConfig:
-    return Qwen3MoeConfig(**{**SHAPES[shape], **overrides}, num_hidden_layers=layers, norm_topk_prob=True,
-                          max_position_embeddings=8192)
+    return Qwen3MoeConfig(
+        **{**SHAPES[shape], **overrides}, num_hidden_layers=layers, norm_topk_prob=True, max_position_embeddings=8192
+    )
 
 
 def _sync(device):
@@ -107,8 +125,17 @@ def bench_block(shape: str, tokens: int, device, iters: int) -> list[dict]:
             _block_pass(block, x)
         _sync(device)
         ms = (time.perf_counter() - start) / iters * 1e3
-        rows.append({"part": "block", "impl": name, "tokens": tokens, "ms_fwd_bwd": ms, "err_out": errors[0],
-                     "err_grad_in": errors[1], "err_grad_w": errors[2]})
+        rows.append(
+            {
+                "part": "block",
+                "impl": name,
+                "tokens": tokens,
+                "ms_fwd_bwd": ms,
+                "err_out": errors[0],
+                "err_grad_in": errors[1],
+                "err_grad_w": errors[2],
+            }
+        )
         del model, block
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -143,8 +170,16 @@ def bench_step(shape: str, layers: int, seq: int, micro: int, device, steps: int
             times.append(time.perf_counter() - start)
         step_s = sum(times[2:]) / steps
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-        rows.append({"part": "step", "impl": name, "tokens_per_s": micro * seq / step_s, "step_s": step_s,
-                     "loss": float(loss.detach()), "peak_gib": peak})
+        rows.append(
+            {
+                "part": "step",
+                "impl": name,
+                "tokens_per_s": micro * seq / step_s,
+                "step_s": step_s,
+                "loss": float(loss.detach()),
+                "peak_gib": peak,
+            }
+        )
         del model, optimizer
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -172,12 +207,16 @@ def main(argv=None) -> int:
     for r in rows:
         if r["part"] == "block":
             speed = base["block"]["ms_fwd_bwd"] / r["ms_fwd_bwd"]
-            print(f"block  {r['impl']:11s} {r['ms_fwd_bwd']:9.2f} ms {speed:8.2f}x {r['err_out']:9.1e} "
-                  f"{r['err_grad_in']:9.1e} {r['err_grad_w']:9.1e}")
+            print(
+                f"block  {r['impl']:11s} {r['ms_fwd_bwd']:9.2f} ms {speed:8.2f}x {r['err_out']:9.1e} "
+                f"{r['err_grad_in']:9.1e} {r['err_grad_w']:9.1e}"
+            )
         else:
             speed = r["tokens_per_s"] / base["step"]["tokens_per_s"]
-            print(f"step   {r['impl']:11s} {r['tokens_per_s']:7.0f} tok/s {speed:8.2f}x   loss {r['loss']:.4f}"
-                  + (f"   peak {r['peak_gib']:.1f} GiB" if r["peak_gib"] is not None else ""))
+            print(
+                f"step   {r['impl']:11s} {r['tokens_per_s']:7.0f} tok/s {speed:8.2f}x   loss {r['loss']:.4f}"
+                + (f"   peak {r['peak_gib']:.1f} GiB" if r["peak_gib"] is not None else "")
+            )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_moe.json").write_text(json.dumps({"device": str(device), "shape": shape, "rows": rows}, indent=2))

@@ -27,10 +27,20 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def measure(args, topo, lora: LoraSpec | None) -> dict:
-    config = model_config_for(base_model=None, model_shape=None, max_position_embeddings=args.seq,
-                              overrides={"model_type": "llama", "hidden_size": args.hidden, "num_hidden_layers": 4,
-                                         "intermediate_size": 4 * args.hidden, "num_attention_heads": 8,
-                                         "num_key_value_heads": 4, "vocab_size": 4096})
+    config = model_config_for(
+        base_model=None,
+        model_shape=None,
+        max_position_embeddings=args.seq,
+        overrides={
+            "model_type": "llama",
+            "hidden_size": args.hidden,
+            "num_hidden_layers": 4,
+            "intermediate_size": 4 * args.hidden,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "vocab_size": 4096,
+        },
+    )
     model = meta_model(config)
     ndp.parallelize(model, topo, options=ndp.ParallelOptions(param_dtype=None), lora=lora)
     materialize(model, topo.device, weights_dir=None, seed=0)
@@ -56,9 +66,14 @@ def measure(args, topo, lora: LoraSpec | None) -> dict:
     grads = sum(_local(p.grad).nbytes for p in model.parameters() if p.grad is not None)
     state = sum(_local(v).nbytes for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return {"mode": "LoRA r16 all linears" if lora else "full fine-tune", "params_mib": params / 2**20,
-            "grads_mib": grads / 2**20, "optimizer_mib": state / 2**20, "activations_mib": sum(seen.values()) / 2**20,
-            "trainable_params_global": trainable}
+    return {
+        "mode": "LoRA r16 all linears" if lora else "full fine-tune",
+        "params_mib": params / 2**20,
+        "grads_mib": grads / 2**20,
+        "optimizer_mib": state / 2**20,
+        "activations_mib": sum(seen.values()) / 2**20,
+        "trainable_params_global": trainable,
+    }
 
 
 def main() -> int:
@@ -70,17 +85,24 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--seq", type=int, default=512)
     args = p.parse_args()
-    topo = ndp.Topology.build(ndp.ParallelismConfig(dp_replicate_size=args.dp_replicate, dp_shard_size=args.dp_shard,
-                                                    cp_size=args.cp, tp_size=args.tp))
+    topo = ndp.Topology.build(
+        ndp.ParallelismConfig(
+            dp_replicate_size=args.dp_replicate, dp_shard_size=args.dp_shard, cp_size=args.cp, tp_size=args.tp
+        )
+    )
     rows = [measure(args, topo, None), measure(args, topo, LoraSpec(r=16, alpha=32, target_linear=True))]
     if topo.is_main:
-        print(f"layout {topo.layout.shape} (dp_replicate, dp_shard, cp, tp), hidden {args.hidden}, 4 layers, "
-              f"seq {args.seq}, fp32, per rank:")
+        print(
+            f"layout {topo.layout.shape} (dp_replicate, dp_shard, cp, tp), hidden {args.hidden}, 4 layers, "
+            f"seq {args.seq}, fp32, per rank:"
+        )
         print(f"{'mode':22s} {'params':>9s} {'grads':>9s} {'optimizer':>10s} {'activations':>12s} {'total MiB':>10s}")
         for r in rows:
             total = r["params_mib"] + r["grads_mib"] + r["optimizer_mib"] + r["activations_mib"]
-            print(f"{r['mode']:22s} {r['params_mib']:9.2f} {r['grads_mib']:9.2f} {r['optimizer_mib']:10.2f} "
-                  f"{r['activations_mib']:12.2f} {total:10.2f}")
+            print(
+                f"{r['mode']:22s} {r['params_mib']:9.2f} {r['grads_mib']:9.2f} {r['optimizer_mib']:10.2f} "
+                f"{r['activations_mib']:12.2f} {total:10.2f}"
+            )
         print(json.dumps(rows))
     torch.distributed.destroy_process_group()
     return 0

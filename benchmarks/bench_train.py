@@ -5,7 +5,8 @@ gradient clipping and MFU formula for every row.
     python benchmarks/bench_train.py --shape 3b --seq 8192 --micro-batch 1 \\
         --rows ndparallel,ndparallel-fsdp,accelerate-compile,fsdp2-compile,ndparallel-fp8 \\
         --json $OUT/bench.jsonl --profile $OUT/profiles.txt
-    torchrun --nproc-per-node 8 benchmarks/bench_train.py --shape 8b --seq 8192 --tp 2 --rows ndparallel,accelerate-compile
+    torchrun --nproc-per-node 8 benchmarks/bench_train.py --shape 8b --seq 8192 --tp 2 \
+        --rows ndparallel,accelerate-compile
     python benchmarks/bench_train.py --shape tiny --seq 128 --steps 3 --device cpu --rows ndparallel,fsdp2-eager
 
 Rows (``--rows``, default ``ndparallel,accelerate-compile,fsdp2-compile``):
@@ -72,8 +73,15 @@ NDP_ROWS = {  # name -> ParallelOptions overrides
     "ndparallel-fp8-head": {"compile": True, "fp8": {"keep_bf16_layers": (), "keep_bf16_modules": ()}},
     "ndparallel-fp8-rowwise": {"compile": True, "fp8": {"recipe": "rowwise"}},
 }
-PEER_ROWS = {"accelerate-compile", "accelerate-compile-noreshard", "accelerate-eager", "fsdp2-compile",
-             "fsdp2-compile-noreshard", "fsdp2-eager", "plain-eager"}
+PEER_ROWS = {
+    "accelerate-compile",
+    "accelerate-compile-noreshard",
+    "accelerate-eager",
+    "fsdp2-compile",
+    "fsdp2-compile-noreshard",
+    "fsdp2-eager",
+    "plain-eager",
+}
 
 
 def synthetic(rows: int, seq: int, vocab: int, step: int) -> torch.Tensor:
@@ -113,12 +121,28 @@ def _peak_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def build_ndparallel_row(topo, config, *, seq: int, micro_batch: int, compile_: bool, ac: str = "none",
-                         fp32: bool = False, fsdp_wrap="block", single_rank_fsdp: bool = False, fp8=None) -> Row:
+def build_ndparallel_row(
+    topo,
+    config,
+    *,
+    seq: int,
+    micro_batch: int,
+    compile_: bool,
+    ac: str = "none",
+    fp32: bool = False,
+    fsdp_wrap="block",
+    single_rank_fsdp: bool = False,
+    fp8=None,
+) -> Row:
     fp8_spec = None if fp8 is None else ndp.Fp8Spec(**fp8)
-    options = ndp.ParallelOptions(param_dtype=None if fp32 else "bfloat16", activation_checkpointing=ac,
-                                  compile=compile_, fsdp_wrap=fsdp_wrap, single_rank_fsdp=single_rank_fsdp,
-                                  fp8=fp8_spec)
+    options = ndp.ParallelOptions(
+        param_dtype=None if fp32 else "bfloat16",
+        activation_checkpointing=ac,
+        compile=compile_,
+        fsdp_wrap=fsdp_wrap,
+        single_rank_fsdp=single_rank_fsdp,
+        fp8=fp8_spec,
+    )
     model = meta_model(config)
     ndp.parallelize(model, topo, options=options)
     materialize(model, topo.device, weights_dir=None, seed=0)
@@ -129,9 +153,11 @@ def build_ndparallel_row(topo, config, *, seq: int, micro_batch: int, compile_: 
 
     def phases(i: int) -> list:
         batch = ndp.prepare_batch(synthetic(rows, seq, config.vocab_size, i), topo)
-        return [("forward+backward", lambda: forward_backward(model, [batch], topo, compiled_loss=compile_)),
-                ("clip", lambda: ndp.clip_grad_norm_(trainable, 1.0)),
-                ("optimizer+zero_grad", lambda: (opt.step(), opt.zero_grad(set_to_none=True)))]
+        return [
+            ("forward+backward", lambda: forward_backward(model, [batch], topo, compiled_loss=compile_)),
+            ("clip", lambda: ndp.clip_grad_norm_(trainable, 1.0)),
+            ("optimizer+zero_grad", lambda: (opt.step(), opt.zero_grad(set_to_none=True))),
+        ]
 
     return Row(phases=phases, tokens_per_step=rows * seq, devices=topo.world_size)
 
@@ -144,20 +170,25 @@ def _hf_model(config, device: torch.device):
         return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
 
 
-def _hf_phases(forward, params: list, opt, clip, backward, *, rows: int, rank_rows: slice, seq: int, vocab: int,
-               device):
+def _hf_phases(
+    forward, params: list, opt, clip, backward, *, rows: int, rank_rows: slice, seq: int, vocab: int, device
+):
     """Step i of a peer: transformers' loss (labels=input_ids), backward, clip, optimizer step."""
+
     def phases(i: int) -> list:
         ids = synthetic(rows, seq, vocab, i)[rank_rows].to(device)
-        return [("forward+backward", lambda: backward(forward(input_ids=ids, labels=ids, use_cache=False).loss)),
-                ("clip", lambda: clip(params, 1.0)),
-                ("optimizer+zero_grad", lambda: (opt.step(), opt.zero_grad(set_to_none=True)))]
+        return [
+            ("forward+backward", lambda: backward(forward(input_ids=ids, labels=ids, use_cache=False).loss)),
+            ("clip", lambda: clip(params, 1.0)),
+            ("optimizer+zero_grad", lambda: (opt.step(), opt.zero_grad(set_to_none=True))),
+        ]
 
     return phases
 
 
-def build_fsdp2_row(topo, config, *, seq: int, micro_batch: int, compile_: bool, fp32: bool,
-                    reshard: bool = True) -> Row:
+def build_fsdp2_row(
+    topo, config, *, seq: int, micro_batch: int, compile_: bool, fp32: bool, reshard: bool = True
+) -> Row:
     """Plain PyTorch FSDP2: fully_shard per decoder layer and the root, bf16 params / fp32 reduce."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -172,13 +203,24 @@ def build_fsdp2_row(topo, config, *, seq: int, micro_batch: int, compile_: bool,
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=topo.device.type == "cuda")
     rows = micro_batch * topo.layout.batch_size
     mine = slice(topo.batch_rank * micro_batch, (topo.batch_rank + 1) * micro_batch)
-    phases = _hf_phases(model, list(model.parameters()), opt, torch.nn.utils.clip_grad_norm_, torch.Tensor.backward,
-                        rows=rows, rank_rows=mine, seq=seq, vocab=config.vocab_size, device=topo.device)
+    phases = _hf_phases(
+        model,
+        list(model.parameters()),
+        opt,
+        torch.nn.utils.clip_grad_norm_,
+        torch.Tensor.backward,
+        rows=rows,
+        rank_rows=mine,
+        seq=seq,
+        vocab=config.vocab_size,
+        device=topo.device,
+    )
     return Row(phases=phases, tokens_per_step=rows * seq, devices=topo.world_size)
 
 
-def build_accelerate_row(topo, config, *, seq: int, micro_batch: int, compile_: bool, fp32: bool,
-                         ac: str = "none", reshard: bool = True) -> Row:
+def build_accelerate_row(
+    topo, config, *, seq: int, micro_batch: int, compile_: bool, fp32: bool, ac: str = "none", reshard: bool = True
+) -> Row:
     """Accelerate's FSDP2 plugin (ParallelismConfig when tp > 1) with its regional compilation."""
     from accelerate import Accelerator
     from accelerate.utils import FullyShardedDataParallelPlugin, ParallelismConfig, TorchDynamoPlugin
@@ -186,15 +228,20 @@ def build_accelerate_row(topo, config, *, seq: int, micro_batch: int, compile_: 
 
     model = _hf_model(config, topo.device)
     plugin = FullyShardedDataParallelPlugin(
-        fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-        transformer_cls_names_to_wrap=[type(model.model.layers[0]).__name__], reshard_after_forward=reshard,
+        fsdp_version=2,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=[type(model.model.layers[0]).__name__],
+        reshard_after_forward=reshard,
         activation_checkpointing=ac != "none",
-        mixed_precision_policy=None if fp32 else MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                                       reduce_dtype=torch.float32))
+        mixed_precision_policy=None
+        if fp32
+        else MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    )
     kwargs = {}
     if topo.layout.tp > 1 or topo.layout.dp_replicate > 1:
-        kwargs["parallelism_config"] = ParallelismConfig(dp_replicate_size=topo.layout.dp_replicate,
-                                                         dp_shard_size=topo.layout.dp_shard, tp_size=topo.layout.tp)
+        kwargs["parallelism_config"] = ParallelismConfig(
+            dp_replicate_size=topo.layout.dp_replicate, dp_shard_size=topo.layout.dp_shard, tp_size=topo.layout.tp
+        )
     if compile_:
         kwargs["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor", use_regional_compilation=True)
     accelerator = Accelerator(mixed_precision="no" if fp32 else "bf16", fsdp_plugin=plugin, **kwargs)
@@ -203,8 +250,18 @@ def build_accelerate_row(topo, config, *, seq: int, micro_batch: int, compile_: 
     model.train()
     rows = micro_batch * topo.layout.batch_size
     mine = slice(topo.batch_rank * micro_batch, (topo.batch_rank + 1) * micro_batch)
-    phases = _hf_phases(model, list(model.parameters()), opt, accelerator.clip_grad_norm_, accelerator.backward,
-                        rows=rows, rank_rows=mine, seq=seq, vocab=config.vocab_size, device=accelerator.device)
+    phases = _hf_phases(
+        model,
+        list(model.parameters()),
+        opt,
+        accelerator.clip_grad_norm_,
+        accelerator.backward,
+        rows=rows,
+        rank_rows=mine,
+        seq=seq,
+        vocab=config.vocab_size,
+        device=accelerator.device,
+    )
     return Row(phases=phases, tokens_per_step=rows * seq, devices=topo.world_size)
 
 
@@ -218,22 +275,39 @@ def build_plain_row(topo, config, *, seq: int, micro_batch: int, fp32: bool) -> 
         with torch.autocast(topo.device.type, dtype=torch.bfloat16, enabled=not fp32):
             return model(**inputs)
 
-    phases = _hf_phases(forward, list(model.parameters()), opt, torch.nn.utils.clip_grad_norm_, torch.Tensor.backward,
-                        rows=micro_batch, rank_rows=slice(None), seq=seq, vocab=config.vocab_size, device=topo.device)
+    phases = _hf_phases(
+        forward,
+        list(model.parameters()),
+        opt,
+        torch.nn.utils.clip_grad_norm_,
+        torch.Tensor.backward,
+        rows=micro_batch,
+        rank_rows=slice(None),
+        seq=seq,
+        vocab=config.vocab_size,
+        device=topo.device,
+    )
     return Row(phases=phases, tokens_per_step=micro_batch * seq, devices=1)
 
 
 def build_row(name: str, args, topo, config) -> Row:
     common = dict(seq=args.seq, micro_batch=args.micro_batch)
     if name in NDP_ROWS:
-        return build_ndparallel_row(topo, config, **common, ac=args.ac, fp32=args.fp32, fsdp_wrap=args.fsdp_wrap,
-                                    **{"compile_": NDP_ROWS[name]["compile"],
-                                       **{k: v for k, v in NDP_ROWS[name].items() if k != "compile"}})
+        return build_ndparallel_row(
+            topo,
+            config,
+            **common,
+            ac=args.ac,
+            fp32=args.fp32,
+            fsdp_wrap=args.fsdp_wrap,
+            **{"compile_": NDP_ROWS[name]["compile"], **{k: v for k, v in NDP_ROWS[name].items() if k != "compile"}},
+        )
     compile_ = "-compile" in name
     reshard = not name.endswith("-noreshard")
     if name.startswith("accelerate") and name in PEER_ROWS:
-        return build_accelerate_row(topo, config, **common, compile_=compile_, fp32=args.fp32, ac=args.ac,
-                                    reshard=reshard)
+        return build_accelerate_row(
+            topo, config, **common, compile_=compile_, fp32=args.fp32, ac=args.ac, reshard=reshard
+        )
     if name.startswith("fsdp2") and name in PEER_ROWS:
         return build_fsdp2_row(topo, config, **common, compile_=compile_, fp32=args.fp32, reshard=reshard)
     if name == "plain-eager":
@@ -257,8 +331,14 @@ def run_row(name: str, args, topo, config) -> dict:
             row.step(i)
         _sync(topo.device)
         seconds = (time.perf_counter() - t0) / args.steps
-        result = {"row": name, "s_per_step": seconds, "tokens_per_step": row.tokens_per_step, "devices": row.devices,
-                  "peak_gib": _peak_gib(topo.device), "setup_and_warmup_s": ready_s}
+        result = {
+            "row": name,
+            "s_per_step": seconds,
+            "tokens_per_step": row.tokens_per_step,
+            "devices": row.devices,
+            "peak_gib": _peak_gib(topo.device),
+            "setup_and_warmup_s": ready_s,
+        }
         if args.profile and name in args.profile_rows.split(",") and topo.is_main:
             _profile(row, name, args, topo)
         del row
@@ -319,9 +399,16 @@ def setup(args, device_type: str):
     """Process group, topology and the model config of the run."""
     one_process_env()
     ndp.init_distributed(device_type=device_type)
-    topo = ndp.Topology.build(ndp.ParallelismConfig(
-        dp_replicate_size=args.dp_replicate, dp_shard_size=args.dp_shard, cp_size=args.cp, tp_size=args.tp,
-        cp_comm_strategy=args.cp_method), device_type=device_type)
+    topo = ndp.Topology.build(
+        ndp.ParallelismConfig(
+            dp_replicate_size=args.dp_replicate,
+            dp_shard_size=args.dp_shard,
+            cp_size=args.cp,
+            tp_size=args.tp,
+            cp_comm_strategy=args.cp_method,
+        ),
+        device_type=device_type,
+    )
     config = model_config_for(base_model=None, model_shape=args.shape, overrides={}, max_position_embeddings=args.seq)
     return topo, config
 
@@ -330,8 +417,10 @@ def report(results: list[dict], args, topo, config) -> None:
     fpt = flops_per_token(config, args.seq)
     peak = device_peak_flops(topo.device)
     name = torch.cuda.get_device_name() if topo.device.type == "cuda" else "cpu"
-    print(f"\n{args.shape} seq {args.seq} x micro-batch {args.micro_batch}, layout {topo.layout.shape} "
-          f"(dp_replicate, dp_shard, cp, tp), ac {args.ac}, {name}, torch {torch.__version__}")
+    print(
+        f"\n{args.shape} seq {args.seq} x micro-batch {args.micro_batch}, layout {topo.layout.shape} "
+        f"(dp_replicate, dp_shard, cp, tp), ac {args.ac}, {name}, torch {torch.__version__}"
+    )
     print(f"{'row':24s} {'tokens/s':>10s} {'/device':>9s} {'MFU':>7s} {'peak GiB':>9s} {'ndp÷row':>8s}  kind")
     base = next((r for r in results if r["row"] == "ndparallel" and "error" not in r), None)
     for r in results:
@@ -342,19 +431,34 @@ def report(results: list[dict], args, topo, config) -> None:
         r["tokens_per_s"] = r["tokens_per_step"] / r["s_per_step"]
         r["tokens_per_s_per_device"] = r["tokens_per_s"] / r["devices"]
         r["mfu"] = r["tokens_per_s_per_device"] * fpt / peak if peak else None
-        ratio = (f"{base['tokens_per_s_per_device'] / r['tokens_per_s_per_device']:7.3f}x"
-                 if base and "tokens_per_s" in base else "     n/a")
+        ratio = (
+            f"{base['tokens_per_s_per_device'] / r['tokens_per_s_per_device']:7.3f}x"
+            if base and "tokens_per_s" in base
+            else "     n/a"
+        )
         mfu = f"{r['mfu'] * 100:6.1f}%" if r["mfu"] else "    n/a"
-        print(f"{r['row']:24s} {r['tokens_per_s']:10.0f} {r['tokens_per_s_per_device']:9.0f} {mfu} "
-              f"{r['peak_gib']:9.2f} {ratio}  {kind}")
+        print(
+            f"{r['row']:24s} {r['tokens_per_s']:10.0f} {r['tokens_per_s_per_device']:9.0f} {mfu} "
+            f"{r['peak_gib']:9.2f} {ratio}  {kind}"
+        )
     if args.json:
         import accelerate
         import transformers
 
         with open(args.json, "a") as f:
-            f.write(json.dumps({"args": {k: v for k, v in vars(args).items() if not k.startswith("child")},
-                                "device": name, "torch": torch.__version__, "transformers": transformers.__version__,
-                                "accelerate": accelerate.__version__, "results": results}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "args": {k: v for k, v in vars(args).items() if not k.startswith("child")},
+                        "device": name,
+                        "torch": torch.__version__,
+                        "transformers": transformers.__version__,
+                        "accelerate": accelerate.__version__,
+                        "results": results,
+                    }
+                )
+                + "\n"
+            )
 
 
 def parse_args(argv=None):
@@ -373,8 +477,12 @@ def parse_args(argv=None):
     p.add_argument("--ac", default="none", choices=["none", "full", "selective"])
     p.add_argument("--fsdp-wrap", default="block")
     p.add_argument("--fp32", action="store_true", help="no mixed precision (CPU default)")
-    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
-                   help="peers in subprocesses (default: on for one CUDA process)")
+    p.add_argument(
+        "--isolate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="peers in subprocesses (default: on for one CUDA process)",
+    )
     p.add_argument("--json", help="append the results as one JSON line to this file")
     p.add_argument("--profile", help="append profile_step reports of the --profile-rows to this file")
     p.add_argument("--profile-rows", default="ndparallel,ndparallel-fsdp")

@@ -29,7 +29,8 @@ from ndparallel.train import forward_backward
 DEFAULT_CASES = [
     *(f"1b:{seq}:{mb}:{ac}" for seq, mb in ((2048, 4), (4096, 2), (8192, 1)) for ac in ("none", "selective", "full")),
     *(f"3b:{seq}:{mb}:{ac}" for seq, mb in ((4096, 2), (8192, 1)) for ac in ("none", "selective", "full")),
-    "1b:4096:2:none:lora", "1b:4096:2:selective:lora",
+    "1b:4096:2:none:lora",
+    "1b:4096:2:selective:lora",
 ]
 
 
@@ -37,8 +38,16 @@ def run_case(case: str, topo, steps: int, compile_: bool) -> dict:
     parts = case.split(":")
     shape, seq, mb, ac = parts[0], int(parts[1]), int(parts[2]), parts[3]
     lora = LoraSpec(r=16, alpha=32, target_linear=True) if "lora" in parts[4:] else None
-    record = {"case": case, "shape": shape, "seq": seq, "micro_batch": mb, "ac": ac, "lora": lora is not None,
-              "compile": compile_, "layout": list(topo.layout.shape)}
+    record = {
+        "case": case,
+        "shape": shape,
+        "seq": seq,
+        "micro_batch": mb,
+        "ac": ac,
+        "lora": lora is not None,
+        "compile": compile_,
+        "layout": list(topo.layout.shape),
+    }
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -46,8 +55,9 @@ def run_case(case: str, topo, steps: int, compile_: bool) -> dict:
     try:
         config = model_config_for(base_model=None, model_shape=shape, overrides={}, max_position_embeddings=seq)
         model = meta_model(config)
-        ndp.parallelize(model, topo, options=ndp.ParallelOptions(activation_checkpointing=ac, compile=compile_),
-                        lora=lora)
+        ndp.parallelize(
+            model, topo, options=ndp.ParallelOptions(activation_checkpointing=ac, compile=compile_), lora=lora
+        )
         materialize(model, topo.device, weights_dir=None, seed=0)
         model.train()
         opt = ndp.build_optimizer(model, lr=1e-4, weight_decay=0.1)
@@ -66,10 +76,15 @@ def run_case(case: str, topo, steps: int, compile_: bool) -> dict:
             times.append(time.perf_counter() - start)
         step_s = statistics.median(times[2:] if len(times) > 3 else times[-1:])
         tps = mb * seq / step_s
-        record.update(status="ok", peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
-                      peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30, after_init_gib=after_init,
-                      step_s=step_s, tokens_per_s=tps,
-                      mfu=tps * flops_per_token(config, seq) / device_peak_flops(topo.device))
+        record.update(
+            status="ok",
+            peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
+            peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
+            after_init_gib=after_init,
+            step_s=step_s,
+            tokens_per_s=tps,
+            mfu=tps * flops_per_token(config, seq) / device_peak_flops(topo.device),
+        )
     except torch.OutOfMemoryError:
         record.update(status="oom", peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30)
     finally:
@@ -87,14 +102,16 @@ def main() -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     topo = ndp.Topology.build(ndp.ParallelismConfig(dp_shard_size=1), device_type="cuda")
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d")}
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     for case in args.cases.split(","):
         record = {**run_case(case, topo, args.steps, args.compile), **meta}
         with open(args.out, "a") as f:
             f.write(json.dumps(record) + "\n")
-        shown = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in record.items()
-                 if k in ("case", "status", "peak_allocated_gib", "step_s", "tokens_per_s", "mfu")}
+        shown = {
+            k: (round(v, 3) if isinstance(v, float) else v)
+            for k, v in record.items()
+            if k in ("case", "status", "peak_allocated_gib", "step_s", "tokens_per_s", "mfu")
+        }
         print(shown, flush=True)
     return 0
 

@@ -32,8 +32,15 @@ import ndparallel as ndp
 from ndparallel.models.build import materialize, meta_model, model_config_for
 from ndparallel.train import forward_backward
 
-SMALL = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=6, num_attention_heads=16,
-             num_key_value_heads=8, vocab_size=256, tie_word_embeddings=False)
+SMALL = dict(
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_hidden_layers=6,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    vocab_size=256,
+    tie_word_embeddings=False,
+)
 
 
 def stdlib_bytes(n_tokens: int) -> torch.Tensor:
@@ -49,8 +56,19 @@ def stdlib_bytes(n_tokens: int) -> torch.Tensor:
     return torch.cat(chunks)[:n_tokens].long()
 
 
-def train(topo, *, steps: int, rows: int, seq: int, options: ndp.ParallelOptions, data: torch.Tensor,
-          lr: float, warmup: int, overrides: dict, eps: float = 1e-8) -> dict:
+def train(
+    topo,
+    *,
+    steps: int,
+    rows: int,
+    seq: int,
+    options: ndp.ParallelOptions,
+    data: torch.Tensor,
+    lr: float,
+    warmup: int,
+    overrides: dict,
+    eps: float = 1e-8,
+) -> dict:
     # The tiny Llama preset with these sizes (head_dim is derived once, in the config's constructor).
     overrides = {**overrides, "head_dim": overrides["hidden_size"] // overrides["num_attention_heads"]}
     config = model_config_for(base_model=None, model_shape="tiny", overrides=overrides, max_position_embeddings=seq)
@@ -65,7 +83,7 @@ def train(topo, *, steps: int, rows: int, seq: int, options: ndp.ParallelOptions
     per_step = rows * seq
     for step in range(steps):
         offset = (step * per_step) % (len(data) - per_step)
-        ids = data[offset:offset + per_step].view(rows, seq)
+        ids = data[offset : offset + per_step].view(rows, seq)
         loss, _ = forward_backward(model, [ndp.prepare_batch(ids, topo)], topo, compiled_loss=options.compile)
         ndp.clip_grad_norm_(trainable, 1.0)
         opt.step()
@@ -73,8 +91,10 @@ def train(topo, *, steps: int, rows: int, seq: int, options: ndp.ParallelOptions
         opt.zero_grad(set_to_none=True)
         losses.append(loss)
     losses = [float(x) for x in losses]
-    weights = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().cpu()
-               for k, v in model.state_dict().items()}
+    weights = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().cpu()
+        for k, v in model.state_dict().items()
+    }
     return {"losses": losses, "seconds": time.perf_counter() - start, "weights": weights}
 
 
@@ -88,18 +108,29 @@ def check_exactness(topo, log, smoke: bool) -> bool:
     for steps, weight_bound in ((2, 1e-6), (8, None)):
         # eps 1e-5 as in tests/scenarios.py: AdamW divides by sqrt(v) + eps, which turns float32 rounding of
         # near-zero gradients into visible update differences when eps is tiny.
-        common = dict(steps=steps, rows=4, seq=64 if smoke else 256, data=data, lr=1e-3, warmup=0,
-                      overrides={**SMALL, **size}, eps=1e-5)
+        common = dict(
+            steps=steps,
+            rows=4,
+            seq=64 if smoke else 256,
+            data=data,
+            lr=1e-3,
+            warmup=0,
+            overrides={**SMALL, **size},
+            eps=1e-5,
+        )
         flat = train(topo, options=ndp.ParallelOptions(), **common)
         fsdp = train(topo, options=ndp.ParallelOptions(single_rank_fsdp=True), **common)
         loss_diff = max(abs(a - b) / abs(b) for a, b in zip(flat["losses"], fsdp["losses"]))
-        weight_diff = max(float((flat["weights"][k] - w).norm() / w.norm().clamp(min=1e-12))
-                          for k, w in fsdp["weights"].items())
+        weight_diff = max(
+            float((flat["weights"][k] - w).norm() / w.norm().clamp(min=1e-12)) for k, w in fsdp["weights"].items()
+        )
         passed = loss_diff <= 1e-4 and (weight_bound is None or weight_diff <= weight_bound)
         ok = ok and passed
-        log(f"exactness, one-rank flat path vs FSDP2 on one rank (bf16), {steps} steps: loss max rel diff "
+        log(
+            f"exactness, one-rank flat path vs FSDP2 on one rank (bf16), {steps} steps: loss max rel diff "
             f"{loss_diff:.2e} (bound 1e-4), weights max rel diff {weight_diff:.2e} (bound "
-            f"{weight_bound or 'none: drift'}): {'PASS' if passed else 'FAIL'}")
+            f"{weight_bound or 'none: drift'}): {'PASS' if passed else 'FAIL'}"
+        )
     return ok
 
 
@@ -107,8 +138,11 @@ def check_fp8_tracks_bf16(topo, out: Path, log, smoke: bool) -> bool:
     """``smoke``: a CPU run of the same code (40 tiny steps, torchao's emulation, no compile)."""
     steps, rows, seq = (40, 2, 64) if smoke else (200, 8, 1024)
     data = stdlib_bytes(steps * rows * seq + 1)
-    overrides = {**SMALL, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-                 "num_key_value_heads": 2} if smoke else SMALL
+    overrides = (
+        {**SMALL, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
+        if smoke
+        else SMALL
+    )
     common = dict(steps=steps, rows=rows, seq=seq, data=data, lr=1e-3, warmup=20, overrides=overrides)
     spec = ndp.Fp8Spec(min_features=32, emulate=True) if smoke else ndp.Fp8Spec(min_features=1024)
     bf16 = train(topo, options=ndp.ParallelOptions(compile=not smoke), **common)
@@ -117,17 +151,23 @@ def check_fp8_tracks_bf16(topo, out: Path, log, smoke: bool) -> bool:
         for i, (a, b) in enumerate(zip(bf16["losses"], fp8["losses"])):
             f.write(json.dumps({"step": i + 1, "bf16": a, "fp8": b}) + "\n")
     window = 20
-    means = [(sum(bf16["losses"][s:s + window]) / window, sum(fp8["losses"][s:s + window]) / window)
-             for s in range(window, steps, window)]
+    means = [
+        (sum(bf16["losses"][s : s + window]) / window, sum(fp8["losses"][s : s + window]) / window)
+        for s in range(window, steps, window)
+    ]
     worst = max(abs(f - b) / b for b, f in means)
     last = abs(means[-1][1] - means[-1][0]) / means[-1][0]
     finite = all(math.isfinite(x) for x in fp8["losses"])
     ok = finite and last <= 0.015 and worst <= 0.03
-    log(f"fp8 vs bf16, {steps} steps ({rows} x {seq} tokens, ~60M params): last-20 mean bf16 {means[-1][0]:.4f} fp8 "
+    log(
+        f"fp8 vs bf16, {steps} steps ({rows} x {seq} tokens, ~60M params): last-20 mean bf16 {means[-1][0]:.4f} fp8 "
         f"{means[-1][1]:.4f} ({100 * last:.2f}%, bound 1.5%); worst 20-step window {100 * worst:.2f}% (bound 3%): "
-        f"{'PASS' if ok else 'FAIL'}")
-    log(f"  first/last loss bf16 {bf16['losses'][0]:.3f} -> {bf16['losses'][-1]:.3f}, fp8 {fp8['losses'][0]:.3f} -> "
-        f"{fp8['losses'][-1]:.3f}; wall (incl. compile) bf16 {bf16['seconds']:.1f} s, fp8 {fp8['seconds']:.1f} s")
+        f"{'PASS' if ok else 'FAIL'}"
+    )
+    log(
+        f"  first/last loss bf16 {bf16['losses'][0]:.3f} -> {bf16['losses'][-1]:.3f}, fp8 {fp8['losses'][0]:.3f} -> "
+        f"{fp8['losses'][-1]:.3f}; wall (incl. compile) bf16 {bf16['seconds']:.1f} s, fp8 {fp8['seconds']:.1f} s"
+    )
     return ok
 
 
@@ -151,8 +191,10 @@ def main() -> int:
     import torchao
     import transformers
 
-    log(f"{torch.cuda.get_device_name() if not args.smoke else 'cpu (smoke run)'}, torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"torchao {torchao.__version__}")
+    log(
+        f"{torch.cuda.get_device_name() if not args.smoke else 'cpu (smoke run)'}, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, torchao {torchao.__version__}"
+    )
     ok = check_exactness(topo, log, args.smoke)
     if not args.skip_fp8:
         ok = check_fp8_tracks_bf16(topo, out, log, args.smoke) and ok

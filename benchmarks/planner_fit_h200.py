@@ -83,10 +83,21 @@ def h200_rows() -> list[dict]:
 def predict(key: tuple, eff: Efficiency, *, fp8: bool = False) -> float:
     shape, seq, b, ac, compiled, lora = key
     cluster = Cluster(nodes=1, gpus_per_node=1, gpu=GPUS["h200"], efficiency=eff, measured=True)
-    work = Workload(seq_len=seq, global_batch_rows=b, micro_batch_sizes=(b,), activation_checkpointing=ac,
-                    compile=compiled, lora_rank=16 if lora else None, fp8=fp8)
-    row = plan(load_model_shape(shape), cluster, work, constraints=dict(zip(("dp_replicate", "dp_shard", "cp", "tp"),
-                                                                            Layout().shape)))[0]
+    work = Workload(
+        seq_len=seq,
+        global_batch_rows=b,
+        micro_batch_sizes=(b,),
+        activation_checkpointing=ac,
+        compile=compiled,
+        lora_rank=16 if lora else None,
+        fp8=fp8,
+    )
+    row = plan(
+        load_model_shape(shape),
+        cluster,
+        work,
+        constraints=dict(zip(("dp_replicate", "dp_shard", "cp", "tp"), Layout().shape)),
+    )[0]
     return row.tokens_per_s_per_gpu
 
 
@@ -94,12 +105,21 @@ def efficiency(params: dict[str, float]) -> Efficiency:
     k = (PROFILE["rows"] + params["half_rows"]) / PROFILE["rows"]  # long-row rate from the rate at 4096 rows
     fwd, bwd = PROFILE["fwd64"] * k, PROFILE["bwd64"] * k
     sdpa, blocks = probed()
-    attention = {64: (round(fwd, 3), round(bwd, 3)),
-                 128: sdpa.get(128, (round(fwd * params["d128"], 3), round(bwd * params["d128"], 3)))}
+    attention = {
+        64: (round(fwd, 3), round(bwd, 3)),
+        128: sdpa.get(128, (round(fwd * params["d128"], 3), round(bwd * params["d128"], 3))),
+    }
     return dataclasses.replace(
-        H200_EFFICIENCY, matmul=PROFILE["matmul"], stream=PROFILE["stream"], attention_half_rows=params["half_rows"],
-        attention=attention, block_attention=blocks or None, pointwise_eager=params["pointwise"],
-        compiled_pointwise=params["compiled"], matmul_fp8=params["fp8"])
+        H200_EFFICIENCY,
+        matmul=PROFILE["matmul"],
+        stream=PROFILE["stream"],
+        attention_half_rows=params["half_rows"],
+        attention=attention,
+        block_attention=blocks or None,
+        pointwise_eager=params["pointwise"],
+        compiled_pointwise=params["compiled"],
+        matmul_fp8=params["fp8"],
+    )
 
 
 def loss(params: dict[str, float], rows: list[dict]) -> float:
@@ -137,16 +157,20 @@ def main() -> int:
     eff = efficiency(params)
     print("fitted:", {k: round(v, 3) for k, v in params.items()})
     print("Efficiency:", json.dumps(eff.to_dict()))
-    print(f"\n{'shape':5s} {'seq':>6s} {'b':>2s} {'AC':9s} {'compile':7s} {'lora':4s} {'measured':>9s} "
-          f"{'predicted':>9s} {'error':>7s}")
+    print(
+        f"\n{'shape':5s} {'seq':>6s} {'b':>2s} {'AC':9s} {'compile':7s} {'lora':4s} {'measured':>9s} "
+        f"{'predicted':>9s} {'error':>7s}"
+    )
     worst = 0.0
     for r in sorted(rows, key=lambda r: r["key"]):
         shape, seq, b, ac, compiled, lora = r["key"]
         got = predict(r["key"], eff)
         err = got / r["tokens_per_s"] - 1
         worst = max(worst, abs(err))
-        print(f"{shape:5s} {seq:6d} {b:2d} {ac:9s} {str(compiled):7s} {str(lora):4s} {r['tokens_per_s']:9,.0f} "
-              f"{got:9,.0f} {err:+7.1%}")
+        print(
+            f"{shape:5s} {seq:6d} {b:2d} {ac:9s} {str(compiled):7s} {str(lora):4s} {r['tokens_per_s']:9,.0f} "
+            f"{got:9,.0f} {err:+7.1%}"
+        )
     print(f"worst {worst:.1%} over {len(rows)} rows; rms log error {math.sqrt(loss(params, rows)):.3f}")
     return 0
 

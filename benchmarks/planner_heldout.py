@@ -40,8 +40,7 @@ A100_PERF = TT + "docs/performance.md"
 
 # Meta's Grand Teton H100 (both H100 pages): H100 SXM with 96 GB HBM2e at 2.4 TB/s, 500 W power limit ("peak
 # between SXM and NVL": 989 and 835 TFLOP/s bf16 -> 912), NVLink in the host, 400 Gb/s RDMA per GPU.
-GRAND_TETON = GPUS["h100-sxm"].with_overrides(memory_gib=94.5, hbm_gbps=2400.0, bf16_tflops=912.0,
-                                              fp8_tflops=1824.0)
+GRAND_TETON = GPUS["h100-sxm"].with_overrides(memory_gib=94.5, hbm_gbps=2400.0, bf16_tflops=912.0, fp8_tflops=1824.0)
 
 
 @dataclass(frozen=True)
@@ -65,49 +64,203 @@ class Published:
 
 
 PUBLISHED = [
-    Published(H100_DEC24, "Table 1", "llama-8b", GRAND_TETON, 8, (1, 8, 1, 1), 2, 8192, "selective", False, False,
-              5762, 82.4),
-    Published(H100_DEC24, "Table 1", "llama-8b", GRAND_TETON, 8, (1, 8, 1, 1), 2, 8192, "selective", True, False,
-              6667, 77.0),
-    Published(H100_DEC24, "Table 1", "llama-8b", GRAND_TETON, 8, (1, 8, 1, 1), 2, 8192, "selective", True, True,
-              8532, 76.8),
-    Published(H100_DEC24, "Table 2", "llama-8b", GRAND_TETON, 8, (1, 8, 1, 1), 1, 32768, "full", True, True,
-              3890, 83.9),
-    Published(H100_DEC24, "Table 2", "llama-8b", GRAND_TETON, 8, (1, 4, 2, 1), 1, 65536, "full", True, True,
-              2540, 84.2),
-    Published(H100_DEC24, "Table 2", "llama-8b", GRAND_TETON, 8, (1, 2, 4, 1), 1, 131072, "full", True, True,
-              1071, 84.0),
-    Published(H100_DEC24, "Table 2", "llama-8b", GRAND_TETON, 8, (1, 1, 8, 1), 1, 262144, "full", True, True,
-              548, 84.5),
-    Published(H100_DEC24, "Table 3", "llama-8b", GRAND_TETON, 128, (1, 128, 1, 1), 2, 8192, "selective", False,
-              False, 5605, 67.0),
-    Published(H100_DEC24, "Table 3", "llama-8b", GRAND_TETON, 128, (1, 128, 1, 1), 2, 8192, "selective", True,
-              False, 6514, 62.0),
-    Published(H100_DEC24, "Table 3", "llama-8b", GRAND_TETON, 128, (1, 128, 1, 1), 2, 8192, "selective", True,
-              True, 8380, 61.8),
-    Published(H100_DEC24, "Table 4", "llama-70b", GRAND_TETON, 256, (1, 32, 1, 8), 16, 8192, "full", True, True,
-              829, 71.9),
-    Published(ASYNC_TP, "70B vanilla TP, bf16", "llama-70b", GRAND_TETON, 256, (1, 32, 1, 8), 16, 8192, "full",
-              True, False, 597.3, None),
-    Published(ASYNC_TP, "70B vanilla TP, float8 tensorwise", "llama-70b", GRAND_TETON, 256, (1, 32, 1, 8), 16,
-              8192, "full", True, True, 809.8, None),
-    Published(ASYNC_TP, "8B vanilla TP, bf16", "llama-8b", GRAND_TETON, 64, (1, 8, 1, 8), 12, 8192, "selective",
-              True, False, 4378, None),
-    Published(ASYNC_TP, "8B vanilla TP, float8 tensorwise", "llama-8b", GRAND_TETON, 64, (1, 8, 1, 8), 12, 8192,
-              "selective", True, True, 5078.1, None),
-    Published(H200_TRAINY, "4 nodes", "llama-8b", GPUS["h200"], 32, (1, 32, 1, 1), 2, 8192, "selective", True,
-              True, 10938, 47.96),
-    Published(H200_TRAINY, "8 nodes", "llama-8b", GPUS["h200"], 64, (1, 64, 1, 1), 2, 8192, "selective", True,
-              True, 10753, 46.97),
-    Published(A100_PERF, "Llama 3, selective op", "llama-8b", GPUS["a100-80gb"], 64, (1, 64, 1, 1), 1, 8192,
-              "selective", False, False, 2973, None),
-    Published(A100_PERF, "Llama 3, full", "llama-70b", GPUS["a100-80gb"], 64, (1, 64, 1, 1), 1, 8192, "full",
-              False, False, 331, None),
+    Published(
+        H100_DEC24, "Table 1", "llama-8b", GRAND_TETON, 8, (1, 8, 1, 1), 2, 8192, "selective", False, False, 5762, 82.4
+    ),
+    Published(
+        H100_DEC24, "Table 1", "llama-8b", GRAND_TETON, 8, (1, 8, 1, 1), 2, 8192, "selective", True, False, 6667, 77.0
+    ),
+    Published(
+        H100_DEC24, "Table 1", "llama-8b", GRAND_TETON, 8, (1, 8, 1, 1), 2, 8192, "selective", True, True, 8532, 76.8
+    ),
+    Published(
+        H100_DEC24, "Table 2", "llama-8b", GRAND_TETON, 8, (1, 8, 1, 1), 1, 32768, "full", True, True, 3890, 83.9
+    ),
+    Published(
+        H100_DEC24, "Table 2", "llama-8b", GRAND_TETON, 8, (1, 4, 2, 1), 1, 65536, "full", True, True, 2540, 84.2
+    ),
+    Published(
+        H100_DEC24, "Table 2", "llama-8b", GRAND_TETON, 8, (1, 2, 4, 1), 1, 131072, "full", True, True, 1071, 84.0
+    ),
+    Published(
+        H100_DEC24, "Table 2", "llama-8b", GRAND_TETON, 8, (1, 1, 8, 1), 1, 262144, "full", True, True, 548, 84.5
+    ),
+    Published(
+        H100_DEC24,
+        "Table 3",
+        "llama-8b",
+        GRAND_TETON,
+        128,
+        (1, 128, 1, 1),
+        2,
+        8192,
+        "selective",
+        False,
+        False,
+        5605,
+        67.0,
+    ),
+    Published(
+        H100_DEC24,
+        "Table 3",
+        "llama-8b",
+        GRAND_TETON,
+        128,
+        (1, 128, 1, 1),
+        2,
+        8192,
+        "selective",
+        True,
+        False,
+        6514,
+        62.0,
+    ),
+    Published(
+        H100_DEC24,
+        "Table 3",
+        "llama-8b",
+        GRAND_TETON,
+        128,
+        (1, 128, 1, 1),
+        2,
+        8192,
+        "selective",
+        True,
+        True,
+        8380,
+        61.8,
+    ),
+    Published(
+        H100_DEC24, "Table 4", "llama-70b", GRAND_TETON, 256, (1, 32, 1, 8), 16, 8192, "full", True, True, 829, 71.9
+    ),
+    Published(
+        ASYNC_TP,
+        "70B vanilla TP, bf16",
+        "llama-70b",
+        GRAND_TETON,
+        256,
+        (1, 32, 1, 8),
+        16,
+        8192,
+        "full",
+        True,
+        False,
+        597.3,
+        None,
+    ),
+    Published(
+        ASYNC_TP,
+        "70B vanilla TP, float8 tensorwise",
+        "llama-70b",
+        GRAND_TETON,
+        256,
+        (1, 32, 1, 8),
+        16,
+        8192,
+        "full",
+        True,
+        True,
+        809.8,
+        None,
+    ),
+    Published(
+        ASYNC_TP,
+        "8B vanilla TP, bf16",
+        "llama-8b",
+        GRAND_TETON,
+        64,
+        (1, 8, 1, 8),
+        12,
+        8192,
+        "selective",
+        True,
+        False,
+        4378,
+        None,
+    ),
+    Published(
+        ASYNC_TP,
+        "8B vanilla TP, float8 tensorwise",
+        "llama-8b",
+        GRAND_TETON,
+        64,
+        (1, 8, 1, 8),
+        12,
+        8192,
+        "selective",
+        True,
+        True,
+        5078.1,
+        None,
+    ),
+    Published(
+        H200_TRAINY,
+        "4 nodes",
+        "llama-8b",
+        GPUS["h200"],
+        32,
+        (1, 32, 1, 1),
+        2,
+        8192,
+        "selective",
+        True,
+        True,
+        10938,
+        47.96,
+    ),
+    Published(
+        H200_TRAINY,
+        "8 nodes",
+        "llama-8b",
+        GPUS["h200"],
+        64,
+        (1, 64, 1, 1),
+        2,
+        8192,
+        "selective",
+        True,
+        True,
+        10753,
+        46.97,
+    ),
+    Published(
+        A100_PERF,
+        "Llama 3, selective op",
+        "llama-8b",
+        GPUS["a100-80gb"],
+        64,
+        (1, 64, 1, 1),
+        1,
+        8192,
+        "selective",
+        False,
+        False,
+        2973,
+        None,
+    ),
+    Published(
+        A100_PERF,
+        "Llama 3, full",
+        "llama-70b",
+        GPUS["a100-80gb"],
+        64,
+        (1, 64, 1, 1),
+        1,
+        8192,
+        "full",
+        False,
+        False,
+        331,
+        None,
+    ),
 ]
 
 NOT_EXPRESSIBLE = [
-    (H100_DEC24, "Table 5 and 6: Llama 3.1 405B with pipeline parallelism (PP 8)",
-     "ndparallel has no pipeline parallelism, so the planner cannot express these runs"),
+    (
+        H100_DEC24,
+        "Table 5 and 6: Llama 3.1 405B with pipeline parallelism (PP 8)",
+        "ndparallel has no pipeline parallelism, so the planner cannot express these runs",
+    ),
     (ASYNC_TP, "async TP rows", "ndparallel's tensor parallelism is synchronous; async TP overlaps the collectives"),
     (ASYNC_TP, "float8 rowwise rows", "the planner models tensorwise float8 scales only"),
     (A100_PERF, "8B selective layer AC", "checkpointing every other layer is not one of ndparallel's modes"),
@@ -121,20 +274,40 @@ def cluster_for(row: Published) -> Cluster:
 
 def workload_for(row: Published) -> Workload:
     data_ranks = row.layout[0] * row.layout[1]
-    return Workload(seq_len=row.seq, global_batch_rows=row.local_batch * data_ranks,
-                    micro_batch_sizes=(row.local_batch,), activation_checkpointing=row.ac, compile=row.compile,
-                    fp8=row.fp8, cp_methods=(row.cp_method,))
+    return Workload(
+        seq_len=row.seq,
+        global_batch_rows=row.local_batch * data_ranks,
+        micro_batch_sizes=(row.local_batch,),
+        activation_checkpointing=row.ac,
+        compile=row.compile,
+        fp8=row.fp8,
+        cp_methods=(row.cp_method,),
+    )
 
 
 def evaluate(row: Published) -> dict:
     model = load_model_shape(row.model)
     cluster, work = cluster_for(row), workload_for(row)
     fixed = plan(model, cluster, work, constraints=dict(zip(AXES, row.layout)))[0]
-    free = plan(model, cluster, Workload(**{**work.__dict__, "micro_batch_sizes": (1, 2, 4, 8, 16),
-                                            "activation_checkpointing": "auto", "cp_methods": ("allgather", "ring",
-                                                                                               "alltoall")}))
-    return {"row": row, "planned": fixed, "ratio": fixed.tokens_per_s_per_gpu / row.tokens_per_s,
-            "memory_gib": fixed.memory.total / GIB, "best": free[0]}
+    free = plan(
+        model,
+        cluster,
+        Workload(
+            **{
+                **work.__dict__,
+                "micro_batch_sizes": (1, 2, 4, 8, 16),
+                "activation_checkpointing": "auto",
+                "cp_methods": ("allgather", "ring", "alltoall"),
+            }
+        ),
+    )
+    return {
+        "row": row,
+        "planned": fixed,
+        "ratio": fixed.tokens_per_s_per_gpu / row.tokens_per_s,
+        "memory_gib": fixed.memory.total / GIB,
+        "best": free[0],
+    }
 
 
 def _layout(shape) -> str:
@@ -142,18 +315,22 @@ def _layout(shape) -> str:
 
 
 def markdown(results: list[dict]) -> str:
-    lines = ["| source | model, GPUs | layout r x s x c x t | batch x seq | AC | compile | fp8 | published tok/s/GPU | "
-             "predicted | ratio | published GiB (reserved) | predicted GiB | fits | planner's pick |",
-             "|---|---|---|---|---|---|---|---:|---:|---:|---:|---:|---|---|"]
+    lines = [
+        "| source | model, GPUs | layout r x s x c x t | batch x seq | AC | compile | fp8 | published tok/s/GPU | "
+        "predicted | ratio | published GiB (reserved) | predicted GiB | fits | planner's pick |",
+        "|---|---|---|---|---|---|---|---:|---:|---:|---:|---:|---|---|",
+    ]
     for r in results:
         p, row, best = r["row"], r["planned"], r["best"]
         pick = _layout(best.layout.shape) + (f" {best.layout.cp_comm_strategy}" if best.layout.cp > 1 else "")
         pick += f", b {best.micro_batch} x {best.accumulation}, AC {best.activation_checkpointing}"
         mem = f"{p.memory_gib:.1f}" if p.memory_gib else "-"
-        lines.append(f"| [{p.table}]({p.source}) | {p.model}, {p.gpus} | {_layout(p.layout)} | {p.local_batch} x "
-                     f"{p.seq} | {p.ac} | {'yes' if p.compile else 'no'} | {'yes' if p.fp8 else 'no'} | "
-                     f"{p.tokens_per_s:,.0f} | {row.tokens_per_s_per_gpu:,.0f} | {r['ratio']:.2f} | {mem} | "
-                     f"{r['memory_gib']:.1f} | {'yes' if row.fits else 'no'} | {pick} |")
+        lines.append(
+            f"| [{p.table}]({p.source}) | {p.model}, {p.gpus} | {_layout(p.layout)} | {p.local_batch} x "
+            f"{p.seq} | {p.ac} | {'yes' if p.compile else 'no'} | {'yes' if p.fp8 else 'no'} | "
+            f"{p.tokens_per_s:,.0f} | {row.tokens_per_s_per_gpu:,.0f} | {r['ratio']:.2f} | {mem} | "
+            f"{r['memory_gib']:.1f} | {'yes' if row.fits else 'no'} | {pick} |"
+        )
     return "\n".join(lines)
 
 

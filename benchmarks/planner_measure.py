@@ -27,10 +27,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from harness import run_ranks  # noqa: E402
-
-from planner_memory.calibration import (MEASUREMENTS_PATH, compare_to_measurements, load_measurements,  # noqa: E402
-                                            predict_memory)
+from planner_memory.calibration import (  # noqa: E402
+    MEASUREMENTS_PATH,
+    compare_to_measurements,
+    load_measurements,  # noqa: E402
+    predict_memory,
+)
 from planner_memory.measure import measure_activations, measure_loss_peak  # noqa: E402
+
 from ndparallel.planner.shapes import PRESETS  # noqa: E402
 
 TINY = PRESETS["tiny"]
@@ -80,8 +84,16 @@ LORA_CASES = [
     (GQA, L(t=2), "selective"),
 ]
 # (vocab, tokens, tp, precision): one chunk (tokens <= loss.CHUNK_ROWS = 2048), a chunk and a bit, three chunks.
-LOSS_CASES = [(4096, 256, 1, "bf16"), (4096, 256, 2, "bf16"), (4096, 256, 1, "fp32"), (4096, 256, 4, "bf16"),
-              (1024, 2560, 1, "bf16"), (1024, 6144, 1, "bf16"), (1024, 6144, 2, "bf16"), (1024, 6144, 1, "fp32")]
+LOSS_CASES = [
+    (4096, 256, 1, "bf16"),
+    (4096, 256, 2, "bf16"),
+    (4096, 256, 1, "fp32"),
+    (4096, 256, 4, "bf16"),
+    (1024, 2560, 1, "bf16"),
+    (1024, 6144, 1, "bf16"),
+    (1024, 6144, 2, "bf16"),
+    (1024, 6144, 1, "fp32"),
+]
 
 
 # GPU peaks of benchmarks/gpu_memory_sweep.py (one GPU, layout 1x1x1x1, eager), newest file first: a case
@@ -95,16 +107,25 @@ GPU_TRANSFORMERS = "5.17.0"
 
 
 def _name(model, layout, mode, precision, lora_rank=None) -> str:
-    sizes = "x".join(f"{k[0] if k != 'dp_replicate' else 'r'}{v}" for k, v in layout.items()
-                     if k != "cp_comm_strategy" and v > 1) or "single"
+    sizes = (
+        "x".join(
+            f"{k[0] if k != 'dp_replicate' else 'r'}{v}" for k, v in layout.items() if k != "cp_comm_strategy" and v > 1
+        )
+        or "single"
+    )
     method = f"-{layout['cp_comm_strategy']}" if layout["cp"] > 1 else ""
     lora = f"-lora{lora_rank}" if lora_rank else ""
     return f"{model.name}-{sizes}{method}-{mode}-{precision}{lora}"
 
 
 def _config(layout):
-    return {"dp_replicate_size": layout["dp_replicate"], "dp_shard_size": layout["dp_shard"], "cp_size": layout["cp"],
-            "tp_size": layout["tp"], "cp_comm_strategy": layout["cp_comm_strategy"]}
+    return {
+        "dp_replicate_size": layout["dp_replicate"],
+        "dp_shard_size": layout["dp_shard"],
+        "cp_size": layout["cp"],
+        "tp_size": layout["tp"],
+        "cp_comm_strategy": layout["cp_comm_strategy"],
+    }
 
 
 def measure_all() -> list[dict]:
@@ -113,31 +134,71 @@ def measure_all() -> list[dict]:
     cases += [(model, layout, mode, "bf16", LORA_RANK) for model, layout, mode in LORA_CASES]
     for model, layout, mode, precision, lora_rank in cases:
         world = layout["dp_replicate"] * layout["dp_shard"] * layout["cp"] * layout["tp"]
-        got = run_ranks(world, measure_activations, model, _config(layout), seq_len=SEQ, micro_batch=ROWS,
-                        activation_checkpointing=mode, precision=precision, lora_rank=lora_rank)[0]
-        base = {"model": model.to_dict(), "layout": layout, "seq_len": SEQ, "micro_batch": ROWS,
-                "activation_checkpointing": mode, "precision": precision,
-                **({"lora_rank": lora_rank} if lora_rank else {})}
+        got = run_ranks(
+            world,
+            measure_activations,
+            model,
+            _config(layout),
+            seq_len=SEQ,
+            micro_batch=ROWS,
+            activation_checkpointing=mode,
+            precision=precision,
+            lora_rank=lora_rank,
+        )[0]
+        base = {
+            "model": model.to_dict(),
+            "layout": layout,
+            "seq_len": SEQ,
+            "micro_batch": ROWS,
+            "activation_checkpointing": mode,
+            "precision": precision,
+            **({"lora_rank": lora_rank} if lora_rank else {}),
+        }
         name = _name(model, layout, mode, precision, lora_rank)
         rows.append({"case": name, **base, "quantity": "activations_retained", "measured_bytes": got["retained"]})
         if got["layer_saved"] is not None:
-            rows.append({"case": name + "-layer", **base, "quantity": "layer_saved",
-                         "measured_bytes": got["layer_saved"]})
+            rows.append(
+                {"case": name + "-layer", **base, "quantity": "layer_saved", "measured_bytes": got["layer_saved"]}
+            )
         else:
             # Checkpointed layers hide their tensors from autograd hooks: measure one layer as the difference
             # between the same model with two more layers and this one.
             deeper = dataclasses.replace(model, layers=model.layers + 2)
-            more = run_ranks(world, measure_activations, deeper, _config(layout), seq_len=SEQ, micro_batch=ROWS,
-                             activation_checkpointing=mode, precision=precision, lora_rank=lora_rank)[0]
-            rows.append({"case": name + "-per-layer", **base, "quantity": "layer_retained",
-                         "measured_bytes": (more["retained"] - got["retained"]) / 2})
+            more = run_ranks(
+                world,
+                measure_activations,
+                deeper,
+                _config(layout),
+                seq_len=SEQ,
+                micro_batch=ROWS,
+                activation_checkpointing=mode,
+                precision=precision,
+                lora_rank=lora_rank,
+            )[0]
+            rows.append(
+                {
+                    "case": name + "-per-layer",
+                    **base,
+                    "quantity": "layer_retained",
+                    "measured_bytes": (more["retained"] - got["retained"]) / 2,
+                }
+            )
         print(f"{name}: {got['retained']} B retained", flush=True)
     for vocab, tokens, tp, precision in LOSS_CASES:
         got = run_ranks(tp, measure_loss_peak, vocab=vocab, tokens=tokens, precision=precision)[0]
         model = dataclasses.replace(TINY, vocab=vocab, name=f"tiny-v{vocab}")
-        rows.append({"case": f"loss-v{vocab}-n{tokens}-tp{tp}-{precision}", "model": model.to_dict(), "layout": L(t=tp),
-                     "seq_len": tokens, "micro_batch": 1, "precision": precision, "quantity": "loss_peak",
-                     "measured_bytes": got["peak"]})
+        rows.append(
+            {
+                "case": f"loss-v{vocab}-n{tokens}-tp{tp}-{precision}",
+                "model": model.to_dict(),
+                "layout": L(t=tp),
+                "seq_len": tokens,
+                "micro_batch": 1,
+                "precision": precision,
+                "quantity": "loss_peak",
+                "measured_bytes": got["peak"],
+            }
+        )
         print(f"loss tp{tp} {precision}: {got['peak'] / got['elements']:.2f} B per logit element", flush=True)
     return rows
 
@@ -154,17 +215,31 @@ def gpu_rows(results_dir: str = os.path.join(ROOT, "benchmarks", "results")) -> 
             seen.add(r["case"])
             model = PRESETS[GPU_SHAPES[r["shape"]]]
             lora = {"lora_rank": GPU_LORA_RANK} if r["lora"] else {}
-            rows.append({
-                "case": f"h200-{r['shape']}-s{r['seq']}-b{r['micro_batch']}-{r['ac']}" + ("-lora16" if lora else ""),
-                "model": model.to_dict(), "layout": L(), "seq_len": r["seq"], "micro_batch": r["micro_batch"],
-                "activation_checkpointing": r["ac"], "precision": "bf16", **lora,
-                "quantity": "peak_allocated", "measured_bytes": r["peak_allocated_gib"] * 2**30,
-                "device": r["device"], "torch": r["torch"], "transformers": GPU_TRANSFORMERS, "date": r["date"],
-                "source": f"benchmarks/results/{file}", "peak_reserved_bytes": r["peak_reserved_gib"] * 2**30,
-            })
+            rows.append(
+                {
+                    "case": f"h200-{r['shape']}-s{r['seq']}-b{r['micro_batch']}-{r['ac']}"
+                    + ("-lora16" if lora else ""),
+                    "model": model.to_dict(),
+                    "layout": L(),
+                    "seq_len": r["seq"],
+                    "micro_batch": r["micro_batch"],
+                    "activation_checkpointing": r["ac"],
+                    "precision": "bf16",
+                    **lora,
+                    "quantity": "peak_allocated",
+                    "measured_bytes": r["peak_allocated_gib"] * 2**30,
+                    "device": r["device"],
+                    "torch": r["torch"],
+                    "transformers": GPU_TRANSFORMERS,
+                    "date": r["date"],
+                    "source": f"benchmarks/results/{file}",
+                    "peak_reserved_bytes": r["peak_reserved_gib"] * 2**30,
+                }
+            )
     modes = ("none", "selective", "full")
-    rows.sort(key=lambda r: (r["model"]["name"], "lora_rank" in r, modes.index(r["activation_checkpointing"]),
-                             r["seq_len"]))
+    rows.sort(
+        key=lambda r: (r["model"]["name"], "lora_rank" in r, modes.index(r["activation_checkpointing"]), r["seq_len"])
+    )
     return rows
 
 
@@ -198,15 +273,19 @@ def _cpu_table(rows: list[dict]) -> list[str]:
 
 def _gpu_table(rows: list[dict]) -> list[str]:
     gib = 2**30
-    lines = ["| case | model | seq x micro-batch | checkpointing | LoRA | predicted GiB | measured GiB | error "
-             "| peak at | reserved GiB |",
-             "|---|---|---|---|---|---:|---:|---:|---|---:|"]
+    lines = [
+        "| case | model | seq x micro-batch | checkpointing | LoRA | predicted GiB | measured GiB | error "
+        "| peak at | reserved GiB |",
+        "|---|---|---|---|---|---:|---:|---:|---|---:|",
+    ]
     for (case, predicted, measured, err), row in zip(compare_to_measurements(rows), rows):
         moment = predict_memory(row).transient_kind
         lora = f"r={row['lora_rank']}" if row.get("lora_rank") else "-"
-        lines.append(f"| {case} | {row['model']['name']} | {row['seq_len']} x {row['micro_batch']} | "
-                     f"{row['activation_checkpointing']} | {lora} | {predicted / gib:.2f} | {measured / gib:.2f} | "
-                     f"{err:+.3%} | {moment} | {row['peak_reserved_bytes'] / gib:.1f} |")
+        lines.append(
+            f"| {case} | {row['model']['name']} | {row['seq_len']} x {row['micro_batch']} | "
+            f"{row['activation_checkpointing']} | {lora} | {predicted / gib:.2f} | {measured / gib:.2f} | "
+            f"{err:+.3%} | {moment} | {row['peak_reserved_bytes'] / gib:.1f} |"
+        )
     return lines
 
 
@@ -227,7 +306,8 @@ def write_report(rows: list[dict], env: dict, path: str) -> None:
         "## GPU: peak allocated memory of a training step (H200)",
         "",
         f"Measured {g['date']} on one {g['device']}, torch {g['torch']}, transformers {g['transformers']}, by",
-        "`benchmarks/gpu_memory_sweep.py` (files: " + ", ".join(f"`benchmarks/results/{f}`" for f in GPU_RESULTS)
+        "`benchmarks/gpu_memory_sweep.py` (files: "
+        + ", ".join(f"`benchmarks/results/{f}`" for f in GPU_RESULTS)
         + "):",
         "the trainer's path (`ndparallel.parallelize` + `train.forward_backward` + `clip_grad_norm_` + fused AdamW",
         "+ `zero_grad(set_to_none=True)`), layout 1x1x1x1 (FSDP2 over a one-rank mesh, so nothing is resharded",
@@ -235,8 +315,8 @@ def write_report(rows: list[dict], env: dict, path: str) -> None:
         "packing or padding: plain causal SDPA), eager (no torch.compile), LoRA rank 16 on all seven linears of",
         "every layer. Measured = `torch.cuda.max_memory_allocated()` over the steps including the optimizer",
         "step; predicted = `estimate_memory(...).allocated` for the same configuration (no CUDA context or",
-        "other overhead, which that counter excludes). \"peak at\" is the moment of the step the model says",
-        "peaks (see `planner/memory.py`); \"reserved\" is `torch.cuda.max_memory_reserved()`, for reference.",
+        'other overhead, which that counter excludes). "peak at" is the moment of the step the model says',
+        'peaks (see `planner/memory.py`); "reserved" is `torch.cuda.max_memory_reserved()`, for reference.',
         "",
         *_gpu_table(gpu),
         "",
@@ -308,9 +388,11 @@ def main() -> None:
         cpu, env = measure_all(), environment()
     rows = cpu + gpu_rows()
     with open(MEASUREMENTS_PATH, "w") as f:
-        description = ("Measurements of this implementation's memory (benchmarks/planner_measure.py): CPU rows "
-                       "(activations, loss; environment below) and GPU peak_allocated rows (device, torch, "
-                       "transformers, date and source file on each row).")
+        description = (
+            "Measurements of this implementation's memory (benchmarks/planner_measure.py): CPU rows "
+            "(activations, loss; environment below) and GPU peak_allocated rows (device, torch, "
+            "transformers, date and source file on each row)."
+        )
         json.dump({"description": description, "environment": env, "rows": rows}, f, indent=1)
         f.write("\n")
     write_report(rows, env, os.path.join(ROOT, "benchmarks", "planner_validation.md"))

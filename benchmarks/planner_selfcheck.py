@@ -26,8 +26,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import ndparallel as ndp  # noqa: E402
 from bench_train import run_row  # noqa: E402
+
+import ndparallel as ndp  # noqa: E402
 from ndparallel.models.build import model_config_for  # noqa: E402
 from ndparallel.planner import probe  # noqa: E402
 from ndparallel.planner.gpus import GPUS  # noqa: E402
@@ -38,15 +39,26 @@ from ndparallel.planner.workload import Workload  # noqa: E402
 
 
 def predict(model, cluster: Cluster, seq: int, b: int, compiled: bool) -> tuple[float, float]:
-    work = Workload(seq_len=seq, global_batch_rows=b, micro_batch_sizes=(b,), activation_checkpointing="none",
-                    compile=compiled)
+    work = Workload(
+        seq_len=seq, global_batch_rows=b, micro_batch_sizes=(b,), activation_checkpointing="none", compile=compiled
+    )
     row = plan(model, cluster, work)[0]
     return row.tokens_per_s_per_gpu, row.memory.allocated / GIB
 
 
 def run(model_key: str, seq: int, b: int, compiled: bool, topo, steps: int) -> dict:
-    args = SimpleNamespace(fp32=topo.device.type == "cpu", ac="none", fsdp_wrap="block", micro_batch=b, seq=seq,
-                           steps=steps, warmup=3, profile=None, profile_rows="", shape=model_key)
+    args = SimpleNamespace(
+        fp32=topo.device.type == "cpu",
+        ac="none",
+        fsdp_wrap="block",
+        micro_batch=b,
+        seq=seq,
+        steps=steps,
+        warmup=3,
+        profile=None,
+        profile_rows="",
+        shape=model_key,
+    )
     config = model_config_for(base_model=None, model_shape=model_key, overrides={}, max_position_embeddings=seq)
     start = time.perf_counter()
     result = run_row("ndparallel" if compiled else "ndparallel-eager", args, topo, config)
@@ -89,25 +101,40 @@ def main() -> int:
                 got = run(key, seq, b, compiled, topo, args.steps)
                 from_preset, _ = predict(model, preset, seq, b, compiled)
                 from_probe, mem = predict(model, measured, seq, b, compiled)
-                row = {"model": model.name, "seq": seq, "micro_batch": b, "compile": compiled,
-                       "measured_tokens_per_s": got["tokens_per_s"], "predicted_h200_preset": from_preset,
-                       "predicted_measured": from_probe, "error_measured": from_probe / got["tokens_per_s"] - 1,
-                       "error_preset": from_preset / got["tokens_per_s"] - 1, "peak_gib": got["peak_gib"],
-                       "predicted_gib": mem, "wall_s": got["wall_s"], "device": spec.name,
-                       "torch": torch.__version__}
+                row = {
+                    "model": model.name,
+                    "seq": seq,
+                    "micro_batch": b,
+                    "compile": compiled,
+                    "measured_tokens_per_s": got["tokens_per_s"],
+                    "predicted_h200_preset": from_preset,
+                    "predicted_measured": from_probe,
+                    "error_measured": from_probe / got["tokens_per_s"] - 1,
+                    "error_preset": from_preset / got["tokens_per_s"] - 1,
+                    "peak_gib": got["peak_gib"],
+                    "predicted_gib": mem,
+                    "wall_s": got["wall_s"],
+                    "device": spec.name,
+                    "torch": torch.__version__,
+                }
                 rows.append(row)
-                print(f"  {model.name} {seq}x{b} compile={compiled}: measured {row['measured_tokens_per_s']:,.0f} "
-                      f"tok/s, predicted {from_probe:,.0f} ({row['error_measured']:+.1%}) with --measure, "
-                      f"{from_preset:,.0f} ({row['error_preset']:+.1%}) with the H200 preset; peak "
-                      f"{row['peak_gib']:.2f} GiB vs {mem:.2f} predicted ({got['wall_s']:.0f} s)", flush=True)
+                print(
+                    f"  {model.name} {seq}x{b} compile={compiled}: measured {row['measured_tokens_per_s']:,.0f} "
+                    f"tok/s, predicted {from_probe:,.0f} ({row['error_measured']:+.1%}) with --measure, "
+                    f"{from_preset:,.0f} ({row['error_preset']:+.1%}) with the H200 preset; peak "
+                    f"{row['peak_gib']:.2f} GiB vs {mem:.2f} predicted ({got['wall_s']:.0f} s)",
+                    flush=True,
+                )
     with open(os.path.join(args.out, "planner_selfcheck.jsonl"), "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     with open(os.path.join(args.out, "planner_probe.json"), "w") as f:
         json.dump(probes, f, indent=1)
     worst = max(abs(r["error_measured"]) for r in rows)
-    print(f"\nworst error with --measure: {worst:.1%} over {len(rows)} configurations "
-          f"({'within' if worst <= 0.10 else 'OUTSIDE'} 10%); total {time.perf_counter() - started:.0f} s")
+    print(
+        f"\nworst error with --measure: {worst:.1%} over {len(rows)} configurations "
+        f"({'within' if worst <= 0.10 else 'OUTSIDE'} 10%); total {time.perf_counter() - started:.0f} s"
+    )
     torch.distributed.destroy_process_group()
     return 0
 

@@ -32,8 +32,10 @@ CLASSES = [  # first match wins: substrings of lower-cased kernel names
     ("communication", ("nccl",)),
     ("copy/cast", ("copy", "memcpy", "cast", "to_copy", "chunk_cat", "split_with_sizes")),
     ("fused elementwise (compiled)", ("triton",)),
-    ("other elementwise/reduction", ("elementwise", "reduce", "vectorized", "index", "scatter", "gather", "fill",
-                                     "memset")),
+    (
+        "other elementwise/reduction",
+        ("elementwise", "reduce", "vectorized", "index", "scatter", "gather", "fill", "memset"),
+    ),
 ]
 
 
@@ -74,8 +76,12 @@ def _busy_union_us(events) -> float:
 
 
 def _is_kernel(event) -> bool:
-    return (event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
-            and "#" not in event.name and not event.name.startswith("ProfilerStep"))
+    return (
+        event.device_type == torch.autograd.DeviceType.CUDA
+        and not getattr(event, "is_user_annotation", False)
+        and "#" not in event.name
+        and not event.name.startswith("ProfilerStep")
+    )
 
 
 def profile_steps(phases: list, *, steps: int = 3, title: str = "") -> str:
@@ -104,8 +110,10 @@ def profile_steps(phases: list, *, steps: int = 3, title: str = "") -> str:
         per_kernel[e.name[:90]] += us
     summed = sum(totals.values()) or 1.0
     busy = _busy_union_us(kernels)
-    lines.append(f"GPU kernels over {steps} profiled steps: {summed / 1000:.1f} ms summed, busy {busy / 1000:.1f} ms of "
-                 f"{wall_us / 1000:.1f} ms wall ({100 * busy / wall_us:.1f}% busy; profiler overhead included)")
+    lines.append(
+        f"GPU kernels over {steps} profiled steps: {summed / 1000:.1f} ms summed, busy {busy / 1000:.1f} ms of "
+        f"{wall_us / 1000:.1f} ms wall ({100 * busy / wall_us:.1f}% busy; profiler overhead included)"
+    )
     for cls, us in sorted(totals.items(), key=lambda x: -x[1]):
         lines.append(f"  {cls:32s} {us / 1000 / steps:8.1f} ms/step  {100 * us / summed:5.1f}%")
     lines.append("top kernels (ms per step):")
@@ -127,12 +135,24 @@ def main() -> int:
     from bench_train import build_ndparallel_row, parse_args, setup
 
     topo, config = setup(parse_args(["--shape", args.shape, "--seq", str(args.seq)]), "cuda")
-    row = build_ndparallel_row(topo, config, seq=args.seq, micro_batch=args.micro_batch, compile_=args.compile,
-                               ac=args.ac, single_rank_fsdp=args.single_rank_fsdp)
+    row = build_ndparallel_row(
+        topo,
+        config,
+        seq=args.seq,
+        micro_batch=args.micro_batch,
+        compile_=args.compile,
+        ac=args.ac,
+        single_rank_fsdp=args.single_rank_fsdp,
+    )
     for i in range(4):
         row.step(i)
-    print(profile_steps(row.phases(10), title=f"{args.shape} seq {args.seq} x {args.micro_batch}, compile "
-                                              f"{args.compile}, single_rank_fsdp {args.single_rank_fsdp}"))
+    print(
+        profile_steps(
+            row.phases(10),
+            title=f"{args.shape} seq {args.seq} x {args.micro_batch}, compile "
+            f"{args.compile}, single_rank_fsdp {args.single_rank_fsdp}",
+        )
+    )
     return 0
 
 

@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from transformers import AutoTokenizer
 
 import ndparallel as ndp
@@ -47,8 +44,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume-from", type=str, default=None)
     parser.add_argument("--model-name", type=str, default=MODEL_ID)
     parser.add_argument("--data", type=str, default=os.path.join(os.path.dirname(os.__file__), "json", "*.py"))
-    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
-                        help="bf16 compute with fp32 master weights (default: on for CUDA)")
+    parser.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="bf16 compute with fp32 master weights (default: on for CUDA)",
+    )
     return parser.parse_args(argv)
 
 
@@ -69,38 +70,22 @@ def packed_batches(tokenizer, pattern: str, *, seq_len: int, rows: int, seed: in
             filled = 0
             while filled < seq_len:  # random documents (or their beginnings) until the row is full
                 doc = stream[int(torch.randint(len(stream), (1,), generator=generator))][: seq_len - filled]
-                ids[r, filled: filled + len(doc)] = doc
-                pos[r, filled: filled + len(doc)] = torch.arange(len(doc))
+                ids[r, filled : filled + len(doc)] = doc
+                pos[r, filled : filled + len(doc)] = torch.arange(len(doc))
                 filled += len(doc)
         yield ids, pos
 
 
 def train_step(model, optimizer, ids, position_ids, topo, max_grad_norm):
     batch = ndp.prepare_batch(ids, topo, position_ids=position_ids)  # this rank's rows and sequence chunks
-    num_tokens = ndp.count_tokens(batch.num_tokens, topo)             # target tokens over every data rank
+    num_tokens = ndp.count_tokens(batch.num_tokens, topo)  # target tokens over every data rank
     logits = model(**batch.model_inputs()).logits
     loss = ndp.token_loss(logits, batch.labels, num_tokens=num_tokens, topology=topo)
     loss.backward()
     grad_norm = ndp.clip_grad_norm_(model.parameters(), max_grad_norm)  # one norm over TP and FSDP meshes
     optimizer.step()
     optimizer.zero_grad()
-    return ndp.reduce_loss(loss, topo), grad_norm                    # the global token-mean loss
-
-
-def save_checkpoint(path: str, model, optimizer, step: int) -> None:
-    """A sharded, reshardable checkpoint (torch.distributed.checkpoint): each rank writes its shards."""
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
-    if torch.distributed.get_rank() == 0:
-        Path(path, "step.json").write_text(json.dumps({"step": step}))
-
-
-def load_checkpoint(path: str, model, optimizer) -> int:
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=path)  # reads this layout's slices, whatever layout wrote them
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return json.loads(Path(path, "step.json").read_text())["step"]
+    return ndp.reduce_loss(loss, topo), grad_norm  # the global token-mean loss
 
 
 def train(args: argparse.Namespace) -> list[float]:
@@ -119,7 +104,11 @@ def train(args: argparse.Namespace) -> list[float]:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     batches = packed_batches(tokenizer, args.data, seq_len=args.sequence_length, rows=args.global_batch_size)
 
-    start = load_checkpoint(args.resume_from, model, optimizer) if args.resume_from else 0
+    # Sharded, reshardable, written in the background and published atomically; loading unpickles nothing
+    # but an exact allow-list (the README's "what loading trusts").
+    checkpoints = ndp.Checkpointer(f"{args.save_dir}/checkpoints", keep=2, async_save=True)
+    state = {"model": model, "optimizer": optimizer}
+    start = checkpoints.load(state, args.resume_from).step if args.resume_from else 0
     for _ in range(start):  # the data position: the batches the checkpoint had trained on
         next(batches)
     if topo.is_main:
@@ -132,10 +121,14 @@ def train(args: argparse.Namespace) -> list[float]:
         tokens += ids.numel()
         if topo.is_main and (step % 10 == 0 or step == args.num_steps - 1):
             rate = tokens / (time.perf_counter() - began) / topo.world_size
-            print(f"Step {step}/{args.num_steps}, Loss: {losses[-1]:.4f}, grad norm {grad_norm.item():.3f}, "
-                  f"{rate:,.0f} tokens/s per device", flush=True)
+            print(
+                f"Step {step}/{args.num_steps}, Loss: {losses[-1]:.4f}, grad norm {grad_norm.item():.3f}, "
+                f"{rate:,.0f} tokens/s per device",
+                flush=True,
+            )
         if (step + 1) % args.checkpoint_frequency == 0:
-            save_checkpoint(f"{args.save_dir}/checkpoint-{step + 1}", model, optimizer, step + 1)
+            checkpoints.save(step + 1, state)  # returns once the state is copied; training goes on
+    checkpoints.close()  # the last save is written before the export below reads nothing from it
 
     ndp.save_pretrained(model, f"{args.save_dir}/final", topo, tokenizer=tokenizer)
     if topo.is_main:

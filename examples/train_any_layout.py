@@ -42,15 +42,28 @@ def main() -> None:
     p.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 master weights (default on GPU)")
     args = p.parse_args()
 
-    topo = ndp.Topology.build(ndp.ParallelismConfig(
-        dp_replicate_size=args.dp_replicate, dp_shard_size=args.dp_shard, cp_size=args.cp, tp_size=args.tp,
-        cp_comm_strategy=args.cp_method))
+    topo = ndp.Topology.build(
+        ndp.ParallelismConfig(
+            dp_replicate_size=args.dp_replicate,
+            dp_shard_size=args.dp_shard,
+            cp_size=args.cp,
+            tp_size=args.tp,
+            cp_comm_strategy=args.cp_method,
+        )
+    )
     if topo.is_main:
         print(topo.describe())
 
     torch.manual_seed(0)  # the same initial weights on every rank, before sharding
-    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=args.seq)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=args.seq,
+    )
     model = AutoModelForCausalLM.from_config(config)
     bf16 = args.bf16 or topo.device.type == "cuda"
     ndp.parallelize(model, topo, options=ndp.ParallelOptions(param_dtype="bfloat16" if bf16 else None))

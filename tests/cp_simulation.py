@@ -23,8 +23,16 @@ from ndparallel.parallel.cp_layout import chunk_ids, cp_shard
 def fake_context(segments: torch.Tensor, cp: int, rank: int, method: str):
     """What the attention functions read from an ``AttentionContext``, without a process group."""
     host = segments.cpu()
-    return SimpleNamespace(cp_size=cp, cp_rank=rank, method=method, cp_group=None, segment_ids_host=host,
-                           batch_size=host.shape[0], seq_len=host.shape[1], chunk_len=host.shape[1] // (2 * cp))
+    return SimpleNamespace(
+        cp_size=cp,
+        cp_rank=rank,
+        method=method,
+        cp_group=None,
+        segment_ids_host=host,
+        batch_size=host.shape[0],
+        seq_len=host.shape[1],
+        chunk_len=host.shape[1] // (2 * cp),
+    )
 
 
 def _tok(x: torch.Tensor) -> torch.Tensor:
@@ -32,8 +40,9 @@ def _tok(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, *x.shape[2:])
 
 
-def rank_share(q, k, v, grad, segments, *, cp: int, rank: int, method: str, scale: float, window=None,
-               backward: bool = True):
+def rank_share(
+    q, k, v, grad, segments, *, cp: int, rank: int, method: str, scale: float, window=None, backward: bool = True
+):
     """q/grad (B, S, H, D), k/v (B, S, Hkv, D) of whole rows. Returns a dict: ``out`` and ``dq`` of the
     rank's local tokens (B, 2n, h, D), ``dk``/``dv`` (B, S, Hkv, D) contributions, and ``heads`` (the
     query heads the rank computed: all, or its group under alltoall)."""
@@ -47,8 +56,18 @@ def rank_share(q, k, v, grad, segments, *, cp: int, rank: int, method: str, scal
         group = h // k.shape[2]
         kv_heads = slice(heads.start // group, heads.stop // group)
         ctx = fake_context(segments, 1, 0, method)
-        result = _run(ctx, q[:, :, heads], k[:, :, kv_heads], v[:, :, kv_heads], grad[:, :, heads], scale, window,
-                      backward, kv_slice=kv_heads, hkv=k.shape[2])
+        result = _run(
+            ctx,
+            q[:, :, heads],
+            k[:, :, kv_heads],
+            v[:, :, kv_heads],
+            grad[:, :, heads],
+            scale,
+            window,
+            backward,
+            kv_slice=kv_heads,
+            hkv=k.shape[2],
+        )
         result["heads"] = heads
         if backward and k.shape[2] != kv_heads_given:  # sum the copies back onto their key/value head
             for name in ("dk", "dv"):
@@ -106,8 +125,14 @@ def _stages(ctx, k, v, window, device):
     for step, calls in enumerate(plan):
         source = (ctx.cp_rank - step) % ctx.cp_size
         shard = dict(cp_size=ctx.cp_size, cp_rank=source, dim=1)
-        stages.append((_tok(cp_shard(k, **shard)).contiguous(), _tok(cp_shard(v, **shard)).contiguous(), calls,
-                       cp_shard(positions, **shard).flatten()))
+        stages.append(
+            (
+                _tok(cp_shard(k, **shard)).contiguous(),
+                _tok(cp_shard(v, **shard)).contiguous(),
+                calls,
+                cp_shard(positions, **shard).flatten(),
+            )
+        )
     return stages
 
 

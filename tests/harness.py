@@ -27,13 +27,25 @@ class RankFailure(AssertionError):
 
 
 def _child(rank: int, world: int, workdir: str, pg_timeout_s: float, fn: Callable, args: tuple, kwargs: dict) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world),
+            "OMP_NUM_THREADS": "1",
+        }
+    )
     torch.set_num_threads(1)
     result_path = os.path.join(workdir, f"rank{rank}.pkl")
     try:
-        dist.init_process_group("gloo", init_method=f"file://{workdir}/pg", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=pg_timeout_s))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{workdir}/pg",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=pg_timeout_s),
+        )
         value = fn(*args, **kwargs)
         payload = {"ok": True, "value": value}
         code = 0
@@ -51,13 +63,16 @@ def _child(rank: int, world: int, workdir: str, pg_timeout_s: float, fn: Callabl
     os._exit(code)
 
 
-def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = 180.0, pg_timeout_s: float = 60.0,
-              **kwargs: Any) -> list[Any]:
+def run_ranks(
+    world: int, fn: Callable, *args: Any, timeout_s: float = 180.0, pg_timeout_s: float = 60.0, **kwargs: Any
+) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world`` ranks; return the per-rank results, rank order."""
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="ndp-ranks-") as workdir:
-        procs = [ctx.Process(target=_child, args=(r, world, workdir, pg_timeout_s, fn, args, kwargs), daemon=True)
-                 for r in range(world)]
+        procs = [
+            ctx.Process(target=_child, args=(r, world, workdir, pg_timeout_s, fn, args, kwargs), daemon=True)
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout_s
@@ -78,8 +93,13 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = 180.0, pg
         for r in range(world):
             path = os.path.join(workdir, f"rank{r}.pkl")
             if not os.path.exists(path):
-                failures.append((r, f"rank {r} produced no result (exit code {procs[r].exitcode}; killed after "
-                                    f"a peer failed or the {timeout_s:.0f} s timeout)"))
+                failures.append(
+                    (
+                        r,
+                        f"rank {r} produced no result (exit code {procs[r].exitcode}; killed after "
+                        f"a peer failed or the {timeout_s:.0f} s timeout)",
+                    )
+                )
                 results.append(None)
                 continue
             with open(path, "rb") as f:
@@ -93,6 +113,7 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = 180.0, pg
             with_tb = [f for f in failures if "Traceback" in f[1]]
             rank, text = (with_tb or failures)[0]
             others = ", ".join(str(r) for r, _ in failures if r != rank)
-            raise RankFailure(f"rank {rank} of {world} failed" + (f" (also failed: {others})" if others else "")
-                              + f":\n{text}")
+            raise RankFailure(
+                f"rank {rank} of {world} failed" + (f" (also failed: {others})" if others else "") + f":\n{text}"
+            )
         return results

@@ -14,17 +14,45 @@ from pathlib import Path
 from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen3Config
 
 # The published shapes of the models Axolotl's examples name (config.json only: validate reads no weights).
-LLAMA_31_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                   num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
-                   tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001)
-LLAMA_32_1B = dict(LLAMA_31_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                   tie_word_embeddings=True)
+LLAMA_31_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+    bos_token_id=128000,
+    eos_token_id=128001,
+)
+LLAMA_32_1B = dict(
+    LLAMA_31_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, tie_word_embeddings=True
+)
 LLAMA_32_3B = dict(LLAMA_32_1B, hidden_size=3072, num_hidden_layers=28, num_attention_heads=24)
-QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
-                rope_theta=1000000.0, tie_word_embeddings=False)
-MISTRAL_7B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                  num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, sliding_window=4096)
+QWEN3_8B = dict(
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    tie_word_embeddings=False,
+)
+MISTRAL_7B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=32000,
+    max_position_embeddings=32768,
+    sliding_window=4096,
+)
 PUBLISHED = {
     "meta-llama/Llama-3.1-8B": LlamaConfig(**LLAMA_31_8B),
     "NousResearch/Meta-Llama-3.1-8B": LlamaConfig(**LLAMA_31_8B),
@@ -37,8 +65,14 @@ PUBLISHED = {
 }
 # The special tokens the examples name, per model family (added to the tests' byte-level tokenizer).
 FAMILY_TOKENS = {
-    "llama": ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|finetune_right_pad_id|>",
-              "<|start_header_id|>", "<|end_header_id|>"],
+    "llama": [
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|eot_id|>",
+        "<|finetune_right_pad_id|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+    ],
     "qwen3": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
     "mistral": ["<s>", "</s>", "<unk>"],
 }
@@ -108,10 +142,23 @@ def add_dataset(cache: Path, repo_id: str, files: dict[str, list[dict] | bytes],
 def alpaca_records(n: int = 40) -> list[dict]:
     verbs = ["Name", "List", "Explain", "Describe", "Summarize"]
     things = ["a colour", "three fruits", "gravity", "the sea", "a river", "two planets", "rain", "a song"]
-    return [{"instruction": f"{verbs[i % 5]} {things[i % 8]}.", "input": "" if i % 3 else f"case {i}",
-             "output": f"Answer {i}: {things[(i * 3) % 8]} and {things[(i * 5) % 8]}."} for i in range(n)]
+    return [
+        {
+            "instruction": f"{verbs[i % 5]} {things[i % 8]}.",
+            "input": "" if i % 3 else f"case {i}",
+            "output": f"Answer {i}: {things[(i * 3) % 8]} and {things[(i * 5) % 8]}.",
+        }
+        for i in range(n)
+    ]
 
 
 def chat_records(n: int = 30) -> list[dict]:
-    return [{"conversations": [{"from": "human", "value": f"Question {i}: what is {i} plus {i}?"},
-                               {"from": "gpt", "value": f"It is {2 * i}."}]} for i in range(n)]
+    return [
+        {
+            "conversations": [
+                {"from": "human", "value": f"Question {i}: what is {i} plus {i}?"},
+                {"from": "gpt", "value": f"It is {2 * i}."},
+            ]
+        }
+        for i in range(n)
+    ]

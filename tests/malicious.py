@@ -20,8 +20,11 @@ import torch
 
 def _str(text: str) -> bytes:
     data = text.encode()
-    return pickle.SHORT_BINUNICODE + bytes([len(data)]) + data if len(data) < 256 else (
-        pickle.BINUNICODE + len(data).to_bytes(4, "little") + data)
+    return (
+        pickle.SHORT_BINUNICODE + bytes([len(data)]) + data
+        if len(data) < 256
+        else (pickle.BINUNICODE + len(data).to_bytes(4, "little") + data)
+    )
 
 
 def _global(module: str, name: str) -> bytes:
@@ -37,18 +40,41 @@ def payloads(marker: Path) -> dict[str, bytes]:
     command = _str(f"touch {marker}")
     return {
         # pickle protocol 4 resolves dotted names: an allowed module's attribute path reaches os.system
-        "dotted-name": _pickle(_global("torch.distributed.checkpoint.filesystem", "os.system")
-                               + pickle.MARK + command + pickle.TUPLE + pickle.REDUCE),
+        "dotted-name": _pickle(
+            _global("torch.distributed.checkpoint.filesystem", "os.system")
+            + pickle.MARK
+            + command
+            + pickle.TUPLE
+            + pickle.REDUCE
+        ),
         "reduce": _pickle(_global("posix", "system") + pickle.MARK + command + pickle.TUPLE + pickle.REDUCE),
         # a class of the allow-list, then an instance attribute __setstate__ that BUILD calls
-        "build": _pickle(_global("torch.distributed.checkpoint.metadata", "Metadata") + pickle.EMPTY_TUPLE
-                         + pickle.NEWOBJ + pickle.EMPTY_DICT + _str("__setstate__") + _global("os", "system")
-                         + pickle.SETITEM + pickle.BUILD + command + pickle.BUILD),
+        "build": _pickle(
+            _global("torch.distributed.checkpoint.metadata", "Metadata")
+            + pickle.EMPTY_TUPLE
+            + pickle.NEWOBJ
+            + pickle.EMPTY_DICT
+            + _str("__setstate__")
+            + _global("os", "system")
+            + pickle.SETITEM
+            + pickle.BUILD
+            + command
+            + pickle.BUILD
+        ),
         "inst": _pickle(pickle.MARK + command + pickle.INST + b"os\nsystem\n"),
         "obj": _pickle(pickle.MARK + _global("os", "system") + command + pickle.OBJ),
-        "newobj": _pickle(_global("types", "SimpleNamespace") + pickle.EMPTY_TUPLE + pickle.NEWOBJ
-                          + pickle.EMPTY_DICT + _str("__setstate__") + _global("os", "system") + pickle.SETITEM
-                          + pickle.BUILD + command + pickle.BUILD),
+        "newobj": _pickle(
+            _global("types", "SimpleNamespace")
+            + pickle.EMPTY_TUPLE
+            + pickle.NEWOBJ
+            + pickle.EMPTY_DICT
+            + _str("__setstate__")
+            + _global("os", "system")
+            + pickle.SETITEM
+            + pickle.BUILD
+            + command
+            + pickle.BUILD
+        ),
     }
 
 
@@ -167,8 +193,18 @@ def _tamper_files(ckpt: Path, kind: str, pay: dict, outside: Path) -> str:
     raise AssertionError(kind)
 
 
-KINDS = ([f"index-{p}" for p in ("dotted-name", "reduce", "build", "inst", "obj", "newobj")]
-         + [f"tensor-item-{p}" for p in ("dotted-name", "reduce", "build", "newobj")]
-         + ["byte-item"] + [f"rank-file-{p}" for p in ("reduce", "build")]
-         + ["extra-pickle-files", "shard-path-escape", "symlink-shard", "symlink-tokenizer", "symlink-rank-file",
-            "fifo", "state-json-unknown-entry"])
+KINDS = (
+    [f"index-{p}" for p in ("dotted-name", "reduce", "build", "inst", "obj", "newobj")]
+    + [f"tensor-item-{p}" for p in ("dotted-name", "reduce", "build", "newobj")]
+    + ["byte-item"]
+    + [f"rank-file-{p}" for p in ("reduce", "build")]
+    + [
+        "extra-pickle-files",
+        "shard-path-escape",
+        "symlink-shard",
+        "symlink-tokenizer",
+        "symlink-rank-file",
+        "fifo",
+        "state-json-unknown-entry",
+    ]
+)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 
 import torch
+from scenarios import VOCAB, reference_mask, train_parallel, train_reference
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
@@ -20,34 +21,73 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-import ndparallel as ndp
-from scenarios import VOCAB, reference_mask, train_parallel, train_reference
-
 AUX_COEF = 0.1
-_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, max_position_embeddings=512,
-               attention_dropout=0.0, tie_word_embeddings=False, output_router_logits=True,
-               router_aux_loss_coef=AUX_COEF)
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    max_position_embeddings=512,
+    attention_dropout=0.0,
+    tie_word_embeddings=False,
+    output_router_logits=True,
+    router_aux_loss_coef=AUX_COEF,
+)
 
 _CONFIGS = {
     # 8 experts, top-2, q/k norms; GQA 8/4 heads.
-    "qwen3_moe": lambda: Qwen3MoeConfig(**_COMMON, num_key_value_heads=4, head_dim=8, intermediate_size=96,
-                                        moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-                                        norm_topk_prob=True),
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **_COMMON,
+        num_key_value_heads=4,
+        head_dim=8,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+    ),
     # 4 experts, top-2, GQA 8/2 heads.
-    "mixtral": lambda: MixtralConfig(**_COMMON, num_key_value_heads=2, intermediate_size=32, num_local_experts=4,
-                                     num_experts_per_tok=2),
+    "mixtral": lambda: MixtralConfig(
+        **_COMMON, num_key_value_heads=2, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2
+    ),
     # attention sinks, alternating sliding-window layers, expert and router biases, clamped SwiGLU.
-    "gpt_oss": lambda: GptOssConfig(**_COMMON, num_key_value_heads=4, head_dim=8, intermediate_size=32,
-                                    num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
+    "gpt_oss": lambda: GptOssConfig(
+        **_COMMON,
+        num_key_value_heads=4,
+        head_dim=8,
+        intermediate_size=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+    ),
     # a gated shared expert beside 8 routed experts.
-    "qwen2_moe": lambda: Qwen2MoeConfig(**_COMMON, num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32,
-                                        shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2),
+    "qwen2_moe": lambda: Qwen2MoeConfig(
+        **_COMMON,
+        num_key_value_heads=4,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_experts=8,
+        num_experts_per_tok=2,
+    ),
     # DeepSeek-V3: latent attention, one dense first layer, shared experts, grouped sigmoid routing (no aux loss).
-    "deepseek_v3": lambda: DeepseekV3Config(**{**_COMMON, "num_attention_heads": 4}, num_key_value_heads=4,
-                                            intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
-                                            num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
-                                            q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-                                            v_head_dim=16, rope_scaling=None),
+    "deepseek_v3": lambda: DeepseekV3Config(
+        **{**_COMMON, "num_attention_heads": 4},
+        num_key_value_heads=4,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        rope_scaling=None,
+    ),
 }
 
 
@@ -64,7 +104,8 @@ def _gpt_oss_masks(mb: dict, window: int) -> dict:
     full = reference_mask(mb)["attention_mask"]
     windowed = reference_mask(mb, window)["attention_mask"]
     to_additive = lambda allowed: torch.zeros(allowed.shape, device=allowed.device).masked_fill(  # noqa: E731
-        ~allowed, torch.finfo(torch.float32).min)
+        ~allowed, torch.finfo(torch.float32).min
+    )
     return {"full_attention": to_additive(full), "sliding_attention": to_additive(windowed)}
 
 
@@ -72,8 +113,11 @@ def _reference_inputs(model, mb: dict) -> tuple[dict, torch.Tensor | None]:
     """Model inputs for one process, and the 2-D padding mask the router loss counts tokens with."""
     padding = mb.get("attention_mask")
     if model.config.model_type == "gpt_oss" and "position_ids" in mb:
-        inputs = {"input_ids": mb["input_ids"], "position_ids": mb["position_ids"],
-                  "attention_mask": _gpt_oss_masks(mb, model.config.sliding_window)}
+        inputs = {
+            "input_ids": mb["input_ids"],
+            "position_ids": mb["position_ids"],
+            "attention_mask": _gpt_oss_masks(mb, model.config.sliding_window),
+        }
         return inputs, padding
     # Qwen2-MoE keeps sliding_window=0 with use_sliding_window=False: no window.
     window = getattr(model.config, "sliding_window", None) or None
@@ -91,8 +135,9 @@ def moe_micro_loss(model, mb: dict, labels: torch.Tensor, num_tokens: int, num_m
     logits = model.lm_head(out.last_hidden_state)
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / num_tokens
     if hasattr(modeling, "load_balancing_loss_func") and cfg.output_router_logits:
-        aux = modeling.load_balancing_loss_func(out.router_logits, model.num_experts, model.num_experts_per_tok,
-                                                padding)
+        aux = modeling.load_balancing_loss_func(
+            out.router_logits, model.num_experts, model.num_experts_per_tok, padding
+        )
         loss = loss + cfg.router_aux_loss_coef * aux / num_micro
     return loss
 

@@ -10,14 +10,13 @@ from __future__ import annotations
 import functools
 
 import torch
+from family_configs import FAMILY_CONFIGS
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 import ndparallel as ndp
 from ndparallel import _compat
 from ndparallel.models.build import attention_for
-
-from family_configs import FAMILY_CONFIGS
 
 VOCAB = 256
 LR = 3e-3
@@ -43,8 +42,16 @@ _CONFIGS = {
 
 
 def model_config(family: str, *, tied: bool = False, **overrides):
-    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-                max_position_embeddings=512, tie_word_embeddings=tied, attention_dropout=0.0)
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        max_position_embeddings=512,
+        tie_word_embeddings=tied,
+        attention_dropout=0.0,
+    )
     return _CONFIGS[family](**{**base, **overrides})
 
 
@@ -56,8 +63,9 @@ def make_model(family: str, *, seed: int = 0, tied: bool = False, dtype=torch.fl
     return model.train()
 
 
-def make_batches(*, steps: int, micro: int, rows: int, seq: int, seed: int = 1, pad: bool = False,
-                 packed: bool = False) -> list[list[dict]]:
+def make_batches(
+    *, steps: int, micro: int, rows: int, seq: int, seed: int = 1, pad: bool = False, packed: bool = False
+) -> list[list[dict]]:
     """``steps`` x ``micro`` global micro-batches of ``rows`` x ``seq`` tokens.
 
     pad: rows end in right-padding of uneven lengths (so ranks hold uneven numbers of tokens);
@@ -115,8 +123,9 @@ def reference_mask(mb: dict, window: int | None = None) -> dict:
     return inputs
 
 
-def plain_targets(labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                  position_ids: torch.Tensor | None = None) -> torch.Tensor:
+def plain_targets(
+    labels: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """Each token's target is the next token's label (-100: none): none at a row's end, before a packed
     document's start (the next position id is 0) or at padding. Plain torch, not ndparallel's."""
     if attention_mask is not None:
@@ -139,9 +148,16 @@ def peft_lora(model, spec):
 
     from ndparallel.lora import init_lora_tensor
 
-    peft_model = get_peft_model(model, LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
-                                                  target_modules=spec.target_modules or "all-linear",
-                                                  modules_to_save=spec.modules_to_save or None))
+    peft_model = get_peft_model(
+        model,
+        LoraConfig(
+            r=spec.r,
+            lora_alpha=spec.alpha,
+            lora_dropout=spec.dropout,
+            target_modules=spec.target_modules or "all-linear",
+            modules_to_save=spec.modules_to_save or None,
+        ),
+    )
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if ".lora_" in name:
@@ -164,8 +180,9 @@ def train_reference_peft(model, batches, lora, *, max_norm: float = 1.0) -> dict
     return result
 
 
-def _dense_micro_loss(model, mb: dict, labels: torch.Tensor, num_tokens: int, num_micro: int, *,
-                      transformers_masks: bool = False) -> torch.Tensor:
+def _dense_micro_loss(
+    model, mb: dict, labels: torch.Tensor, num_tokens: int, num_micro: int, *, transformers_masks: bool = False
+) -> torch.Tensor:
     if transformers_masks:  # use_cache=False: transformers looks for packed documents only without a KV cache
         inputs = {"use_cache": False, **{k: mb[k] for k in ("input_ids", "position_ids") if k in mb}}
     else:
@@ -175,8 +192,16 @@ def _dense_micro_loss(model, mb: dict, labels: torch.Tensor, num_tokens: int, nu
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / num_tokens
 
 
-def train_reference(model, batches, *, max_norm: float = 1.0, lora=None, micro_loss=None,
-                    transformers_masks: bool = False, eps: float = EPS) -> dict:
+def train_reference(
+    model,
+    batches,
+    *,
+    max_norm: float = 1.0,
+    lora=None,
+    micro_loss=None,
+    transformers_masks: bool = False,
+    eps: float = EPS,
+) -> dict:
     """Plain PyTorch, one process: the numbers every layout must reproduce. ``lora``: adapters added by
     ndparallel's attach_lora (``train_reference_peft`` adds them with peft).
 
@@ -193,8 +218,12 @@ def train_reference(model, batches, *, max_norm: float = 1.0, lora=None, micro_l
     trainable = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in trainable if p.dim() >= 2]
     no_decay = [p for p in trainable if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=LR, betas=(0.9, 0.95), eps=eps)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=LR,
+        betas=(0.9, 0.95),
+        eps=eps,
+    )
     losses, norms = [], []
     for step in batches:
         labels = [_labels(mb) for mb in step]
@@ -208,7 +237,11 @@ def train_reference(model, batches, *, max_norm: float = 1.0, lora=None, micro_l
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    return {"losses": losses, "grad_norms": norms, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {
+        "losses": losses,
+        "grad_norms": norms,
+        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    }
 
 
 def _clip_in_float64(params, max_norm: float) -> float:
@@ -224,9 +257,19 @@ def _clip_in_float64(params, max_norm: float) -> float:
     return norm
 
 
-def train_parallel(family: str, layout: dict, batches, *, model_kwargs: dict | None = None, options: dict | None = None,
-                   max_norm: float = 1.0, lora=None, gradient_sync: str = "every_micro_batch", build=None,
-                   eps: float = EPS) -> dict:
+def train_parallel(
+    family: str,
+    layout: dict,
+    batches,
+    *,
+    model_kwargs: dict | None = None,
+    options: dict | None = None,
+    max_norm: float = 1.0,
+    lora=None,
+    gradient_sync: str = "every_micro_batch",
+    build=None,
+    eps: float = EPS,
+) -> dict:
     """The same run through ndparallel on this rank's part of ``layout``. Rank 0 returns the full weights.
 
     ``gradient_sync``: when FSDP reduces the gradients of accumulated micro-batches (``set_gradient_sync``).
@@ -246,8 +289,9 @@ def train_parallel(family: str, layout: dict, batches, *, model_kwargs: dict | N
             ndp.set_gradient_sync(model, i == len(prepared) - 1, mode=gradient_sync)
             out = model(**batch.model_inputs())
             loss = ndp.token_loss(out.logits, batch.labels, num_tokens=n, topology=topo)
-            loss = loss + ndp.router_aux_loss(out, batch, config=model.config, topology=topo,
-                                              num_micro_batches=len(prepared))
+            loss = loss + ndp.router_aux_loss(
+                out, batch, config=model.config, topology=topo, num_micro_batches=len(prepared)
+            )
             loss.backward()
             total += loss.detach()
         norms.append(float(ndp.clip_grad_norm_(trainable, max_norm)))

@@ -7,12 +7,13 @@ import random
 from pathlib import Path
 
 import torch
+from harness import run_ranks
 from torch.distributed.tensor import DTensor
 
-from harness import run_ranks
-
-WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
-         "upsilon phi chi psi omega parallel shard tensor context ring gather token loss").split()
+WORDS = (
+    "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
+    "upsilon phi chi psi omega parallel shard tensor context ring gather token loss"
+).split()
 
 
 def write_corpus(directory: Path, *, docs: int = 60, seed: int = 0) -> Path:
@@ -71,8 +72,15 @@ def run_train(world: int, config: dict, **kwargs) -> list[dict]:
 def layout_config(config: dict, *, r=1, s=1, c=1, t=1, method="allgather") -> dict:
     """``config`` on layout (r, s, c, t), with micro_batch_size keeping the same global batch."""
     global_rows = config["micro_batch_size"] * config.get("dp_replicate_size", 1) * _shard(config)
-    return {**config, "dp_replicate_size": r, "dp_shard_size": s, "context_parallel_size": c,
-            "tensor_parallel_size": t, "cp_comm_strategy": method, "micro_batch_size": global_rows // (r * s)}
+    return {
+        **config,
+        "dp_replicate_size": r,
+        "dp_shard_size": s,
+        "context_parallel_size": c,
+        "tensor_parallel_size": t,
+        "cp_comm_strategy": method,
+        "micro_batch_size": global_rows // (r * s),
+    }
 
 
 def _shard(config: dict) -> int:
@@ -113,29 +121,41 @@ def plain_reference(config: dict) -> dict:
     Returns per-step losses and gradient norms (before clipping)."""
     import math
 
+    from scenarios import peft_lora, plain_targets, reference_mask
     from transformers import AutoModelForCausalLM
 
     from ndparallel.config import parse_config
     from ndparallel.data import DataOrder, build_rows_distributed, load_tokenizer
     from ndparallel.lora import LoraSpec
     from ndparallel.run_inputs import dataset_specs
-    from scenarios import peft_lora, plain_targets, reference_mask
 
     cfg = parse_config(config)
     tokenizer = load_tokenizer(cfg.tokenizer_config or cfg.base_model)
-    rows, _ = build_rows_distributed(dataset_specs(cfg, template=tokenizer.chat_template), tokenizer, is_main=True,
-                                     barrier=lambda: None, seq_len=cfg.sequence_len, packing=cfg.sample_packing,
-                                     cache_dir=cfg.dataset_prepared_path, long_rows=cfg.long_rows_policy,
-                                     seed=cfg.seed)
-    batches = iter(DataOrder(len(rows), rows_per_rank=cfg.micro_batch_size, batch_rank=0, batch_ranks=1,
-                             seed=cfg.seed))
+    rows, _ = build_rows_distributed(
+        dataset_specs(cfg, template=tokenizer.chat_template),
+        tokenizer,
+        is_main=True,
+        barrier=lambda: None,
+        seq_len=cfg.sequence_len,
+        packing=cfg.sample_packing,
+        cache_dir=cfg.dataset_prepared_path,
+        long_rows=cfg.long_rows_policy,
+        seed=cfg.seed,
+    )
+    batches = iter(DataOrder(len(rows), rows_per_rank=cfg.micro_batch_size, batch_rank=0, batch_ranks=1, seed=cfg.seed))
     model = AutoModelForCausalLM.from_pretrained(cfg.base_model, attn_implementation="sdpa", dtype=torch.float32)
     if cfg.adapter == "lora":
         model = peft_lora(model, LoraSpec.from_config(cfg))
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW([{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-                             {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in trainable if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+            {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=cfg.learning_rate,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_epsilon,
+    )
     total = cfg.max_steps
     # warm-up steps as given, else Axolotl's default: 3% of the steps, at most 100
     warmup = int(cfg.warmup_steps) if cfg.warmup_steps is not None else min(int(0.03 * total), 100)

@@ -14,6 +14,7 @@ Library use (the loop you would write, done right)::
 """
 
 from ndparallel.batching import IGNORE_INDEX, Batch, prepare_batch, shift_labels
+from ndparallel.checkpoint import Checkpointer, ModelState, OptimizerState
 from ndparallel.errors import (
     CheckpointError,
     ConfigError,
@@ -23,12 +24,11 @@ from ndparallel.errors import (
     NdParallelError,
     NumericsError,
 )
-from ndparallel.checkpoint import Checkpointer, ModelState, OptimizerState
 from ndparallel.layout import Layout
 from ndparallel.lora import LoraSpec
 from ndparallel.parallel.cp_layout import cp_gather, cp_shard
-from ndparallel.parallelism_config import ParallelismConfig, TorchContextParallelConfig, TorchTensorParallelConfig
 from ndparallel.parallel.float8 import Fp8Spec
+from ndparallel.parallelism_config import ParallelismConfig, TorchContextParallelConfig, TorchTensorParallelConfig
 from ndparallel.parallelize import ParallelOptions, parallelize
 from ndparallel.pretrained import load_pretrained, save_pretrained
 from ndparallel.router_loss import router_aux_loss
@@ -46,9 +46,40 @@ from ndparallel.topology import Topology, init_distributed
 __version__ = "0.1.0"
 
 __all__ = [
-    "IGNORE_INDEX", "Batch", "prepare_batch", "shift_labels",
-    "CheckpointError", "ConfigError", "DataError", "LayoutError", "ModelError", "NdParallelError", "NumericsError",
-    "Layout", "LoraSpec", "ParallelismConfig", "TorchContextParallelConfig", "TorchTensorParallelConfig", "cp_gather", "cp_shard", "ParallelOptions", "parallelize", "load_pretrained", "save_pretrained", "Fp8Spec", "router_aux_loss",
-    "build_optimizer", "clip_grad_norm_", "count_tokens", "gather_logits", "reduce_loss", "set_gradient_sync", "token_loss",
-    "Topology", "init_distributed", "Checkpointer", "ModelState", "OptimizerState",
+    "IGNORE_INDEX",
+    "Batch",
+    "prepare_batch",
+    "shift_labels",
+    "CheckpointError",
+    "ConfigError",
+    "DataError",
+    "LayoutError",
+    "ModelError",
+    "NdParallelError",
+    "NumericsError",
+    "Layout",
+    "LoraSpec",
+    "ParallelismConfig",
+    "TorchContextParallelConfig",
+    "TorchTensorParallelConfig",
+    "cp_gather",
+    "cp_shard",
+    "ParallelOptions",
+    "parallelize",
+    "load_pretrained",
+    "save_pretrained",
+    "Fp8Spec",
+    "router_aux_loss",
+    "build_optimizer",
+    "clip_grad_norm_",
+    "count_tokens",
+    "gather_logits",
+    "reduce_loss",
+    "set_gradient_sync",
+    "token_loss",
+    "Topology",
+    "init_distributed",
+    "Checkpointer",
+    "ModelState",
+    "OptimizerState",
 ]

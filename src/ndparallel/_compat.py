@@ -16,8 +16,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 # Observing every aten op (the planner's memory measurement, tests/planner_memory/measure.py): a dispatch
 # mode, and the tensors inside an op's nested outputs. No public equivalent in torch 2.11-2.13.
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 aten = torch.ops.aten
 
@@ -118,13 +116,15 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> 
 
 # The fused attention kernels whose outputs selective activation checkpointing keeps (they are expensive
 # to recompute): aten's private SDPA ops.
-SDPA_KERNEL_OPS = frozenset({
-    aten._scaled_dot_product_flash_attention.default,
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_cudnn_attention.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-    aten._flash_attention_forward.default,  # the variable-length calls of packed rows and CP (cp_attention.py)
-})
+SDPA_KERNEL_OPS = frozenset(
+    {
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_cudnn_attention.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._flash_attention_forward.default,  # the variable-length calls of packed rows and CP (cp_attention.py)
+    }
+)
 
 
 @contextlib.contextmanager
@@ -164,9 +164,9 @@ def scale_tensors_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
         torch._foreach_mul_(tensors, factor.to(tensors[0].device))
 
 
-
-def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-              out_dtype: torch.dtype) -> torch.Tensor:
+def scaled_mm(
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
     """A float8 matrix product with per-tensor scales (what torchao's float8 linears run); the planner's
     ``--measure`` times it. ``b`` column-major, as cuBLASLt wants."""
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
@@ -262,14 +262,37 @@ def attention_backward(
         rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
         unused = torch.zeros((), dtype=torch.uint64, device=q.device)
         return aten._scaled_dot_product_flash_attention_backward(
-            grad_out, q, k, v, out, lse, None, None, seqlen_q, seqlen_k, 0.0, is_causal,
-            rng_state, unused, scale=scale,
+            grad_out,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            None,
+            None,
+            seqlen_q,
+            seqlen_k,
+            0.0,
+            is_causal,
+            rng_state,
+            unused,
+            scale=scale,
         )
     if q.is_cuda:
         full_bias = _expand_bias(bias, q, k)
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            grad_out, q, k, v, full_bias, out, _pad_lse(lse), torch.empty((), dtype=torch.long, device=q.device),
-            torch.empty((), dtype=torch.long, device=q.device), 0.0, [True, True, True, False], is_causal,
+            grad_out,
+            q,
+            k,
+            v,
+            full_bias,
+            out,
+            _pad_lse(lse),
+            torch.empty((), dtype=torch.long, device=q.device),
+            torch.empty((), dtype=torch.long, device=q.device),
+            0.0,
+            [True, True, True, False],
+            is_causal,
             scale=scale,
         )
         return dq, dk, dv
@@ -292,27 +315,56 @@ def _flash_max_k(max_q: int, max_k: int, causal: bool) -> int:
     return max_k if causal else max(max_k, max_q)
 
 
-def varlen_attention_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool, window_left: int,
-                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def varlen_attention_forward(
+    q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool, window_left: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention over packed sequences: q (Tq, H, D), k/v (Tk, Hkv, D) with grouped heads as they are;
     ``cu_q``/``cu_k`` int32 cumulative lengths; causal is aligned bottom-right; ``window_left`` -1 for none.
     Returns out (Tq, H, D) and lse (H, Tq) float32. ``torch.nn.attention.varlen.varlen_attn`` is the public
     form of this kernel, but its backward cannot take the merged output and lse of several calls."""
     out, lse, *_ = aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, max_q, _flash_max_k(max_q, max_k, causal), 0.0, causal, False, scale=scale,
-        window_size_left=window_left, window_size_right=_window_right(causal))
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        max_q,
+        _flash_max_k(max_q, max_k, causal),
+        0.0,
+        causal,
+        False,
+        scale=scale,
+        window_size_left=window_left,
+        window_size_right=_window_right(causal),
+    )
     return out, lse
 
 
-def varlen_attention_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool,
-                              window_left: int, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def varlen_attention_backward(
+    grad_out, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool, window_left: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``varlen_attention_forward`` given the MERGED ``out`` and ``lse`` (H, Tq) of the rows."""
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: never read
     unused = torch.empty(0, device=q.device)
     return aten._flash_attention_backward(
-        grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, _flash_max_k(max_q, max_k, causal), 0.0, causal, rng_state,
-        unused, scale=scale,
-        window_size_left=window_left, window_size_right=_window_right(causal))
+        grad_out,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_q,
+        cu_k,
+        max_q,
+        _flash_max_k(max_q, max_k, causal),
+        0.0,
+        causal,
+        rng_state,
+        unused,
+        scale=scale,
+        window_size_left=window_left,
+        window_size_right=_window_right(causal),
+    )
 
 
 def _expand_bias(bias: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
@@ -355,8 +407,16 @@ def dcp_index_globals() -> dict[tuple[str, str], object]:
 
     table: dict[tuple[str, str], object] = {
         ("torch.distributed.checkpoint.metadata", name): getattr(metadata, name)
-        for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                     "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+        for name in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
     }
     table[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
     table[("torch.serialization", "_get_layout")] = torch.serialization._get_layout

@@ -25,13 +25,33 @@ from ndparallel.errors import ConfigError
 from ndparallel.parallelism_config import ENV_PREFIX, ParallelismConfig, env_size
 
 # Sizes: Accelerate's name -> the training config's field (and the alias our YAML also accepts).
-SIZE_FIELDS = {"dp_replicate_size": ("dp_replicate_size",), "dp_shard_size": ("dp_shard_size",),
-               "tp_size": ("tensor_parallel_size", "tp_size"), "cp_size": ("context_parallel_size", "cp_size")}
+SIZE_FIELDS = {
+    "dp_replicate_size": ("dp_replicate_size",),
+    "dp_shard_size": ("dp_shard_size",),
+    "tp_size": ("tensor_parallel_size", "tp_size"),
+    "cp_size": ("context_parallel_size", "cp_size"),
+}
 
 # Top-level keys of an Accelerate cluster config that only concern its own launcher or other hardware.
-_LAUNCHER_ONLY = {"compute_environment", "debug", "downcast_bf16", "enable_cpu_affinity", "gpu_ids",
-                  "main_training_function", "rdzv_backend", "same_network", "tpu_name", "tpu_zone", "tpu_use_cluster",
-                  "tpu_use_sudo", "command_file", "commands", "tpu_vm", "tpu_env", "mpirun_config"}
+_LAUNCHER_ONLY = {
+    "compute_environment",
+    "debug",
+    "downcast_bf16",
+    "enable_cpu_affinity",
+    "gpu_ids",
+    "main_training_function",
+    "rdzv_backend",
+    "same_network",
+    "tpu_name",
+    "tpu_zone",
+    "tpu_use_cluster",
+    "tpu_use_sudo",
+    "command_file",
+    "commands",
+    "tpu_vm",
+    "tpu_env",
+    "mpirun_config",
+}
 # Blocks that, when not empty, ask for something ndparallel does not run.
 _REFUSED_BLOCKS = {"deepspeed_config": "DeepSpeed", "megatron_lm_config": "Megatron-LM", "fp8_config": "FP8 training"}
 _DISTRIBUTED_TYPES = {"NO", "MULTI_CPU", "MULTI_GPU", "FSDP"}
@@ -46,8 +66,15 @@ _FSDP_NOT_USED = {
     "min_num_params": "only used by SIZE_BASED_WRAP",
 }
 _FSDP_SILENT = {"cpu_ram_efficient_loading", "sync_module_states"}  # each rank always reads only its slices
-_RESHARD = {"true": True, "false": False, "full_shard": True, "hybrid_shard": True, "shard_grad_op": False,
-            "no_reshard": False, "_hybrid_shard_zero2": False}
+_RESHARD = {
+    "true": True,
+    "false": False,
+    "full_shard": True,
+    "hybrid_shard": True,
+    "shard_grad_op": False,
+    "no_reshard": False,
+    "_hybrid_shard_zero2": False,
+}
 
 
 @dataclass
@@ -66,8 +93,10 @@ def read_file(path: str | Path) -> dict:
     """An Accelerate config file (YAML or JSON) as a mapping."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"--accelerate-config {str(path)!r} does not exist; give the file `accelerate config` wrote "
-                          f"(e.g. ~/.cache/huggingface/accelerate/default_config.yaml)")
+        raise ConfigError(
+            f"--accelerate-config {str(path)!r} does not exist; give the file `accelerate config` wrote "
+            f"(e.g. ~/.cache/huggingface/accelerate/default_config.yaml)"
+        )
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
@@ -85,13 +114,16 @@ def translate(accelerate: dict) -> AccelerateSettings:
             continue
         if key in _REFUSED_BLOCKS:
             if value:
-                raise ConfigError(f"{key}: {_REFUSED_BLOCKS[key]} is not supported by ndparallel; remove the block "
-                                  f"(FSDP2, TP and CP are set with fsdp_config and parallelism_config)")
+                raise ConfigError(
+                    f"{key}: {_REFUSED_BLOCKS[key]} is not supported by ndparallel; remove the block "
+                    f"(FSDP2, TP and CP are set with fsdp_config and parallelism_config)"
+                )
         elif key in _TRANSLATORS:
             _TRANSLATORS[key](value, out)
         else:
-            raise ConfigError(f"{key!r} is not a setting of an Accelerate config; remove it (Accelerate itself "
-                              f"refuses unknown keys)")
+            raise ConfigError(
+                f"{key!r} is not a setting of an Accelerate config; remove it (Accelerate itself refuses unknown keys)"
+            )
     _launch_settings(accelerate, out)
     return out
 
@@ -103,15 +135,19 @@ def _mixed_precision(value: Any, out: AccelerateSettings) -> None:
     elif value == "bf16":
         out.fields["bf16"] = True
     else:
-        raise ConfigError(f"mixed_precision: {value} is not supported; use bf16 (bf16 compute, fp32 master weights and "
-                          f"fp32 gradient reduction) or no")
+        raise ConfigError(
+            f"mixed_precision: {value} is not supported; use bf16 (bf16 compute, fp32 master weights and "
+            f"fp32 gradient reduction) or no"
+        )
 
 
 def _distributed_type(value: Any, out: AccelerateSettings) -> None:
     kind = str(value).upper()
     if kind not in _DISTRIBUTED_TYPES:
-        raise ConfigError(f"distributed_type: {value} is not supported; use FSDP (FSDP2 with parallelism_config for "
-                          f"TP/CP), MULTI_GPU or MULTI_CPU (plain data parallelism)")
+        raise ConfigError(
+            f"distributed_type: {value} is not supported; use FSDP (FSDP2 with parallelism_config for "
+            f"TP/CP), MULTI_GPU or MULTI_CPU (plain data parallelism)"
+        )
     if kind in ("MULTI_GPU", "MULTI_CPU"):  # DDP: replicas, no sharding
         out.fields.setdefault("dp_shard_size", 1)
 
@@ -126,14 +162,29 @@ def _parallelism(block: dict, out: AccelerateSettings) -> None:
     arguments = {}
     for key, value in block.items():
         name = key.removeprefix("parallelism_config_")
-        if name not in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "cp_backend", "cp_comm_strategy",
-                        "sp_size", "sp_backend", "sp_seq_length", "sp_seq_length_is_variable",
-                        "sp_attn_implementation"):
-            raise ConfigError(f"parallelism_config: {key!r} is not a setting; valid: parallelism_config_"
-                              f"{{dp_replicate_size, dp_shard_size, tp_size, cp_size, cp_comm_strategy, ...}}")
+        if name not in (
+            "dp_replicate_size",
+            "dp_shard_size",
+            "tp_size",
+            "cp_size",
+            "cp_backend",
+            "cp_comm_strategy",
+            "sp_size",
+            "sp_backend",
+            "sp_seq_length",
+            "sp_seq_length_is_variable",
+            "sp_attn_implementation",
+        ):
+            raise ConfigError(
+                f"parallelism_config: {key!r} is not a setting; valid: parallelism_config_"
+                f"{{dp_replicate_size, dp_shard_size, tp_size, cp_size, cp_comm_strategy, ...}}"
+            )
         arguments[name] = value
-    sp_only = {k: arguments.pop(k) for k in ("sp_seq_length", "sp_seq_length_is_variable", "sp_attn_implementation")
-               if k in arguments}
+    sp_only = {
+        k: arguments.pop(k)
+        for k in ("sp_seq_length", "sp_seq_length_is_variable", "sp_attn_implementation")
+        if k in arguments
+    }
     cp = arguments.get("cp_size")
     if cp is None or (isinstance(cp, int) and cp <= 1):
         arguments.pop("cp_comm_strategy", None)  # accelerate launch exports it only when cp is on
@@ -166,13 +217,17 @@ def _fsdp(block: dict, out: AccelerateSettings) -> None:
         elif name == "auto_wrap_policy":
             wrap = {"transformer_based_wrap": "block", "no_wrap": "model"}.get(text)
             if wrap is None:
-                raise ConfigError(f"{key}: {value} is not supported; use TRANSFORMER_BASED_WRAP (each decoder layer) or "
-                                  f"NO_WRAP (the whole model), or set fsdp_wrap to a number of layers")
+                raise ConfigError(
+                    f"{key}: {value} is not supported; use TRANSFORMER_BASED_WRAP (each decoder layer) or "
+                    f"NO_WRAP (the whole model), or set fsdp_wrap to a number of layers"
+                )
             out.fields["fsdp_wrap"] = wrap
         elif name == "state_dict_type":
             if text != "sharded_state_dict":
-                out.not_used.append(f"{key}: {value} (checkpoints are always sharded; `ndparallel export` or "
-                                    f"export_hf: true writes the full model)")
+                out.not_used.append(
+                    f"{key}: {value} (checkpoints are always sharded; `ndparallel export` or "
+                    f"export_hf: true writes the full model)"
+                )
         elif name in _FSDP_NOT_USED:
             out.not_used.append(f"{key} ({_FSDP_NOT_USED[name]})")
         elif name not in _FSDP_SILENT:
@@ -181,8 +236,10 @@ def _fsdp(block: dict, out: AccelerateSettings) -> None:
 
 def _reshard(key: str, text: str, out: AccelerateSettings) -> None:
     if text == "no_shard":
-        raise ConfigError(f"{key}: NO_SHARD means no sharding; use distributed_type: MULTI_GPU, or dp_shard_size: 1 "
-                          f"with dp_replicate_size")
+        raise ConfigError(
+            f"{key}: NO_SHARD means no sharding; use distributed_type: MULTI_GPU, or dp_shard_size: 1 "
+            f"with dp_replicate_size"
+        )
     if text not in _RESHARD:
         raise ConfigError(f"{key}: {text} is not a choice; use true/false (FSDP2) or FULL_SHARD/SHARD_GRAD_OP")
     if text == "hybrid_shard":
@@ -195,10 +252,15 @@ def _dynamo(block: dict, out: AccelerateSettings) -> None:
     if backend == "inductor":
         out.fields["torch_compile"] = True
     elif backend != "no":
-        raise ConfigError(f"dynamo_config.dynamo_backend: {block['dynamo_backend']} is not supported; use INDUCTOR "
-                          f"(each decoder layer is compiled) or NO")
-    out.not_used += [f"dynamo_config.{k} (layers are compiled one by one, as with regional compilation)"
-                     for k in block if k != "dynamo_backend"]
+        raise ConfigError(
+            f"dynamo_config.dynamo_backend: {block['dynamo_backend']} is not supported; use INDUCTOR "
+            f"(each decoder layer is compiled) or NO"
+        )
+    out.not_used += [
+        f"dynamo_config.{k} (layers are compiled one by one, as with regional compilation)"
+        for k in block
+        if k != "dynamo_backend"
+    ]
 
 
 def _bool(key: str, value: Any) -> bool:
@@ -240,7 +302,9 @@ def _launch_settings(accelerate: dict, out: AccelerateSettings) -> None:
     if machines > 1:
         out.launch.update(nnodes=machines, node_rank=_count(accelerate, "machine_rank", 0))
         if accelerate.get("main_process_ip"):
-            out.launch["rdzv_endpoint"] = f"{accelerate['main_process_ip']}:{accelerate.get('main_process_port', 29500)}"
+            out.launch["rdzv_endpoint"] = (
+                f"{accelerate['main_process_ip']}:{accelerate.get('main_process_port', 29500)}"
+            )
 
 
 # Keys of our YAML that are Accelerate blocks.
@@ -249,8 +313,9 @@ def _launch_settings(accelerate: dict, out: AccelerateSettings) -> None:
 YAML_BLOCKS = ("parallelism_config", "mixed_precision")
 
 
-def merge(raw: dict, accelerate_file: str | Path | None = None, *,
-          environ: dict[str, str] | None = None) -> tuple[dict, AccelerateSettings]:
+def merge(
+    raw: dict, accelerate_file: str | Path | None = None, *, environ: dict[str, str] | None = None
+) -> tuple[dict, AccelerateSettings]:
     """The training config ``raw`` with the Accelerate settings and ``PARALLELISM_CONFIG_*`` sizes merged in."""
     raw = dict(raw)
     blocks = {key: raw.pop(key) for key in YAML_BLOCKS if key in raw}
@@ -259,15 +324,18 @@ def merge(raw: dict, accelerate_file: str | Path | None = None, *,
         from_file = translate(read_file(accelerate_file))
         for name, value in from_file.fields.items():
             if name in settings.fields and settings.fields[name] != value:
-                raise ConfigError(f"{name}: the YAML's Accelerate blocks say {settings.fields[name]!r} but "
-                                  f"--accelerate-config says {value!r}; keep one")
+                raise ConfigError(
+                    f"{name}: the YAML's Accelerate blocks say {settings.fields[name]!r} but "
+                    f"--accelerate-config says {value!r}; keep one"
+                )
         settings.fields.update(from_file.fields)
         settings.launch, settings.not_used = from_file.launch, settings.not_used + from_file.not_used
     for name, value in settings.fields.items():
         ours = [alias for alias in _aliases(name) if alias in raw]
         if ours and raw[ours[0]] != value:
-            raise ConfigError(f"{ours[0]}: the YAML says {raw[ours[0]]!r} but the Accelerate config says {value!r}; "
-                              f"keep one")
+            raise ConfigError(
+                f"{ours[0]}: the YAML says {raw[ours[0]]!r} but the Accelerate config says {value!r}; keep one"
+            )
         if not ours:
             raw[name] = value
     _sizes_from_environment(raw, environ)
@@ -292,4 +360,3 @@ def _sizes_from_environment(raw: dict, environ: dict[str, str] | None) -> None:
     strategy = (os.environ if environ is None else environ).get(ENV_PREFIX + "CP_COMM_STRATEGY")
     if "cp_comm_strategy" not in raw and strategy and isinstance(cp, int) and cp > 1:
         raw["cp_comm_strategy"] = strategy
-

@@ -19,11 +19,10 @@ from typing import Any
 import torch
 
 from ndparallel.errors import ConfigError
+from ndparallel.loss import IGNORE_INDEX
 from ndparallel.parallel.context import SEGMENTS_HOST_KWARG, SINGLE_KWARG
 from ndparallel.parallel.cp_layout import cp_shard, segment_ids_from, single_segment
 from ndparallel.topology import Topology
-
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -103,7 +102,9 @@ def prepare_batch(
         labels = labels.masked_fill(padding, IGNORE_INDEX)
     if position_ids is None:
         seq = torch.arange(input_ids.shape[1], device=input_ids.device)
-        position_ids = seq.expand_as(input_ids) if padding is None else (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        position_ids = (
+            seq.expand_as(input_ids) if padding is None else (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        )
     targets = shift_labels(labels, position_ids)
     segments = segment_ids_from(position_ids, padding)
 

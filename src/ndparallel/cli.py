@@ -110,7 +110,9 @@ def _train_worker(cfg) -> int:
         except OSError:
             where = ""
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        print(f"ndparallel: rank {rank} failed: {type(exc).__name__}: {first[:300]}{where}", file=sys.stderr, flush=True)
+        print(
+            f"ndparallel: rank {rank} failed: {type(exc).__name__}: {first[:300]}{where}", file=sys.stderr, flush=True
+        )
         return 1
     finally:
         import torch.distributed as dist
@@ -134,7 +136,9 @@ def _nproc(cfg, args) -> int:
     elif cfg.dp_replicate_size is None and gpus > world and gpus % world == 0:
         world = gpus  # Axolotl's rule: replicas fill the GPUs that fixed sizes leave
     if world % args.nnodes:
-        raise NdParallelError(f"the layout needs {world} processes, which do not split evenly over --nnodes {args.nnodes}")
+        raise NdParallelError(
+            f"the layout needs {world} processes, which do not split evenly over --nnodes {args.nnodes}"
+        )
     return world // args.nnodes
 
 
@@ -150,8 +154,13 @@ def _launch(cfg, args) -> int:
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="ndparallel-", delete=False) as f:
         yaml.safe_dump(cfg.model_dump(mode="json", by_alias=False), f, sort_keys=False)
         resolved = f.name
-    launcher = [f"--nproc-per-node={nproc}", f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}",
-                "--max-restarts=0", "--monitor-interval=0.5"]
+    launcher = [
+        f"--nproc-per-node={nproc}",
+        f"--nnodes={args.nnodes}",
+        f"--node-rank={args.node_rank}",
+        "--max-restarts=0",
+        "--monitor-interval=0.5",
+    ]
     if args.nnodes > 1 or args.rdzv_endpoint:
         if not args.rdzv_endpoint:
             _print_error("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the address of node 0)")
@@ -249,8 +258,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--nnodes", type=int, help="number of nodes (default 1, or num_machines of --accelerate-config)")
     train.add_argument("--node-rank", type=int)
     train.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0, for several nodes")
-    train.add_argument("--accelerate-config", metavar="FILE",
-                       help="an `accelerate config` file: sizes, CP method, FSDP options, mixed precision, processes")
+    train.add_argument(
+        "--accelerate-config",
+        metavar="FILE",
+        help="an `accelerate config` file: sizes, CP method, FSDP options, mixed precision, processes",
+    )
     train.set_defaults(func=cmd_train)
 
     val = sub.add_parser("validate", help="check a config and print the layout, without starting processes")
@@ -258,8 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     val.add_argument("--world-size", type=int, help="number of processes to plan for (default: from the layout)")
     val.add_argument("--help-fields", action="store_true", help="list every setting with its meaning")
-    val.add_argument("--accelerate-config", metavar="FILE",
-                     help="an `accelerate config` file: sizes, CP method, FSDP options, mixed precision, processes")
+    val.add_argument(
+        "--accelerate-config",
+        metavar="FILE",
+        help="an `accelerate config` file: sizes, CP method, FSDP options, mixed precision, processes",
+    )
     val.set_defaults(func=cmd_validate)
 
     exp = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint (one process)")
@@ -273,8 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     try:
         from ndparallel.planner import add_plan_arguments, run_plan
     except ImportError as exc:  # the other commands still work; `plan` says why it cannot
-        plan.set_defaults(func=lambda _args, why=f"{type(exc).__name__}: {exc}": _plan_unavailable(why),
-                          any_arguments=True)
+        plan.set_defaults(
+            func=lambda _args, why=f"{type(exc).__name__}: {exc}": _plan_unavailable(why), any_arguments=True
+        )
     else:
         add_plan_arguments(plan)
         plan.set_defaults(func=run_plan)
@@ -282,8 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _plan_unavailable(why: str) -> int:
-    _print_error(f"`ndparallel plan` is unavailable: importing ndparallel.planner failed ({why}); "
-                 f"reinstall ndparallel or report this as a bug")
+    _print_error(
+        f"`ndparallel plan` is unavailable: importing ndparallel.planner failed ({why}); "
+        f"reinstall ndparallel or report this as a bug"
+    )
     return 1
 
 

@@ -7,7 +7,6 @@ that suggest the nearest valid name; wrong types and ranges name the field. ``tp
 
 from __future__ import annotations
 
-import difflib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +16,8 @@ import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ndparallel.errors import ConfigError
-from ndparallel.parallelism_config import ParallelismConfig
 from ndparallel.from_axolotl import not_used_line, read_axolotl
+from ndparallel.parallelism_config import ParallelismConfig
 
 
 class DatasetConfig(BaseModel):
@@ -356,8 +355,10 @@ class TrainConfig(BaseModel):
     @classmethod
     def _adapter(cls, value):
         if value == "qlora":
-            raise ValueError("qlora (LoRA on 4-bit quantized base weights) is not supported: use adapter: lora "
-                             "(bf16 base weights, sharded by FSDP)")
+            raise ValueError(
+                "qlora (LoRA on 4-bit quantized base weights) is not supported: use adapter: lora "
+                "(bf16 base weights, sharded by FSDP)"
+            )
         if value not in (None, "lora"):
             raise ValueError(f"{value!r} is not supported: use lora, or leave it unset for a full fine-tune")
         return value
@@ -401,13 +402,20 @@ class TrainConfig(BaseModel):
             yield "no model: set base_model (a HF directory or hub id) or model_shape (tiny, 1b, 3b, 8b)"
         if self.base_model is not None and self.model_shape is not None:
             yield "base_model and model_shape are both set: keep one (model_shape means random init)"
-        if self.adapter == "lora" and not (self.lora_target_modules or self.lora_target_linear
-                                           or self.lora_target_parameters):
-            yield ("adapter: lora needs lora_target_modules (e.g. [q_proj, v_proj]), lora_target_linear: true or "
-                   "lora_target_parameters (MoE expert weights)")
-        if self.adapter is None and (self.lora_target_modules or self.lora_target_linear or self.lora_target_parameters):
-            yield ("lora_target_modules / lora_target_linear / lora_target_parameters are set but adapter is not: add "
-                   "adapter: lora")
+        if self.adapter == "lora" and not (
+            self.lora_target_modules or self.lora_target_linear or self.lora_target_parameters
+        ):
+            yield (
+                "adapter: lora needs lora_target_modules (e.g. [q_proj, v_proj]), lora_target_linear: true or "
+                "lora_target_parameters (MoE expert weights)"
+            )
+        if self.adapter is None and (
+            self.lora_target_modules or self.lora_target_linear or self.lora_target_parameters
+        ):
+            yield (
+                "lora_target_modules / lora_target_linear / lora_target_parameters are set but adapter is not: add "
+                "adapter: lora"
+            )
         if not self.datasets and not self.pretraining_dataset:
             yield "datasets is empty: add at least one entry with a path and a type (or a pretraining_dataset)"
         if self.pretraining_dataset and self.max_steps is None:
@@ -417,13 +425,15 @@ class TrainConfig(BaseModel):
             if getattr(self, one) is not None and getattr(self, other) is not None:
                 yield f"{one} and {other} are both set: keep one"
         if self.save_strategy == "best":
-            yield "save_strategy: best (keep the checkpoint with the best eval metric) is not implemented: use steps or epoch"
+            yield (
+                "save_strategy: best (keep the checkpoint with the best eval metric) is not implemented: use steps "
+                "or epoch"
+            )
         if self.pretraining_dataset and any(p.type not in ("pretrain", "completion") for p in self.pretraining_dataset):
             yield "pretraining_dataset entries are read as text (type: pretrain or completion)"
         if self.cosine_constant_lr_ratio and not self.cosine_min_lr_ratio:
             yield "cosine_constant_lr_ratio needs cosine_min_lr_ratio (the rate it holds at the end)"
-        if (self.cosine_min_lr_ratio or self.cosine_constant_lr_ratio) \
-                and self.lr_scheduler != "cosine":
+        if (self.cosine_min_lr_ratio or self.cosine_constant_lr_ratio) and self.lr_scheduler != "cosine":
             yield f"cosine_min_lr_ratio applies to lr_scheduler: cosine, not {self.lr_scheduler}"
         if self.chat_template == "jinja" and not self.chat_template_jinja:
             yield "chat_template: jinja needs chat_template_jinja (the template's source)"
@@ -454,16 +464,20 @@ class TrainConfig(BaseModel):
     def eight_bit_optimizer(self) -> bool:
         return self.optimizer in EIGHT_BIT_OPTIMIZERS
 
-    def parallelism(self, *, dp_shard_override: int | None = None, world_size: int | None = None
-                    ) -> ParallelismConfig:
+    def parallelism(self, *, dp_shard_override: int | None = None, world_size: int | None = None) -> ParallelismConfig:
         """The parallel sizes; with ``world_size``, an unset dp_replicate_size fills the ranks a fixed
         dp_shard_size leaves (Axolotl's rule: more replicas rather than an error)."""
         shard = dp_shard_override if dp_shard_override is not None else self.dp_shard_size
         if shard == "auto":
             shard = -1
-        return ParallelismConfig(dp_replicate_size=self.replicas_for(world_size, shard), dp_shard_size=shard,
-                                 tp_size=self.tensor_parallel_size, cp_size=self.context_parallel_size,
-                                 cp_comm_strategy=self.cp_comm_strategy, expert_parallel_size=self.expert_parallel_size)
+        return ParallelismConfig(
+            dp_replicate_size=self.replicas_for(world_size, shard),
+            dp_shard_size=shard,
+            tp_size=self.tensor_parallel_size,
+            cp_size=self.context_parallel_size,
+            cp_comm_strategy=self.cp_comm_strategy,
+            expert_parallel_size=self.expert_parallel_size,
+        )
 
     def replicas_for(self, world_size: int | None, shard: int) -> int | None:
         """dp_replicate_size for ``world_size``: as set, else the fill of a fixed shard size, else unset."""
@@ -566,7 +580,9 @@ def load_yaml(path: str | Path) -> dict:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+        raise ConfigError(
+            f"config file {str(path)!r} is not valid YAML{where}: {getattr(exc, 'problem', exc)}"
+        ) from None
     except UnicodeDecodeError:
         raise ConfigError(f"config file {str(path)!r} is not UTF-8 text") from None
     if data is None:

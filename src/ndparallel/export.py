@@ -21,8 +21,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from ndparallel.checkpoint import checkpoints_dir, load_tensors, open_checkpoint
-from ndparallel.checkpoint import store
+from ndparallel.checkpoint import checkpoints_dir, load_tensors, open_checkpoint, store
 from ndparallel.errors import CheckpointError
 from ndparallel.models.build import restore_buffers
 
@@ -34,14 +33,18 @@ def resolve_checkpoint(path: str | Path) -> Path:
     """A checked checkpoint directory, from itself or from an output_dir (its latest checkpoint)."""
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"{str(path)!r} does not exist; give a checkpoint directory (output_dir/checkpoints/"
-                              f"step-N) or a training output_dir")
+        raise CheckpointError(
+            f"{str(path)!r} does not exist; give a checkpoint directory (output_dir/checkpoints/"
+            f"step-N) or a training output_dir"
+        )
     latest = store.latest(checkpoints_dir(path))
     if latest is not None:
         path = latest
     elif path.is_dir() and not (path / "index.json").exists() and not (path / "COMPLETE").exists():
-        raise CheckpointError(f"{str(path)!r} is not a checkpoint directory and {str(checkpoints_dir(path) / 'latest')!r}"
-                              f" does not exist; give output_dir/checkpoints/step-N or a training output_dir")
+        raise CheckpointError(
+            f"{str(path)!r} is not a checkpoint directory and {str(checkpoints_dir(path) / 'latest')!r}"
+            f" does not exist; give output_dir/checkpoints/step-N or a training output_dir"
+        )
     open_checkpoint(path)
     return path
 
@@ -51,8 +54,9 @@ def load_hf_config(path: Path):
         data = json.loads((path / "hf_config.json").read_text(encoding="utf-8"))
         kind = data.pop("model_type")
     except (OSError, ValueError, KeyError, AttributeError) as exc:
-        raise CheckpointError(f"{str(path / 'hf_config.json')!r} is missing or unreadable ({type(exc).__name__}: "
-                              f"{exc})") from None
+        raise CheckpointError(
+            f"{str(path / 'hf_config.json')!r} is missing or unreadable ({type(exc).__name__}: {exc})"
+        ) from None
     return AutoConfig.for_model(kind, **data)
 
 
@@ -75,8 +79,9 @@ def load_full_model(path: Path, *, dtype: torch.dtype, with_adapters: bool = Fal
     try:
         spec = LoraSpec.from_checkpoint(path)
     except (OSError, ValueError, TypeError, AttributeError) as exc:
-        raise CheckpointError(f"{str(path / 'extra.json')!r} does not describe LoRA adapters ({type(exc).__name__}: "
-                              f"{exc})") from None
+        raise CheckpointError(
+            f"{str(path / 'extra.json')!r} does not describe LoRA adapters ({type(exc).__name__}: {exc})"
+        ) from None
     model = cpu_model(load_hf_config(path), dtype=dtype, lora=spec if with_adapters else None)
     state = model.state_dict()
     load_tensors(path, {f"{MODEL_STATE}.{name}": value for name, value in state.items()}, distributed=False)
@@ -86,9 +91,17 @@ def load_full_model(path: Path, *, dtype: torch.dtype, with_adapters: bool = Fal
     return model.eval(), spec
 
 
-def write_hf_directory(model, out_dir: str | Path, *, dtype: torch.dtype, lora=None, merge_lora: bool = False,
-                       base_model: str | None = None, tokenizer_dir: Path | None = None,
-                       max_shard_size: str = "2GB") -> Path:
+def write_hf_directory(
+    model,
+    out_dir: str | Path,
+    *,
+    dtype: torch.dtype,
+    lora=None,
+    merge_lora: bool = False,
+    base_model: str | None = None,
+    tokenizer_dir: Path | None = None,
+    max_shard_size: str = "2GB",
+) -> Path:
     """Write a full (unsharded, one-process) transformers ``model`` as a Hugging Face directory.
 
     With ``lora`` (a ``LoraSpec`` whose adapters are attached): a PEFT adapter directory, or with
@@ -98,8 +111,9 @@ def write_hf_directory(model, out_dir: str | Path, *, dtype: torch.dtype, lora=N
 
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
-        raise CheckpointError(f"export directory {str(out)!r} is not empty; choose a new directory (nothing is "
-                              f"overwritten)")
+        raise CheckpointError(
+            f"export directory {str(out)!r} is not empty; choose a new directory (nothing is overwritten)"
+        )
     if lora is not None and not merge_lora:
         save_peft_adapter(model, lora, out, base_model=base_model)
     else:
@@ -113,16 +127,19 @@ def write_hf_directory(model, out_dir: str | Path, *, dtype: torch.dtype, lora=N
     return out
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, merge_lora: bool = False,
-                      dtype: str = "bfloat16") -> Path:
+def export_checkpoint(
+    checkpoint: str | Path, out_dir: str | Path, *, merge_lora: bool = False, dtype: str = "bfloat16"
+) -> Path:
     """Write a Hugging Face directory (or a PEFT adapter directory) for ``checkpoint`` into ``out_dir``."""
     path = resolve_checkpoint(checkpoint)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
-        raise CheckpointError(f"export directory {str(out)!r} is not empty; choose a new directory (nothing is "
-                              f"overwritten)")
+        raise CheckpointError(
+            f"export directory {str(out)!r} is not empty; choose a new directory (nothing is overwritten)"
+        )
     torch_dtype = DTYPES[dtype]
     merging = (path / "extra.json").is_file()  # adapters are merged in float32, then cast
     model, spec = load_full_model(path, dtype=torch.float32 if merging else torch_dtype, with_adapters=True)
-    return write_hf_directory(model, out, dtype=torch_dtype, lora=spec, merge_lora=merge_lora,
-                              tokenizer_dir=path / "tokenizer")
+    return write_hf_directory(
+        model, out, dtype=torch_dtype, lora=spec, merge_lora=merge_lora, tokenizer_dir=path / "tokenizer"
+    )

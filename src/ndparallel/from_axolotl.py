@@ -18,15 +18,30 @@ LEFT_EMPTY = "left empty"
 # Axolotl's ring_attn_func -> the CP method that exchanges keys/values the same way.
 RING_ATTN_FUNCS = {"varlen_llama3": "allgather", "batch_ring": "ring", "batch_zigzag": "ring", "batch_stripe": "ring"}
 EXCESS_LENGTH = {"drop": "drop", "truncate": "truncate", "raise": "error"}
-FSDP_NOT_USED = ("FSDP1 option or wrapping detail: ndparallel always wraps each decoder layer with FSDP2 and loads "
-                 "no full copy of the model on any rank")
+FSDP_NOT_USED = (
+    "FSDP1 option or wrapping detail: ndparallel always wraps each decoder layer with FSDP2 and loads "
+    "no full copy of the model on any rank"
+)
 FSDP_CONFIG_KEYS = {  # fsdp_config key (without its fsdp_ prefix) -> ndparallel setting, or None: not used
-    "version": None, "offload_params": "cpu_offload", "reshard_after_forward": "reshard_after_forward",
-    "activation_checkpointing": "activation_checkpointing", "cpu_ram_efficient_loading": None,
-    "state_dict_type": None, "final_state_dict_type": None, "auto_wrap_policy": None,
-    "transformer_layer_cls_to_wrap": None, "sync_module_states": None, "use_orig_params": None,
-    "limit_all_gathers": None, "backward_prefetch": None, "forward_prefetch": None, "cpu_offload_pin_memory": None,
-    "mixed_precision_policy": None, "min_num_params": None, "sharding_strategy": None, "activation_cpu_offload": None,
+    "version": None,
+    "offload_params": "cpu_offload",
+    "reshard_after_forward": "reshard_after_forward",
+    "activation_checkpointing": "activation_checkpointing",
+    "cpu_ram_efficient_loading": None,
+    "state_dict_type": None,
+    "final_state_dict_type": None,
+    "auto_wrap_policy": None,
+    "transformer_layer_cls_to_wrap": None,
+    "sync_module_states": None,
+    "use_orig_params": None,
+    "limit_all_gathers": None,
+    "backward_prefetch": None,
+    "forward_prefetch": None,
+    "cpu_offload_pin_memory": None,
+    "mixed_precision_policy": None,
+    "min_num_params": None,
+    "sharding_strategy": None,
+    "activation_cpu_offload": None,
 }
 
 
@@ -44,12 +59,21 @@ class Reading:
 def read_axolotl(raw: dict[str, Any], own_keys: set[str], dataset_keys: set[str]) -> Reading:
     """Sort the keys of ``raw`` (see the module docstring); ``own_keys`` are TrainConfig's settings."""
     reading = Reading()
-    translators = {"fsdp": _fsdp_list, "fsdp_version": _fsdp_version, "fsdp_config": _fsdp_config,
-                   "ring_attn_func": _ring_attn_func, "sequence_parallel_degree": _sequence_parallel_degree,
-                   "bfloat16": _bfloat16, "float16": _float16, "excess_length_strategy": _excess_length,
-                   "overrides_of_model_config": _model_overrides, "model_config": _model_overrides,
-                   "model_revision": _model_revision,
-                   "ddp_timeout": _ddp_timeout, "plugins": _plugins}
+    translators = {
+        "fsdp": _fsdp_list,
+        "fsdp_version": _fsdp_version,
+        "fsdp_config": _fsdp_config,
+        "ring_attn_func": _ring_attn_func,
+        "sequence_parallel_degree": _sequence_parallel_degree,
+        "bfloat16": _bfloat16,
+        "float16": _float16,
+        "excess_length_strategy": _excess_length,
+        "overrides_of_model_config": _model_overrides,
+        "model_config": _model_overrides,
+        "model_revision": _model_revision,
+        "ddp_timeout": _ddp_timeout,
+        "plugins": _plugins,
+    }
     later = []
     for key, value in raw.items():
         if key in translators:
@@ -69,12 +93,14 @@ def read_axolotl(raw: dict[str, Any], own_keys: set[str], dataset_keys: set[str]
     if reading.settings.get("bf16") == "full":
         reading.errors.append("bf16: full (pure bf16 weights, no fp32 master copy) is not supported: use bf16: true")
     if isinstance(reading.settings.get("datasets"), list):
-        reading.settings["datasets"] = [_dataset_entry(reading, i, entry, dataset_keys)
-                                        for i, entry in enumerate(reading.settings["datasets"])]
+        reading.settings["datasets"] = [
+            _dataset_entry(reading, i, entry, dataset_keys) for i, entry in enumerate(reading.settings["datasets"])
+        ]
     if isinstance(reading.settings.get("pretraining_dataset"), list):  # nulls are unset there too
         reading.settings["pretraining_dataset"] = [
             {k: v for k, v in entry.items() if v is not None} if isinstance(entry, dict) else entry
-            for entry in reading.settings["pretraining_dataset"]]
+            for entry in reading.settings["pretraining_dataset"]
+        ]
     return reading
 
 
@@ -98,13 +124,15 @@ def _shown(value: Any) -> str:
 def _set_unless_given(reading: Reading, key: str, value: Any, source: str) -> None:
     """Translate into ``key`` unless the config sets ``key`` itself (then say which one wins)."""
     if key in reading.settings and reading.settings[key] != value:
-        reading.notes.append(f"{source} says {key}={value!r} but the config sets {key}={reading.settings[key]!r}; "
-                             f"{key} wins")
+        reading.notes.append(
+            f"{source} says {key}={value!r} but the config sets {key}={reading.settings[key]!r}; {key} wins"
+        )
         return
     reading.settings[key] = value
 
 
 # --- translations ----------------------------------------------------------------------------------------
+
 
 def _fsdp_list(reading: Reading, value: Any) -> None:
     options = [value] if isinstance(value, str) else list(value)
@@ -133,8 +161,9 @@ def _fsdp_config(reading: Reading, value: Any) -> None:
         key = str(raw_key).removeprefix("fsdp_")
         if key not in FSDP_CONFIG_KEYS:
             near = difflib.get_close_matches(key, list(FSDP_CONFIG_KEYS), n=1, cutoff=0.75)
-            reading.errors.append(f"unknown setting fsdp_config.{raw_key}"
-                                  + (f"; did you mean {near[0]!r}?" if near else ""))
+            reading.errors.append(
+                f"unknown setting fsdp_config.{raw_key}" + (f"; did you mean {near[0]!r}?" if near else "")
+            )
         elif option is None:
             continue
         elif key == "version":
@@ -155,8 +184,10 @@ def _sharding_strategy(reading: Reading, strategy: str) -> None:
     if name == "SHARD_GRAD_OP":
         _set_unless_given(reading, "reshard_after_forward", False, "fsdp_config.sharding_strategy: SHARD_GRAD_OP")
     elif name != "FULL_SHARD":
-        reading.skip(f"fsdp_config.sharding_strategy: {strategy}",
-                     "sharding strategy: set dp_replicate_size / dp_shard_size for HSDP or replication; same result")
+        reading.skip(
+            f"fsdp_config.sharding_strategy: {strategy}",
+            "sharding strategy: set dp_replicate_size / dp_shard_size for HSDP or replication; same result",
+        )
 
 
 def _ring_attn_func(reading: Reading, value: Any) -> None:
@@ -209,8 +240,10 @@ def _plugins(reading: Reading, value: Any) -> None:
         if problem:
             reading.errors.append(problem)
         else:
-            reading.skip(f"plugins: {str(plugin).rsplit('.', 1)[-1]}",
-                         "kernel plugin: ndparallel runs its own kernels; same result")
+            reading.skip(
+                f"plugins: {str(plugin).rsplit('.', 1)[-1]}",
+                "kernel plugin: ndparallel runs its own kernels; same result",
+            )
 
 
 def _dataset_entry(reading: Reading, index: int, entry: Any, known: set[str]) -> Any:

@@ -25,12 +25,30 @@ from ndparallel.errors import DataError, ModelError, NdParallelError
 
 T = TypeVar("T")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
-CONFIG_FILES = ["config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "vocab*",
-                "merges.txt", "*.model", "*.tiktoken", "chat_template*"]
+CONFIG_FILES = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "vocab*",
+    "merges.txt",
+    "*.model",
+    "*.tiktoken",
+    "chat_template*",
+]
 MODEL_FILES = CONFIG_FILES + ["*.safetensors", "model.safetensors.index.json"]
 CODE_FILES = ["*.py"]
-DATA_FILES = ["*.parquet", "*.jsonl", "*.json", "*.arrow", "*.jsonl.zst", "*.jsonl.gz", "*.json.gz", "*.txt",
-              "README.md"]
+DATA_FILES = [
+    "*.parquet",
+    "*.jsonl",
+    "*.json",
+    "*.arrow",
+    "*.jsonl.zst",
+    "*.jsonl.gz",
+    "*.json.gz",
+    "*.txt",
+    "README.md",
+]
 _TRUE = {"1", "on", "yes", "true"}
 
 
@@ -52,8 +70,15 @@ def cache_dir() -> Path:
     return Path(home).expanduser() / "hub"
 
 
-def model_dir(name: str, *, revision: str | None = None, weights: bool = True, trust_remote_code: bool = False,
-              download: bool = True, setting: str = "base_model") -> Path:
+def model_dir(
+    name: str,
+    *,
+    revision: str | None = None,
+    weights: bool = True,
+    trust_remote_code: bool = False,
+    download: bool = True,
+    setting: str = "base_model",
+) -> Path:
     """The local directory of model ``name`` (a path, or a hub id fetched into the cache).
 
     ``weights``: the safetensors too (else config and tokenizer files only). ``download``: may use the
@@ -63,8 +88,9 @@ def model_dir(name: str, *, revision: str | None = None, weights: bool = True, t
     if local.exists() or not is_hub_id(name):
         return local
     patterns = (MODEL_FILES if weights else CONFIG_FILES) + (CODE_FILES if trust_remote_code else [])
-    cached = _snapshot(name, "model", revision, patterns, local_only=True, error=ModelError, setting=setting,
-                       quiet=True)
+    cached = _snapshot(
+        name, "model", revision, patterns, local_only=True, error=ModelError, setting=setting, quiet=True
+    )
     if cached is not None and _complete(cached, weights):
         return cached
     if not download or offline():
@@ -72,14 +98,22 @@ def model_dir(name: str, *, revision: str | None = None, weights: bool = True, t
     return _snapshot(name, "model", revision, patterns, local_only=False, error=ModelError, setting=setting)
 
 
-def dataset_dir(name: str, *, revision: str | None = None, patterns: list[str] | None = None,
-                download: bool = True, setting: str = "datasets") -> Path:
+def dataset_dir(
+    name: str,
+    *,
+    revision: str | None = None,
+    patterns: list[str] | None = None,
+    download: bool = True,
+    setting: str = "datasets",
+) -> Path:
     """The local snapshot directory of hub dataset ``name`` holding (at least) the files of ``patterns``."""
     patterns = (patterns or DATA_FILES) + ["README.md"]
-    cached = _snapshot(name, "dataset", revision, patterns, local_only=True, error=DataError, setting=setting,
-                       quiet=True)
-    if cached is not None and any(p.is_file() and p.name != "README.md" and _matches(p.relative_to(cached), patterns)
-                                  for p in cached.rglob("*")):
+    cached = _snapshot(
+        name, "dataset", revision, patterns, local_only=True, error=DataError, setting=setting, quiet=True
+    )
+    if cached is not None and any(
+        p.is_file() and p.name != "README.md" and _matches(p.relative_to(cached), patterns) for p in cached.rglob("*")
+    ):
         return cached
     if not download or offline():
         raise DataError(_not_cached(setting, name, revision, "dataset"))
@@ -106,8 +140,17 @@ def _complete(directory: Path, weights: bool) -> bool:
     return any(directory.glob("*.safetensors"))
 
 
-def _snapshot(name: str, kind: str, revision: str | None, patterns: list[str], *, local_only: bool,
-              error: type[NdParallelError], setting: str, quiet: bool = False) -> Path | None:
+def _snapshot(
+    name: str,
+    kind: str,
+    revision: str | None,
+    patterns: list[str],
+    *,
+    local_only: bool,
+    error: type[NdParallelError],
+    setting: str,
+    quiet: bool = False,
+) -> Path | None:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -120,8 +163,16 @@ def _snapshot(name: str, kind: str, revision: str | None, patterns: list[str], *
 
     where = f"{setting} {name!r}" + (f" (revision {revision!r})" if revision else "")
     try:
-        return Path(snapshot_download(name, repo_type=kind, revision=revision, cache_dir=cache_dir(),
-                                      allow_patterns=patterns, local_files_only=local_only or offline()))
+        return Path(
+            snapshot_download(
+                name,
+                repo_type=kind,
+                revision=revision,
+                cache_dir=cache_dir(),
+                allow_patterns=patterns,
+                local_files_only=local_only or offline(),
+            )
+        )
     except (LocalEntryNotFoundError, OfflineModeIsEnabled):
         if quiet:
             return None
@@ -129,26 +180,37 @@ def _snapshot(name: str, kind: str, revision: str | None, patterns: list[str], *
     except GatedRepoError:
         raise error(f"{where} is gated on the Hugging Face Hub: accept its terms on the hub and set HF_TOKEN") from None
     except RepositoryNotFoundError:
-        raise error(f"{where} is not a {kind} on the Hugging Face Hub (or it is private: set HF_TOKEN); check the "
-                    f"name, or give a local directory") from None
+        raise error(
+            f"{where} is not a {kind} on the Hugging Face Hub (or it is private: set HF_TOKEN); check the "
+            f"name, or give a local directory"
+        ) from None
     except RevisionNotFoundError:
         raise error(f"{where}: the hub {kind} has no such revision; give a branch, tag or commit it has") from None
     except (HfHubHTTPError, OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise error(f"{where}: cannot fetch it from the Hugging Face Hub ({first[:200]}); check the network or "
-                    f"set HF_HUB_OFFLINE=1 to use the cache") from None
+        raise error(
+            f"{where}: cannot fetch it from the Hugging Face Hub ({first[:200]}); check the network or "
+            f"set HF_HUB_OFFLINE=1 to use the cache"
+        ) from None
 
 
 def _not_cached(setting: str, name: str, revision: str | None, kind: str) -> str:
     how = "HF_HUB_OFFLINE is set" if offline() else "downloads are left to local rank 0 of each node"
     rev = f" --revision {revision}" if revision else ""
-    return (f"{setting} {name!r} is not in the Hugging Face cache {str(cache_dir())!r} and {how}; download it "
-            f"once (`hf download {name}{' --repo-type dataset' if kind == 'dataset' else ''}{rev}`), set HF_HOME to "
-            f"the cache that holds it, or give a local directory")
+    return (
+        f"{setting} {name!r} is not in the Hugging Face cache {str(cache_dir())!r} and {how}; download it "
+        f"once (`hf download {name}{' --repo-type dataset' if kind == 'dataset' else ''}{rev}`), set HF_HOME to "
+        f"the cache that holds it, or give a local directory"
+    )
 
 
-def on_each_node(fetch: Callable[[bool], T], *, local_rank: int, barrier: Callable[[], None],
-                 all_ok: Callable[[str | None], str | None]) -> T:
+def on_each_node(
+    fetch: Callable[[bool], T],
+    *,
+    local_rank: int,
+    barrier: Callable[[], None],
+    all_ok: Callable[[str | None], str | None],
+) -> T:
     """``fetch(download)`` on local rank 0 of every node first (download=True), then on the other ranks with
     the cache only. ``all_ok(error or None)`` returns the first rank's error to every rank, so that a failed
     download stops every rank with the same one-line error instead of a hang.

@@ -40,8 +40,16 @@ VIEWS: dict[str, tuple[str, ...]] = {
 CP_METHODS = ("allgather", "ring", "alltoall")
 
 
-def resolve(world_size: int, *, dp_replicate: int, dp_shard: int, cp: int, tp: int,
-            cp_comm_strategy: str = "allgather", ep: int = 1) -> "Layout":
+def resolve(
+    world_size: int,
+    *,
+    dp_replicate: int,
+    dp_shard: int,
+    cp: int,
+    tp: int,
+    cp_comm_strategy: str = "allgather",
+    ep: int = 1,
+) -> "Layout":
     """The concrete layout for ``world_size`` ranks.
 
     ``dp_shard=-1`` gives FSDP the ranks the other sizes leave. Sizes that are all 1 on several ranks
@@ -209,13 +217,18 @@ class Layout:
                 "num_attention_heads": ("attention heads", heads),
                 "num_key_value_heads": ("key/value heads", kv_heads),
                 # a mixture-of-experts model's MLPs are not split by tp (each tp rank runs them on its tokens)
-                "intermediate_size": ("MLP intermediate size", None if is_moe_config(model_config)
-                                      else getattr(model_config, "intermediate_size", None)),
+                "intermediate_size": (
+                    "MLP intermediate size",
+                    None if is_moe_config(model_config) else getattr(model_config, "intermediate_size", None),
+                ),
             }
             for attr, (what, value) in splits.items():
                 if value is not None and value % t:
                     divisors = [d for d in range(1, min(value, 64) + 1) if value % d == 0]
-                    yield f"tp_size={t} does not divide the model's {what} ({attr}={value}); choose tp_size from {divisors}"
+                    yield (
+                        f"tp_size={t} does not divide the model's {what} ({attr}={value}); choose tp_size from "
+                        f"{divisors}"
+                    )
         if c > 1 and self.cp_comm_strategy == "alltoall" and heads is not None and heads % (c * t):
             yield (
                 f"cp_comm_strategy='alltoall' splits attention heads over cp_size x tp_size = {c * t}, "
@@ -246,8 +259,10 @@ class Layout:
                 f"  sequence: {2 * c} chunks; cp rank i holds chunks i and {2 * c - 1}-i (load-balanced causal work)"
             )
         if self.ep > 1:
-            lines.append(f"  experts: split {self.ep}-way (expert parallel), each expert sharded {self.expert_dp_size}-way "
-                         f"by FSDP" + (f", replicated {r}x" if r > 1 else ""))
+            lines.append(
+                f"  experts: split {self.ep}-way (expert parallel), each expert sharded {self.expert_dp_size}-way "
+                f"by FSDP" + (f", replicated {r}x" if r > 1 else "")
+            )
         lines.append("  groups:")
         labels = {f"{name} ({' x '.join(axes)})": axes for name, axes in VIEWS.items()}
         labels.update({axis: (axis,) for axis in AXES if axis != "dp_shard"})
@@ -269,7 +284,8 @@ class Layout:
             if t > 1:
                 what.append(f"tp slice {co['tp']}/{t}")
             lines.append(
-                f"    rank {rank}: (r{co['dp_replicate']}, s{co['dp_shard']}, c{co['cp']}, t{co['tp']}) " + ", ".join(what)
+                f"    rank {rank}: (r{co['dp_replicate']}, s{co['dp_shard']}, c{co['cp']}, t{co['tp']}) "
+                + ", ".join(what)
             )
         return "\n".join(lines)
 

@@ -71,11 +71,17 @@ class LoraSpec:
         if cfg.adapter != "lora":
             return None
         targets = cfg.lora_target_modules
-        return cls(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
-                   target_modules=list(targets) if isinstance(targets, list) else [],
-                   target_regex=targets if isinstance(targets, str) else None, target_linear=cfg.lora_target_linear,
-                   modules_to_save=list(cfg.lora_modules_to_save or []),
-                   target_parameters=list(cfg.lora_target_parameters or []), seed=cfg.seed)
+        return cls(
+            r=cfg.lora_r,
+            alpha=cfg.lora_alpha,
+            dropout=cfg.lora_dropout,
+            target_modules=list(targets) if isinstance(targets, list) else [],
+            target_regex=targets if isinstance(targets, str) else None,
+            target_linear=cfg.lora_target_linear,
+            modules_to_save=list(cfg.lora_modules_to_save or []),
+            target_parameters=list(cfg.lora_target_parameters or []),
+            seed=cfg.seed,
+        )
 
     @classmethod
     def from_checkpoint(cls, path: Path) -> "LoraSpec | None":
@@ -96,20 +102,30 @@ def target_paths(model: nn.Module, spec: LoraSpec) -> list[str]:
             continue
         if "lora_" in name:
             continue
-        if spec.target_linear or name.rsplit(".", 1)[-1] in spec.target_modules or \
-                (spec.target_regex is not None and re.fullmatch(spec.target_regex, name)):
+        if (
+            spec.target_linear
+            or name.rsplit(".", 1)[-1] in spec.target_modules
+            or (spec.target_regex is not None and re.fullmatch(spec.target_regex, name))
+        ):
             paths.append(name)
-    if not paths and not (spec.target_parameters and not spec.target_modules and not spec.target_linear
-                          and spec.target_regex is None):
-        wanted = "every linear layer" if spec.target_linear else \
-            f"lora_target_modules={spec.target_regex or spec.target_modules}"
-        raise ConfigError(f"{wanted} matches no linear layer of the decoder blocks; valid names: "
-                          f"{sorted({n.rsplit('.', 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})}")
+    if not paths and not (
+        spec.target_parameters and not spec.target_modules and not spec.target_linear and spec.target_regex is None
+    ):
+        wanted = (
+            "every linear layer"
+            if spec.target_linear
+            else f"lora_target_modules={spec.target_regex or spec.target_modules}"
+        )
+        raise ConfigError(
+            f"{wanted} matches no linear layer of the decoder blocks; valid names: "
+            f"{sorted({n.rsplit('.', 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})}"
+        )
     return paths
 
 
-def attach_lora(model: nn.Module, spec: LoraSpec, *, tp_mesh: DeviceMesh | None,
-                ep_mesh: DeviceMesh | None = None) -> list[str]:
+def attach_lora(
+    model: nn.Module, spec: LoraSpec, *, tp_mesh: DeviceMesh | None, ep_mesh: DeviceMesh | None = None
+) -> list[str]:
     """Add adapters to the targets (after tensor parallelism, before FSDP) and freeze everything else."""
     parts = decoder_parts(model)
     layers_prefix = next(name for name, m in model.named_modules() if m is parts.layers)
@@ -127,7 +143,7 @@ def attach_lora(model: nn.Module, spec: LoraSpec, *, tp_mesh: DeviceMesh | None,
                 for child in ("lora_A", "lora_B"):
                     weight = getattr(linear, child).weight
                     weight.copy_(init_lora_tensor(f"{path}.{child}.weight", tuple(weight.shape), spec.seed, device))
-        style = parts.layer_plan.get(path[len(layers_prefix) + 1:].split(".", 1)[1]) if tp_mesh is not None else None
+        style = parts.layer_plan.get(path[len(layers_prefix) + 1 :].split(".", 1)[1]) if tp_mesh is not None else None
         # The adapter splits like the layer: B by output columns (colwise), A by input rows (rowwise). A
         # gathered-output layer (colwise_gather) gathers the adapter's output too; a split-input one
         # (rowwise_split) takes its input slice like rowwise.
@@ -137,12 +153,21 @@ def attach_lora(model: nn.Module, spec: LoraSpec, *, tp_mesh: DeviceMesh | None,
             a_place, b_place = ([Replicate()], [Shard(0)]) if kind == "colwise" else ([Shard(1)], [Replicate()])
             linear.lora_A.weight = nn.Parameter(distribute_tensor(linear.lora_A.weight.data, tp_mesh, a_place))
             linear.lora_B.weight = nn.Parameter(distribute_tensor(linear.lora_B.weight.data, tp_mesh, b_place))
-        linear.register_forward_hook(_LoraHook(spec.scaling, spec.dropout, rowwise=kind == "rowwise",
-                                               gather=style == "colwise_gather"))
+        linear.register_forward_hook(
+            _LoraHook(spec.scaling, spec.dropout, rowwise=kind == "rowwise", gather=style == "colwise_gather")
+        )
     if spec.target_parameters:
-        attach_expert_lora(model, parts.layers, target_parameters=spec.target_parameters, r=spec.r,
-                           scaling=spec.scaling, dropout=spec.dropout, seed=spec.seed, ep_mesh=ep_mesh,
-                           init=init_lora_tensor)
+        attach_expert_lora(
+            model,
+            parts.layers,
+            target_parameters=spec.target_parameters,
+            r=spec.r,
+            scaling=spec.scaling,
+            dropout=spec.dropout,
+            seed=spec.seed,
+            ep_mesh=ep_mesh,
+            init=init_lora_tensor,
+        )
     for name in spec.modules_to_save:
         matches = [m for n, m in model.named_modules() if n == name or n.endswith("." + name)]
         if not matches:
@@ -200,16 +225,27 @@ def adapter_state(model: nn.Module, spec: LoraSpec) -> dict[str, torch.Tensor]:
 
 
 def peft_config_dict(spec: LoraSpec, base_model: str | None) -> dict:
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.r, "lora_alpha": spec.alpha,
-            "lora_dropout": spec.dropout,
-            "target_modules": spec.target_regex or sorted(set(spec.target_modules)) or "all-linear",
-            "modules_to_save": spec.modules_to_save or None, "bias": "none", "fan_in_fan_out": False,
-            "inference_mode": True, "init_lora_weights": True, "use_rslora": False, "use_dora": False,
-            "base_model_name_or_path": base_model}
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": spec.r,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout,
+        "target_modules": spec.target_regex or sorted(set(spec.target_modules)) or "all-linear",
+        "modules_to_save": spec.modules_to_save or None,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "base_model_name_or_path": base_model,
+    }
 
 
-def save_peft_adapter(model: nn.Module, spec: LoraSpec, out_dir: Path, *, base_model: str | None = None,
-                      write: bool = True) -> None:
+def save_peft_adapter(
+    model: nn.Module, spec: LoraSpec, out_dir: Path, *, base_model: str | None = None, write: bool = True
+) -> None:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (call on every rank; ``write`` on one)."""
     from safetensors.torch import save_file
 
@@ -220,8 +256,9 @@ def save_peft_adapter(model: nn.Module, spec: LoraSpec, out_dir: Path, *, base_m
     out_dir.mkdir(parents=True, exist_ok=True)
     config = peft_config_dict(spec, base_model)
     if spec.target_linear and not spec.target_modules and spec.target_regex is None:
-        config["target_modules"] = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in tensors if ".lora_" in k
-                                           and ".experts." not in k})
+        config["target_modules"] = sorted(
+            {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in tensors if ".lora_" in k and ".experts." not in k}
+        )
     if spec.target_parameters:
         config["target_parameters"] = expert_target_parameters(model)
         if not spec.target_modules and not spec.target_linear and spec.target_regex is None:
@@ -239,4 +276,3 @@ def merge_lora_weights(model: nn.Module, spec: LoraSpec) -> None:
                 module.weight.copy_((module.weight.float() + delta).to(module.weight.dtype))
                 del module.lora_A, module.lora_B  # the hook now passes the output through
     merge_expert_lora(model)
-

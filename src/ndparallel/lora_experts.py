@@ -30,32 +30,51 @@ from ndparallel.models.moe_experts import adapted_weight
 ADAPTABLE = ("gate_up_proj", "up_proj", "down_proj")
 
 
-def expert_targets(model: nn.Module, layers: nn.ModuleList, target_parameters: list[str]
-                   ) -> list[tuple[str, nn.Module, list[str]]]:
+def expert_targets(
+    model: nn.Module, layers: nn.ModuleList, target_parameters: list[str]
+) -> list[tuple[str, nn.Module, list[str]]]:
     """(module path, experts module, adapted weight names in PEFT's nesting order) of every MoE block."""
     paths = {id(m): name for name, m in model.named_modules()}
     found = []
     for block in moe_blocks(layers):
         path = paths[id(block.experts)]
-        names = [name for target in target_parameters for name in ADAPTABLE
-                 if isinstance(getattr(block.experts, name, None), nn.Parameter)
-                 and (target == name or f"{path}.{name}".endswith("." + target))]
+        names = [
+            name
+            for target in target_parameters
+            for name in ADAPTABLE
+            if isinstance(getattr(block.experts, name, None), nn.Parameter)
+            and (target == name or f"{path}.{name}".endswith("." + target))
+        ]
         if names:
             found.append((path, block.experts, list(dict.fromkeys(names))))
     if target_parameters and not found:
-        raise ConfigError(f"lora_target_parameters={target_parameters} matches no expert weight; use names such as "
-                          f"['mlp.experts.gate_up_proj', 'mlp.experts.down_proj'] on a mixture-of-experts model")
+        raise ConfigError(
+            f"lora_target_parameters={target_parameters} matches no expert weight; use names such as "
+            f"['mlp.experts.gate_up_proj', 'mlp.experts.down_proj'] on a mixture-of-experts model"
+        )
     return found
 
 
-def attach_expert_lora(model: nn.Module, layers: nn.ModuleList, *, target_parameters: list[str], r: int,
-                       scaling: float, dropout: float, seed: int, ep_mesh: DeviceMesh | None, init) -> None:
+def attach_expert_lora(
+    model: nn.Module,
+    layers: nn.ModuleList,
+    *,
+    target_parameters: list[str],
+    r: int,
+    scaling: float,
+    dropout: float,
+    seed: int,
+    ep_mesh: DeviceMesh | None,
+    init,
+) -> None:
     """Add adapters to the targeted expert weights (after expert parallelism, before FSDP)."""
     from ndparallel.parallel.expert import ensure_ndparallel_experts
 
     if dropout:
-        raise ConfigError(f"lora_dropout={dropout} cannot apply to expert weights (the input of each expert is not "
-                          f"one tensor); set lora_dropout: 0 with lora_target_parameters")
+        raise ConfigError(
+            f"lora_dropout={dropout} cannot apply to expert weights (the input of each expert is not "
+            f"one tensor); set lora_dropout: 0 with lora_target_parameters"
+        )
     for path, experts, names in expert_targets(model, layers, target_parameters):
         for name in names:
             weight = getattr(experts, name)

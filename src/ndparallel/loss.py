@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 IGNORE_INDEX = -100
+"""The label of a token that takes no loss (transformers' convention); the one definition."""
 CHUNK_ROWS = 2048
 
 
@@ -68,8 +69,9 @@ def _chunk_stats(chunk: torch.Tensor, label: torch.Tensor):
     return row_max, sum_exp, target
 
 
-def _chunk_grad(chunk: torch.Tensor, lse: torch.Tensor, label: torch.Tensor, scale: torch.Tensor,
-                target_scale: torch.Tensor) -> torch.Tensor:
+def _chunk_grad(
+    chunk: torch.Tensor, lse: torch.Tensor, label: torch.Tensor, scale: torch.Tensor, target_scale: torch.Tensor
+) -> torch.Tensor:
     """d loss / d logits of a chunk: (softmax - one_hot(label)) * scale, in the logits' dtype."""
     x = chunk.to(lse.dtype)
     grad = (x - lse[:, None]).exp() * scale[:, None]

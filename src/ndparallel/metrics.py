@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from ndparallel.progress import human_seconds, progress_fields, timing_line
 from ndparallel.models.moe import moe_shape
+from ndparallel.progress import human_seconds, progress_fields, timing_line
 
 # Dense bf16 peak FLOP/s per device, by a substring of the device name.
 _PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "L4": 121e12}
@@ -49,8 +49,15 @@ def flops_per_token(config: Any, seq_len: int) -> float:
 class MetricsLogger:
     """Rank 0 writes; other ranks construct it with ``enabled=False`` and stay silent."""
 
-    def __init__(self, output_dir: str | Path, *, enabled: bool, total_steps: int, trackers: list | None = None,
-                 start_step: int = 0) -> None:
+    def __init__(
+        self,
+        output_dir: str | Path,
+        *,
+        enabled: bool,
+        total_steps: int,
+        trackers: list | None = None,
+        start_step: int = 0,
+    ) -> None:
         self.enabled = enabled
         self.start = time.perf_counter()
         self.total_steps = total_steps
@@ -82,8 +89,13 @@ class MetricsLogger:
         else:
             elapsed = time.perf_counter() - self.start
             timing = timing_line(record)
-            print(f"step {record['step']}/{self.total_steps} " + " ".join(f"{k} {v}" for k, v in shown.items())
-                  + (f" | {timing}" if timing else "") + f" ({human_seconds(elapsed)})", flush=True)
+            print(
+                f"step {record['step']}/{self.total_steps} "
+                + " ".join(f"{k} {v}" for k, v in shown.items())
+                + (f" | {timing}" if timing else "")
+                + f" ({human_seconds(elapsed)})",
+                flush=True,
+            )
         for tracker in self.trackers:
             tracker.log(record)
 

@@ -31,20 +31,29 @@ def planner_advice(cfg, model_config, layout: Layout, device_memory_gib: float) 
     from ndparallel.planner import best_layout
 
     try:
-        choice = best_layout(model_config, layout.world_size, cfg.sequence_len, device_memory_gib=device_memory_gib,
-                             micro_batch_size=cfg.micro_batch_size, activation_checkpointing="auto",
-                             cp_comm_strategy=cfg.cp_comm_strategy,
-                             lora_rank=cfg.lora_r if cfg.adapter == "lora" else None)
+        choice = best_layout(
+            model_config,
+            layout.world_size,
+            cfg.sequence_len,
+            device_memory_gib=device_memory_gib,
+            micro_batch_size=cfg.micro_batch_size,
+            activation_checkpointing="auto",
+            cp_comm_strategy=cfg.cp_comm_strategy,
+            lora_rank=cfg.lora_r if cfg.adapter == "lora" else None,
+        )
     except NdParallelError as exc:
         return f"the planner has no layout for it ({exc})"
     return f"the planner suggests {choice.reason} (or set dp_shard_size: auto)"
 
 
-def oom_message(*, step: int, rank: int, cfg, model_config, layout: Layout, used_gib: float, total_gib: float,
-                snapshot: Path | None) -> str:
-    where = (f"step {step}: CUDA out of memory on rank {rank} ({used_gib:.1f} of {total_gib:.1f} GiB in use) with "
-             f"{layout_text(layout)}, micro_batch_size {cfg.micro_batch_size}, sequence_len {cfg.sequence_len}, "
-             f"activation_checkpointing {cfg.ac_mode}")
+def oom_message(
+    *, step: int, rank: int, cfg, model_config, layout: Layout, used_gib: float, total_gib: float, snapshot: Path | None
+) -> str:
+    where = (
+        f"step {step}: CUDA out of memory on rank {rank} ({used_gib:.1f} of {total_gib:.1f} GiB in use) with "
+        f"{layout_text(layout)}, micro_batch_size {cfg.micro_batch_size}, sequence_len {cfg.sequence_len}, "
+        f"activation_checkpointing {cfg.ac_mode}"
+    )
     advice = planner_advice(cfg, model_config, layout, total_gib)
     fixes = "; lower micro_batch_size (raise gradient_accumulation_steps to keep the batch)"
     if cfg.ac_mode != "full":

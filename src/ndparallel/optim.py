@@ -31,8 +31,14 @@ from ndparallel.parallel.single_rank import SingleRankParams
 CHUNK = 2**30
 
 
-def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                  hyper: torch.Tensor, compute: torch.Tensor | None = None) -> None:
+def adamw_update_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    hyper: torch.Tensor,
+    compute: torch.Tensor | None = None,
+) -> None:
     """One AdamW step of ``param`` in place (and of its lower-precision ``compute`` copy).
 
     ``hyper`` = [1 - lr*wd, 1 - beta1, beta2, 1 - beta2, eps, lr / (1 - beta1^t), sqrt(1 - beta2^t)], float32,
@@ -56,8 +62,17 @@ def _compiled_update():
 class FlatAdamW(torch.optim.AdamW):
     """torch.optim.AdamW with one fused update per parameter group over ``SingleRankParams``' flat buffers."""
 
-    def __init__(self, params, *, flat: SingleRankParams, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, compiled: bool | None = None) -> None:
+    def __init__(
+        self,
+        params,
+        *,
+        flat: SingleRankParams,
+        lr: float,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        compiled: bool | None = None,
+    ) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False, fused=False)
         self.flat = flat
         self.compiled = compiled
@@ -81,8 +96,10 @@ class FlatAdamW(torch.optim.AdamW):
                 loss = closure()
         for index, group in enumerate(self.param_groups):
             if group.get("amsgrad") or group.get("maximize") or group.get("capturable"):
-                raise ConfigError("FlatAdamW implements AdamW without amsgrad, maximize or capturable; build "
-                                  "torch.optim.AdamW for those")
+                raise ConfigError(
+                    "FlatAdamW implements AdamW without amsgrad, maximize or capturable; build "
+                    "torch.optim.AdamW for those"
+                )
             with_grad = [p for p in group["params"] if p.grad is not None]
             if not with_grad:
                 continue
@@ -124,16 +141,25 @@ class FlatAdamW(torch.optim.AdamW):
 class _GroupPlan:
     """A parameter group that is one contiguous range [start, end) of the flat buffers."""
 
-    def __init__(self, flat: SingleRankParams, params: list, start: int, end: int, exp_avg: torch.Tensor,
-                 exp_avg_sq: torch.Tensor, step: torch.Tensor) -> None:
+    def __init__(
+        self,
+        flat: SingleRankParams,
+        params: list,
+        start: int,
+        end: int,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        step: torch.Tensor,
+    ) -> None:
         self.flat, self.params, self.start, self.end = flat, params, start, end
         self.master_base = flat.master_flat
         self.master = flat.master_flat[start:end]
         self.grad = flat.grad_flat[start:end]
         self.compute = flat.compute_flat[start:end] if flat.compute_flat is not None else None
         self.exp_avg, self.exp_avg_sq, self.step_count = exp_avg, exp_avg_sq, step
-        self._grad_ptrs = [flat.grad_flat.data_ptr() + flat.slot_of(p).offset * flat.grad_flat.element_size()
-                           for p in params]
+        self._grad_ptrs = [
+            flat.grad_flat.data_ptr() + flat.slot_of(p).offset * flat.grad_flat.element_size() for p in params
+        ]
 
     @classmethod
     def build(cls, flat: SingleRankParams, params: list, state: dict) -> "_GroupPlan | None":
@@ -159,7 +185,7 @@ class _GroupPlan:
             old = state.get(s.master) or {}
             views = {}
             for key, buf in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-                view = buf[s.offset - start:s.offset - start + s.numel].view(s.master.shape)
+                view = buf[s.offset - start : s.offset - start + s.numel].view(s.master.shape)
                 if key in old:
                     view.copy_(old[key])
                 views[key] = view
@@ -180,8 +206,14 @@ class _GroupPlan:
         # matrices are 3.2e9 elements); one extra launch per 2^30 elements costs nothing.
         for s in range(0, self.end - self.start, CHUNK):
             e = min(s + CHUNK, self.end - self.start)
-            update(self.master[s:e], self.grad[s:e], self.exp_avg[s:e], self.exp_avg_sq[s:e], hyper,
-                   None if self.compute is None else self.compute[s:e])
+            update(
+                self.master[s:e],
+                self.grad[s:e],
+                self.exp_avg[s:e],
+                self.exp_avg_sq[s:e],
+                hyper,
+                None if self.compute is None else self.compute[s:e],
+            )
         if self.compute is not None:
             self.flat.mark_synced(self.start, self.end)
 
@@ -189,8 +221,15 @@ class _GroupPlan:
 def _hyper(group: dict, step: float, device: torch.device) -> torch.Tensor:
     lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
     beta1, beta2 = (float(b) for b in group["betas"])
-    values = [1.0 - lr * wd, 1.0 - beta1, beta2, 1.0 - beta2, eps, lr / (1.0 - beta1 ** step),
-              math.sqrt(1.0 - beta2 ** step)]
+    values = [
+        1.0 - lr * wd,
+        1.0 - beta1,
+        beta2,
+        1.0 - beta2,
+        eps,
+        lr / (1.0 - beta1**step),
+        math.sqrt(1.0 - beta2**step),
+    ]
     host = torch.tensor(values, dtype=torch.float32)
     if device.type == "cuda":
         host = host.pin_memory()  # a fresh pinned tensor per step: the async copy never reads a reused one

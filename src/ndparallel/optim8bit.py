@@ -16,15 +16,27 @@ from ndparallel.errors import ConfigError
 from ndparallel.step import decay_groups
 
 
-def build_adamw_8bit(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float], eps: float,
-                     device_type: str, setting: str = "adamw_8bit") -> torch.optim.Optimizer:
+def build_adamw_8bit(
+    model: nn.Module,
+    *,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+    device_type: str,
+    setting: str = "adamw_8bit",
+) -> torch.optim.Optimizer:
     """AdamW8bit over the trainable (sharded) parameters; no weight decay on norms and biases."""
     if device_type != "cuda":
-        raise ConfigError(f"optimizer: {setting} (8-bit AdamW) needs a CUDA GPU: torchao's AdamW8bit compiles its "
-                          f"update for the GPU; use optimizer: adamw_torch on {device_type}")
+        raise ConfigError(
+            f"optimizer: {setting} (8-bit AdamW) needs a CUDA GPU: torchao's AdamW8bit compiles its "
+            f"update for the GPU; use optimizer: adamw_torch on {device_type}"
+        )
     try:
         from torchao.optim import AdamW8bit
     except ImportError:
-        raise ConfigError(f"optimizer: {setting} needs torchao (8-bit AdamW for sharded parameters): pip install "
-                          f"'torchao>=0.17', or use optimizer: adamw_torch_fused") from None
+        raise ConfigError(
+            f"optimizer: {setting} needs torchao (8-bit AdamW for sharded parameters): pip install "
+            f"'torchao>=0.17', or use optimizer: adamw_torch_fused"
+        ) from None
     return AdamW8bit(decay_groups(model, weight_decay), lr=lr, betas=betas, eps=eps)

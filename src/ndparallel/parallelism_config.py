@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -43,8 +43,9 @@ def env_size(name: str, default: int | None, *, environ: Mapping[str, str] | Non
     try:
         return int(raw)
     except ValueError:
-        raise LayoutError(f"environment variable {ENV_PREFIX}{name}={raw!r} is not an integer; set it to a size "
-                          f"such as 2") from None
+        raise LayoutError(
+            f"environment variable {ENV_PREFIX}{name}={raw!r} is not an integer; set it to a size such as 2"
+        ) from None
 
 
 @dataclass
@@ -71,8 +72,12 @@ class TorchTensorParallelConfig:
 
     def __post_init__(self) -> None:
         if self.enable_async_tp:
-            warnings.warn("tp_handler.enable_async_tp=True is ignored: asynchronous tensor parallelism is not "
-                          "implemented (the result is the same without it)", UserWarning, stacklevel=3)
+            warnings.warn(
+                "tp_handler.enable_async_tp=True is ignored: asynchronous tensor parallelism is not "
+                "implemented (the result is the same without it)",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 def _check_strategy(value: Any, setting: str) -> None:
@@ -93,8 +98,10 @@ def _as_handler(value: Any, cls: type, setting: str) -> Any:
             raise LayoutError(f"{setting} has no setting {unknown[0]!r}; it takes {', '.join(names)}")
         return cls(**value)
     if not all(hasattr(value, name) for name in names):
-        raise LayoutError(f"{setting} must be a {cls.__name__} (ndparallel's or Accelerate's) or a dict with "
-                          f"{', '.join(names)}; got {type(value).__name__}")
+        raise LayoutError(
+            f"{setting} must be a {cls.__name__} (ndparallel's or Accelerate's) or a dict with "
+            f"{', '.join(names)}; got {type(value).__name__}"
+        )
     if cls is TorchContextParallelConfig:
         _check_strategy(value.cp_comm_strategy, f"{setting}.cp_comm_strategy")
     return value
@@ -149,16 +156,23 @@ class ParallelismConfig:
         self._settle_backends()
         for axis in ("tp", "cp", "sp"):  # as Accelerate warns when its Accelerator starts
             if getattr(self, f"{axis}_size") == 1 and getattr(self, f"{axis}_handler") is not None:
-                warnings.warn(f"{axis}_handler is set but {axis}_size is 1; the handler is ignored", UserWarning,
-                              stacklevel=3)
+                warnings.warn(
+                    f"{axis}_handler is set but {axis}_size is 1; the handler is ignored", UserWarning, stacklevel=3
+                )
         self.tp_handler = _as_handler(self.tp_handler, TorchTensorParallelConfig, "tp_handler")
         if self.tp_size > 1 and self.tp_handler is None:
             self.tp_handler = TorchTensorParallelConfig()
         self._settle_cp_method()
 
     def _settle_sizes(self) -> None:
-        defaults = {"dp_replicate_size": 1, "dp_shard_size": -1, "tp_size": 1, "cp_size": 1, "sp_size": 1,
-                    "expert_parallel_size": 1}
+        defaults = {
+            "dp_replicate_size": 1,
+            "dp_shard_size": -1,
+            "tp_size": 1,
+            "cp_size": 1,
+            "sp_size": 1,
+            "expert_parallel_size": 1,
+        }
         for name, default in defaults.items():
             if getattr(self, name) is None:
                 setattr(self, name, env_size(name.upper(), default))
@@ -167,24 +181,29 @@ class ParallelismConfig:
                 if name == "dp_shard_size" and value == -1:
                     continue
                 if name == "dp_shard_size":
-                    raise LayoutError(f"dp_shard_size={value!r} must be >= 1, or -1 to fill the ranks the other "
-                                      f"sizes leave")
+                    raise LayoutError(
+                        f"dp_shard_size={value!r} must be >= 1, or -1 to fill the ranks the other sizes leave"
+                    )
                 raise LayoutError(f"{name}={value!r} must be a whole number >= 1; use 1 to switch that axis off")
 
     def _settle_backends(self) -> None:
         if self.cp_backend is None:
             self.cp_backend = _env("CP_BACKEND") or "torch"
         if self.cp_backend != "torch":
-            raise LayoutError(f"cp_backend={self.cp_backend!r} is not a backend; use 'torch' (ndparallel's own "
-                              f"context-parallel attention)")
+            raise LayoutError(
+                f"cp_backend={self.cp_backend!r} is not a backend; use 'torch' (ndparallel's own "
+                f"context-parallel attention)"
+            )
         if self.sp_backend is None:
             self.sp_backend = _env("SP_BACKEND") or "deepspeed"
         if self.sp_backend != "deepspeed":
             raise LayoutError(f"sp_backend={self.sp_backend!r} is not a backend; Accelerate knows only 'deepspeed'")
         if self.sp_size > 1:
-            raise LayoutError(f"sp_size={self.sp_size} asks for DeepSpeed's ALST/Ulysses sequence parallelism, which "
-                              f"ndparallel does not run; use cp_size={self.sp_size} with cp_comm_strategy='alltoall' "
-                              f"(the same Ulysses head exchange) and set sp_size=1")
+            raise LayoutError(
+                f"sp_size={self.sp_size} asks for DeepSpeed's ALST/Ulysses sequence parallelism, which "
+                f"ndparallel does not run; use cp_size={self.sp_size} with cp_comm_strategy='alltoall' "
+                f"(the same Ulysses head exchange) and set sp_size=1"
+            )
 
     def _settle_cp_method(self) -> None:
         """One CP method from ``cp_comm_strategy``, ``cp_handler`` and the environment (read only when cp > 1,
@@ -197,17 +216,25 @@ class ParallelismConfig:
             self.cp_handler = TorchContextParallelConfig(cp_comm_strategy=explicit)
         from_handler = self.cp_handler.cp_comm_strategy if self.cp_handler is not None else None
         if explicit is not None and from_handler is not None and explicit != from_handler:
-            raise LayoutError(f"cp_comm_strategy={explicit!r} and cp_handler.cp_comm_strategy={from_handler!r} "
-                              f"disagree; set only one of them")
+            raise LayoutError(
+                f"cp_comm_strategy={explicit!r} and cp_handler.cp_comm_strategy={from_handler!r} "
+                f"disagree; set only one of them"
+            )
         self.cp_comm_strategy = explicit or from_handler or "allgather"
 
     # -- the layout and the mesh ---------------------------------------------------------------------
     def resolve(self, world_size: int) -> Layout:
         """The concrete layout for ``world_size`` ranks (fills ``dp_shard_size=-1``; sizes all 1 on several
         ranks mean plain data parallelism over them, as in Accelerate)."""
-        return resolve(world_size, dp_replicate=self.dp_replicate_size, dp_shard=self.dp_shard_size,
-                       cp=self.cp_size, tp=self.tp_size, cp_comm_strategy=self.cp_comm_strategy,
-                       ep=self.expert_parallel_size)
+        return resolve(
+            world_size,
+            dp_replicate=self.dp_replicate_size,
+            dp_shard=self.dp_shard_size,
+            cp=self.cp_size,
+            tp=self.tp_size,
+            cp_comm_strategy=self.cp_comm_strategy,
+            ep=self.expert_parallel_size,
+        )
 
     @property
     def topology(self) -> Topology | None:
@@ -235,12 +262,15 @@ class ParallelismConfig:
         """The mesh built from this config; ``device_type`` is needed the first time."""
         if self.topology is None:
             if device_type is None:
-                raise LayoutError("get_device_mesh() needs device_type (e.g. 'cuda' or 'cpu') the first time, to "
-                                  "build the mesh")
+                raise LayoutError(
+                    "get_device_mesh() needs device_type (e.g. 'cuda' or 'cpu') the first time, to build the mesh"
+                )
             return self.build_device_mesh(device_type)
         if device_type is not None and self.topology.device.type != device_type:
-            raise LayoutError(f"the mesh of this ParallelismConfig was built for {self.topology.device.type!r}, not "
-                              f"{device_type!r}; build a new ParallelismConfig for another device type")
+            raise LayoutError(
+                f"the mesh of this ParallelismConfig was built for {self.topology.device.type!r}, not "
+                f"{device_type!r}; build a new ParallelismConfig for another device type"
+            )
         return self.topology.mesh
 
     # -- Accelerate's properties ---------------------------------------------------------------------
@@ -250,8 +280,10 @@ class ParallelismConfig:
             world = current_world_size()
             others = self.dp_replicate_size * self.cp_size * self.tp_size
             if world % others:
-                raise LayoutError(f"dp_shard_size=-1 cannot fill a world of {world} ranks: dp_replicate_size x "
-                                  f"cp_size x tp_size = {others} does not divide it")
+                raise LayoutError(
+                    f"dp_shard_size=-1 cannot fill a world of {world} ranks: dp_replicate_size x "
+                    f"cp_size x tp_size = {others} does not divide it"
+                )
             return world // others
         return getattr(self, f"{axis}_size")
 

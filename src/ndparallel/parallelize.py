@@ -32,15 +32,21 @@ from ndparallel.models.families import needs_eager_attention
 from ndparallel.parallel.checkpointing import apply_activation_checkpointing
 from ndparallel.parallel.compile import apply_compile
 from ndparallel.parallel.context import apply_context_parallel
-from ndparallel.parallel.float8 import Fp8Spec, check_fp8_supported, convert_to_fp8
 from ndparallel.parallel.expert import apply_expert_parallel, apply_moe_tensor_parallel, moe_fsdp_units
+from ndparallel.parallel.float8 import Fp8Spec, check_fp8_supported, convert_to_fp8
 from ndparallel.parallel.fsdp import apply_fsdp, wrap_units
 from ndparallel.parallel.single_rank import apply_single_rank, eligible
 from ndparallel.parallel.tensor import apply_tensor_parallel
 from ndparallel.topology import Topology
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def as_dtype(value: str | torch.dtype | None, *, setting: str) -> torch.dtype | None:
@@ -80,8 +86,9 @@ class ParallelOptions:
     buffers instead (same numbers, less copying); this restores the FSDP path (for comparisons)."""
 
 
-def parallelize(model: nn.Module, topology: Topology, *, options: ParallelOptions | None = None,
-                lora: LoraSpec | None = None) -> nn.Module:
+def parallelize(
+    model: nn.Module, topology: Topology, *, options: ParallelOptions | None = None, lora: LoraSpec | None = None
+) -> nn.Module:
     """Parallelize ``model`` in place over ``topology`` and return it.
 
     ``lora``: add LoRA adapters after tensor parallelism (so they take the split of the layer they adapt)
@@ -94,8 +101,10 @@ def parallelize(model: nn.Module, topology: Topology, *, options: ParallelOption
     if fp8 is not None:
         check_fp8_supported(topology.device, fp8)
         if lora is not None:
-            raise ConfigError("fp8: true with adapter: lora is not supported (LoRA's adapters are far below FP8's "
-                              "useful size and its frozen-base path is not validated); set fp8: false")
+            raise ConfigError(
+                "fp8: true with adapter: lora is not supported (LoRA's adapters are far below FP8's "
+                "useful size and its frozen-base path is not validated); set fp8: false"
+            )
         convert_to_fp8(parts, fp8, fsdp_size=1 if options.cpu_offload else topology.layout.fsdp_size)
     apply_tensor_parallel(parts, topology.tp)
     apply_moe_tensor_parallel(parts, topology.tp)
@@ -105,8 +114,11 @@ def parallelize(model: nn.Module, topology: Topology, *, options: ParallelOption
     if parts.own_attention is None:
         apply_context_parallel(model, topology)
     elif needs_eager_attention(model.config) and model.config._attn_implementation == "sdpa":
-        warnings.warn("attention-logit soft-capping needs transformers' eager attention (SDPA has no soft cap); "
-                      "switching this model from sdpa to eager", stacklevel=2)
+        warnings.warn(
+            "attention-logit soft-capping needs transformers' eager attention (SDPA has no soft cap); "
+            "switching this model from sdpa to eager",
+            stacklevel=2,
+        )
         model.set_attn_implementation("eager")
     # else the model keeps transformers' attention (cp is 1: check_model refused more), which takes packed
     # rows exactly through transformers' document masks built from the position ids.

@@ -36,10 +36,18 @@ from ndparallel.topology import Topology
 _MODEL_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 
 
-def load_pretrained(name_or_path: str | os.PathLike, topology: Topology, *, options: ParallelOptions | None = None,
-                    lora: LoraSpec | None = None, revision: str | None = None, cache_dir: str | None = None,
-                    local_files_only: bool = False, config_overrides: dict[str, Any] | None = None,
-                    seed: int = 0) -> nn.Module:
+def load_pretrained(
+    name_or_path: str | os.PathLike,
+    topology: Topology,
+    *,
+    options: ParallelOptions | None = None,
+    lora: LoraSpec | None = None,
+    revision: str | None = None,
+    cache_dir: str | None = None,
+    local_files_only: bool = False,
+    config_overrides: dict[str, Any] | None = None,
+    seed: int = 0,
+) -> nn.Module:
     """A Hugging Face causal LM (a local directory or a hub id) parallelized over ``topology``, in train mode.
 
     Every rank calls it. A hub id is downloaded once per node (local rank 0) while the other ranks wait;
@@ -47,8 +55,7 @@ def load_pretrained(name_or_path: str | os.PathLike, topology: Topology, *, opti
     ``HF_HUB_OFFLINE=1`` reads only the local cache. Weights are read with safetensors only; no code from the
     directory is run. ``lora``: add fresh LoRA adapters (the base frozen), placed like the layers they adapt.
     """
-    directory = model_directory(name_or_path, revision=revision, cache_dir=cache_dir,
-                                local_files_only=local_files_only)
+    directory = model_directory(name_or_path, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only)
     config = model_config_for(base_model=str(directory), model_shape=None, overrides=dict(config_overrides or {}))
     model = meta_model(config)
     parallelize(model, topology, options=options, lora=lora)
@@ -56,8 +63,13 @@ def load_pretrained(name_or_path: str | os.PathLike, topology: Topology, *, opti
     return model.train()
 
 
-def model_directory(name_or_path: str | os.PathLike, *, revision: str | None = None, cache_dir: str | None = None,
-                    local_files_only: bool = False) -> Path:
+def model_directory(
+    name_or_path: str | os.PathLike,
+    *,
+    revision: str | None = None,
+    cache_dir: str | None = None,
+    local_files_only: bool = False,
+) -> Path:
     """A local model directory, or the snapshot of a hub id in the Hugging Face cache (downloaded on each node's
     local rank 0 first; a failure there is raised on every rank)."""
     path = Path(name_or_path)
@@ -67,12 +79,21 @@ def model_directory(name_or_path: str | os.PathLike, *, revision: str | None = N
 
     def fetch(only_local: bool) -> Path:
         try:
-            return Path(snapshot_download(str(name_or_path), revision=revision, cache_dir=cache_dir,
-                                          allow_patterns=_MODEL_FILES, local_files_only=only_local))
+            return Path(
+                snapshot_download(
+                    str(name_or_path),
+                    revision=revision,
+                    cache_dir=cache_dir,
+                    allow_patterns=_MODEL_FILES,
+                    local_files_only=only_local,
+                )
+            )
         except Exception as exc:  # not found, offline without a cached copy, no access ...
-            raise ModelError(f"{str(name_or_path)!r} is neither a local directory nor a model the Hugging Face hub "
-                             f"cache can give ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); check the "
-                             f"name, revision and HF_HUB_OFFLINE/HF_HOME") from None
+            raise ModelError(
+                f"{str(name_or_path)!r} is neither a local directory nor a model the Hugging Face hub "
+                f"cache can give ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); check the "
+                f"name, revision and HF_HUB_OFFLINE/HF_HOME"
+            ) from None
 
     offline = local_files_only or constants.HF_HUB_OFFLINE
     if not (dist.is_available() and dist.is_initialized()):
@@ -88,9 +109,18 @@ def model_directory(name_or_path: str | os.PathLike, *, revision: str | None = N
     return fetch(True)
 
 
-def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, topology: Topology, *, lora: LoraSpec | None = None,
-                    merge_lora: bool = False, dtype: str | torch.dtype = "bfloat16", tokenizer: Any = None,
-                    base_model: str | None = None, max_shard_size: str = "5GB") -> Path:
+def save_pretrained(
+    model: nn.Module,
+    out_dir: str | os.PathLike,
+    topology: Topology,
+    *,
+    lora: LoraSpec | None = None,
+    merge_lora: bool = False,
+    dtype: str | torch.dtype = "bfloat16",
+    tokenizer: Any = None,
+    base_model: str | None = None,
+    max_shard_size: str = "5GB",
+) -> Path:
     """Write a Hugging Face directory from a live (sharded) model: every rank calls it, rank 0 writes.
 
     ``lora``: the model carries these adapters; write them as a PEFT adapter directory (``base_model``
@@ -112,8 +142,14 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, topology: Topo
         # Merging adapters is done in float32 (then cast); otherwise gather straight in the export dtype.
         state = _gathered_state(model, on_rank0=topology.is_main, dtype=torch.float32 if lora else torch_dtype)
         if topology.is_main:
-            _write_hf(model.config, state, partial, dtype=torch_dtype, max_shard_size=max_shard_size,
-                      lora=lora if merge_lora else None)
+            _write_hf(
+                model.config,
+                state,
+                partial,
+                dtype=torch_dtype,
+                max_shard_size=max_shard_size,
+                lora=lora if merge_lora else None,
+            )
     if topology.is_main:
         if tokenizer is not None:
             tokenizer.save_pretrained(partial)
@@ -145,8 +181,15 @@ def _tied_head_key(model: nn.Module) -> str | None:
     return next(_compat.canonical_name(n) for n, m in model.named_modules() if m is head) + ".weight"
 
 
-def _write_hf(config, state: dict[str, torch.Tensor], directory: Path, *, dtype: torch.dtype, max_shard_size: str,
-              lora: LoraSpec | None) -> None:
+def _write_hf(
+    config,
+    state: dict[str, torch.Tensor],
+    directory: Path,
+    *,
+    dtype: torch.dtype,
+    max_shard_size: str,
+    lora: LoraSpec | None,
+) -> None:
     """Rank 0: a CPU model of ``config`` holding ``state`` (adapters merged if ``lora``), saved by transformers."""
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, dtype=next(iter(state.values())).dtype)
@@ -156,8 +199,9 @@ def _write_hf(config, state: dict[str, torch.Tensor], directory: Path, *, dtype:
     missing, unexpected = skeleton.load_state_dict(state, strict=False)
     missing = [k for k in missing if k != _tied_head_key(skeleton)]
     if missing or unexpected:
-        raise ModelError(f"the live model's weights do not match its config: missing {missing[:3]}, unexpected "
-                         f"{unexpected[:3]}")
+        raise ModelError(
+            f"the live model's weights do not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
     with torch.no_grad():
         restore_buffers(skeleton, torch.device("cpu"))
     if lora is not None:

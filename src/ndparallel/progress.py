@@ -56,8 +56,10 @@ def progress_fields(record: dict[str, Any]) -> dict[str, str]:
 
 def timing_line(record: dict[str, Any]) -> str:
     """Where a step's time went: 'data 2 ms, fwd+bwd 540 ms, optimizer 60 ms, checkpoint stall 0 ms'."""
-    parts = [(name, record.get(key)) for name, key in (("data", "data_s"), ("fwd+bwd", "fwd_bwd_s"),
-                                                       ("optimizer", "optimizer_s"))]
+    parts = [
+        (name, record.get(key))
+        for name, key in (("data", "data_s"), ("fwd+bwd", "fwd_bwd_s"), ("optimizer", "optimizer_s"))
+    ]
     text = ", ".join(f"{name} {human_seconds(v)}" for name, v in parts if v is not None)
     if record.get("checkpoint_stall_s"):
         text += f"; checkpoint stall {human_seconds(record['checkpoint_stall_s'])}"

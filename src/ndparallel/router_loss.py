@@ -70,8 +70,9 @@ def local_token_mask(batch: Batch, topology: Topology) -> torch.Tensor:
     return real.reshape(-1)
 
 
-def _expert_sums(logits: tuple[torch.Tensor, ...], real: torch.Tensor, top_k: int, num_experts: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def _expert_sums(
+    logits: tuple[torch.Tensor, ...], real: torch.Tensor, top_k: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(top-k picks per expert, summed router probabilities per expert) over layers and real tokens."""
     picks = torch.zeros(num_experts, device=real.device)
     probs = torch.zeros(num_experts, device=real.device)

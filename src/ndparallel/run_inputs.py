@@ -13,8 +13,8 @@ import torch
 from ndparallel import hub
 from ndparallel.config import TrainConfig
 from ndparallel.data import DatasetSpec, load_tokenizer
-from ndparallel.data.hub_files import snapshot_patterns
 from ndparallel.data.files import resolve_data_path
+from ndparallel.data.hub_files import snapshot_patterns
 from ndparallel.data.templates import template_source
 from ndparallel.data.tokenizer import add_config_tokens
 from ndparallel.optim8bit import build_adamw_8bit
@@ -38,13 +38,24 @@ def hub_fetches(cfg: TrainConfig) -> list:
 
 
 def _model(name, revision, weights, trust_remote_code, setting, download: bool) -> None:
-    hub.model_dir(name, revision=revision, weights=weights, trust_remote_code=trust_remote_code, download=download,
-                  setting=setting)
+    hub.model_dir(
+        name,
+        revision=revision,
+        weights=weights,
+        trust_remote_code=trust_remote_code,
+        download=download,
+        setting=setting,
+    )
 
 
 def _dataset(spec: DatasetSpec, download: bool) -> None:
-    hub.dataset_dir(spec.path, revision=spec.revision, patterns=snapshot_patterns(spec), download=download,
-                    setting=f"datasets path {spec.path}")
+    hub.dataset_dir(
+        spec.path,
+        revision=spec.revision,
+        patterns=snapshot_patterns(spec),
+        download=download,
+        setting=f"datasets path {spec.path}",
+    )
 
 
 def fetch_run_inputs(cfg: TrainConfig, device_type: str) -> None:
@@ -71,16 +82,23 @@ def fetch_run_inputs(cfg: TrainConfig, device_type: str) -> None:
         for job in jobs:
             job(download)
 
-    hub.on_each_node(fetch, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-                     barrier=lambda: dist.barrier(group=group), all_ok=first_error)
+    hub.on_each_node(
+        fetch,
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        barrier=lambda: dist.barrier(group=group),
+        all_ok=first_error,
+    )
 
 
 def base_model_dir(cfg: TrainConfig) -> str | None:
     """The local directory of base_model (its hub snapshot for a hub id), or None for random init."""
     if cfg.base_model is None:
         return None
-    return str(hub.model_dir(cfg.base_model, revision=cfg.revision_of_model, trust_remote_code=cfg.trust_remote_code,
-                             download=False))
+    return str(
+        hub.model_dir(
+            cfg.base_model, revision=cfg.revision_of_model, trust_remote_code=cfg.trust_remote_code, download=False
+        )
+    )
 
 
 def load_run_tokenizer(cfg: TrainConfig):
@@ -88,8 +106,9 @@ def load_run_tokenizer(cfg: TrainConfig):
     chat template the config names (kept on the tokenizer, so checkpoints and exports carry it)."""
     name = cfg.tokenizer_config or cfg.base_model
     revision = cfg.revision_of_model if name == cfg.base_model else None
-    tokenizer = load_tokenizer(name, revision=revision, tokenizer_type=cfg.tokenizer_type,
-                               trust_remote_code=cfg.trust_remote_code)
+    tokenizer = load_tokenizer(
+        name, revision=revision, tokenizer_type=cfg.tokenizer_type, trust_remote_code=cfg.trust_remote_code
+    )
     specials = cfg.special_tokens.model_dump() if cfg.special_tokens else None
     added = add_config_tokens(tokenizer, specials, cfg.tokens)
     template = template_source(cfg.chat_template, cfg.chat_template_jinja, tokenizer.chat_template)
@@ -103,19 +122,44 @@ def dataset_specs(cfg: TrainConfig, *, template: str | None) -> list[DatasetSpec
     chat_template, else ``template``, the run's)."""
     specs = []
     for d in cfg.datasets:
-        own = template_source(d.chat_template, d.chat_template_jinja, template) if (
-            d.chat_template or d.chat_template_jinja) else template
-        specs.append(DatasetSpec(
-            path=resolve_data_path(d.path), type=d.type, split=d.split, field=d.field_messages or d.field,
-            name=d.name, data_files=_files(d.data_files), revision=d.revision, ds_type=d.ds_type,
-            role_key=d.role_key, content_key=d.content_key, roles=d.roles,
-            roles_to_train=tuple(d.roles_to_train or ("assistant",)), drop_system_message=d.drop_system_message,
-            chat_template=own if d.type in ("chat_template", "chat") else None,
-            template_kwargs=dict(cfg.chat_template_kwargs), train_on_inputs=cfg.train_on_inputs))
+        own = (
+            template_source(d.chat_template, d.chat_template_jinja, template)
+            if (d.chat_template or d.chat_template_jinja)
+            else template
+        )
+        specs.append(
+            DatasetSpec(
+                path=resolve_data_path(d.path),
+                type=d.type,
+                split=d.split,
+                field=d.field_messages or d.field,
+                name=d.name,
+                data_files=_files(d.data_files),
+                revision=d.revision,
+                ds_type=d.ds_type,
+                role_key=d.role_key,
+                content_key=d.content_key,
+                roles=d.roles,
+                roles_to_train=tuple(d.roles_to_train or ("assistant",)),
+                drop_system_message=d.drop_system_message,
+                chat_template=own if d.type in ("chat_template", "chat") else None,
+                template_kwargs=dict(cfg.chat_template_kwargs),
+                train_on_inputs=cfg.train_on_inputs,
+            )
+        )
     for p in cfg.pretraining_dataset or []:
-        specs.append(DatasetSpec(path=resolve_data_path(p.path), type="completion", split=p.split,
-                                 field=p.field or p.text_column, name=p.name, data_files=_files(p.data_files),
-                                 revision=p.revision, skip=p.skip or 0))
+        specs.append(
+            DatasetSpec(
+                path=resolve_data_path(p.path),
+                type="completion",
+                split=p.split,
+                field=p.field or p.text_column,
+                name=p.name,
+                data_files=_files(p.data_files),
+                revision=p.revision,
+                skip=p.skip or 0,
+            )
+        )
     return specs
 
 
@@ -137,7 +181,20 @@ def build_run_optimizer(model: torch.nn.Module, cfg: TrainConfig, device_type: s
     """AdamW as the config says; the 8-bit variants are torchao's AdamW8bit (``optim8bit``)."""
     betas, eps = (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_epsilon
     if cfg.eight_bit_optimizer:
-        return build_adamw_8bit(model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=betas, eps=eps,
-                                device_type=device_type, setting=cfg.optimizer)
-    return build_optimizer(model, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=betas, eps=eps,
-                           fused=None if cfg.optimizer != "adamw_torch" else False)
+        return build_adamw_8bit(
+            model,
+            lr=cfg.learning_rate,
+            weight_decay=cfg.weight_decay,
+            betas=betas,
+            eps=eps,
+            device_type=device_type,
+            setting=cfg.optimizer,
+        )
+    return build_optimizer(
+        model,
+        lr=cfg.learning_rate,
+        weight_decay=cfg.weight_decay,
+        betas=betas,
+        eps=eps,
+        fused=None if cfg.optimizer != "adamw_torch" else False,
+    )

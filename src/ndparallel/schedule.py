@@ -61,24 +61,42 @@ def schedule_for(cfg, *, steps_per_epoch: int) -> Schedule:
     """The run's schedule from a ``TrainConfig`` and the number of optimizer steps in one epoch."""
     total = cfg.max_steps or max(1, math.ceil(cfg.num_epochs * steps_per_epoch))
     if cfg.warmup_steps is not None:
-        warmup = int(cfg.warmup_steps) if cfg.warmup_steps >= 1 or cfg.warmup_steps == 0 \
-            else int(cfg.warmup_steps * total)
+        warmup = (
+            int(cfg.warmup_steps) if cfg.warmup_steps >= 1 or cfg.warmup_steps == 0 else int(cfg.warmup_steps * total)
+        )
     elif cfg.warmup_ratio is not None:
         warmup = int(cfg.warmup_ratio * total)
     else:
         warmup = min(int(0.03 * total), 100)
-    save_every = _every(cfg.save_strategy, cfg.save_steps, cfg.saves_per_epoch, cfg.num_epochs, total,
-                        steps_per_epoch, default="epoch")
-    eval_every = _every(cfg.eval_strategy, cfg.eval_steps, cfg.evals_per_epoch, cfg.num_epochs, total,
-                        steps_per_epoch, default="no")
-    return Schedule(total_steps=total, steps_per_epoch=steps_per_epoch, warmup_steps=warmup, kind=cfg.lr_scheduler,
-                    min_lr_ratio=cfg.cosine_min_lr_ratio or 0.0, constant_lr_ratio=cfg.cosine_constant_lr_ratio or None,
-                    log_every=cfg.logging_steps or max(min(int(0.005 * total), 10), 1),
-                    save_every=save_every, eval_every=eval_every)
+    save_every = _every(
+        cfg.save_strategy, cfg.save_steps, cfg.saves_per_epoch, cfg.num_epochs, total, steps_per_epoch, default="epoch"
+    )
+    eval_every = _every(
+        cfg.eval_strategy, cfg.eval_steps, cfg.evals_per_epoch, cfg.num_epochs, total, steps_per_epoch, default="no"
+    )
+    return Schedule(
+        total_steps=total,
+        steps_per_epoch=steps_per_epoch,
+        warmup_steps=warmup,
+        kind=cfg.lr_scheduler,
+        min_lr_ratio=cfg.cosine_min_lr_ratio or 0.0,
+        constant_lr_ratio=cfg.cosine_constant_lr_ratio or None,
+        log_every=cfg.logging_steps or max(min(int(0.005 * total), 10), 1),
+        save_every=save_every,
+        eval_every=eval_every,
+    )
 
 
-def _every(strategy: str | None, steps: float | None, per_epoch: int | None, epochs: float, total: int,
-           steps_per_epoch: int, *, default: str) -> int | None:
+def _every(
+    strategy: str | None,
+    steps: float | None,
+    per_epoch: int | None,
+    epochs: float,
+    total: int,
+    steps_per_epoch: int,
+    *,
+    default: str,
+) -> int | None:
     """Steps between two saves (or evaluations); None when only the end counts."""
     if strategy == "no":
         return None

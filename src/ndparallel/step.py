@@ -33,8 +33,9 @@ def count_tokens(local_count: torch.Tensor | int, topology: Topology) -> torch.T
     return total
 
 
-def token_loss(logits: torch.Tensor, labels: torch.Tensor, *, num_tokens: torch.Tensor, topology: Topology,
-               compiled: bool = False) -> torch.Tensor:
+def token_loss(
+    logits: torch.Tensor, labels: torch.Tensor, *, num_tokens: torch.Tensor, topology: Topology, compiled: bool = False
+) -> torch.Tensor:
     """This rank's share of the step loss: its token-loss sum / the global token count.
 
     ``logits`` are the model's (B, L, V) — or (B, L, V/tp) under tensor parallelism, vocabulary-split.
@@ -66,7 +67,7 @@ def gather_logits(logits: torch.Tensor, topology: Topology) -> torch.Tensor:
         padded = torch.nn.functional.pad(logits, (0, widest - logits.shape[-1])).contiguous()
         parts = [torch.empty_like(padded) for _ in widths]
         dist.all_gather(parts, padded, group=group)
-        logits = torch.cat([part[..., :int(w)] for part, w in zip(parts, widths)], dim=-1)
+        logits = torch.cat([part[..., : int(w)] for part, w in zip(parts, widths)], dim=-1)
     return cp_gather(logits, topology, dim=1)
 
 
@@ -106,7 +107,9 @@ def _mesh_key(grad: torch.Tensor):
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float | None, *, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor], max_norm: float | None, *, norm_type: float = 2.0
+) -> torch.Tensor:
     """Clip gradients to a global norm; returns the norm before clipping (a tensor, no host sync).
 
     Parameters may live on different meshes (TP and FSDP DTensors, plain tensors), which
@@ -129,7 +132,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float | None, 
     if norm_type == float("inf"):
         total = torch.stack(partials).max()
     else:
-        total = torch.stack([p ** norm_type for p in partials]).sum() ** (1.0 / norm_type)
+        total = torch.stack([p**norm_type for p in partials]).sum() ** (1.0 / norm_type)
     if max_norm is not None:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         _compat.scale_tensors_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)

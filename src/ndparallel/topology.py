@@ -113,8 +113,10 @@ class Topology:
         existing = getattr(config, "topology", None)
         if existing is not None:
             if device_type is not None and existing.device.type != device_type:
-                raise LayoutError(f"this ParallelismConfig's mesh was built for {existing.device.type!r}, not "
-                                  f"{device_type!r}; build a new ParallelismConfig for another device type")
+                raise LayoutError(
+                    f"this ParallelismConfig's mesh was built for {existing.device.type!r}, not "
+                    f"{device_type!r}; build a new ParallelismConfig for another device type"
+                )
             return existing
         device_type = device_type or default_device_type()
         init_distributed(device_type=device_type, timeout_s=timeout_s)
@@ -129,8 +131,14 @@ class Topology:
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             device = torch.device(device_type)
-        topology = cls(layout=layout, device=device, mesh=mesh, views=views, fully_shard_mesh=fully_shard_mesh,
-                       rank=dist.get_rank())
+        topology = cls(
+            layout=layout,
+            device=device,
+            mesh=mesh,
+            views=views,
+            fully_shard_mesh=fully_shard_mesh,
+            rank=dist.get_rank(),
+        )
         if hasattr(config, "topology"):  # a ParallelismConfig remembers its one mesh
             config.topology = topology
         return topology

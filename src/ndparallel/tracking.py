@@ -20,9 +20,18 @@ from typing import Any
 from ndparallel.errors import ConfigError
 
 # Metric name -> the chart group it is shown under.
-_GROUPS = {"loss": "train", "eval_loss": "train", "grad_norm": "train", "lr": "train", "skipped_steps": "train",
-           "tokens": "throughput", "tokens_per_s": "throughput", "tokens_per_s_per_device": "throughput",
-           "mfu": "throughput", "peak_memory_gib": "memory"}
+_GROUPS = {
+    "loss": "train",
+    "eval_loss": "train",
+    "grad_norm": "train",
+    "lr": "train",
+    "skipped_steps": "train",
+    "tokens": "throughput",
+    "tokens_per_s": "throughput",
+    "tokens_per_s_per_device": "throughput",
+    "mfu": "throughput",
+    "peak_memory_gib": "memory",
+}
 
 
 def chart_name(key: str) -> str:
@@ -33,11 +42,15 @@ def chart_name(key: str) -> str:
 def check_trackers_installed(cfg) -> None:
     """One clear error, on every rank and before any work, when a tracker is asked for but not installed."""
     if cfg.use_tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("use_tensorboard: true, but tensorboard is not installed; pip install "
-                          "'ndparallel[tensorboard]' or set use_tensorboard: false")
+        raise ConfigError(
+            "use_tensorboard: true, but tensorboard is not installed; pip install "
+            "'ndparallel[tensorboard]' or set use_tensorboard: false"
+        )
     if wandb_wanted(cfg) and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("wandb_project is set, but wandb is not installed; pip install 'ndparallel[wandb]' or "
-                          "remove wandb_project (or set wandb_mode: disabled)")
+        raise ConfigError(
+            "wandb_project is set, but wandb is not installed; pip install 'ndparallel[wandb]' or "
+            "remove wandb_project (or set wandb_mode: disabled)"
+        )
 
 
 def wandb_wanted(cfg) -> bool:
@@ -68,9 +81,16 @@ class WandbTracker:
         import wandb
 
         self.log_model = cfg.wandb_log_model
-        self.run = wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity, name=cfg.wandb_name,
-                              id=cfg.wandb_run_id, resume="allow" if cfg.wandb_run_id else None,
-                              mode=cfg.wandb_mode, dir=str(output_dir), config=config)
+        self.run = wandb.init(
+            project=cfg.wandb_project,
+            entity=cfg.wandb_entity,
+            name=cfg.wandb_name,
+            id=cfg.wandb_run_id,
+            resume="allow" if cfg.wandb_run_id else None,
+            mode=cfg.wandb_mode,
+            dir=str(output_dir),
+            config=config,
+        )
 
     def log(self, record: dict[str, Any]) -> None:
         values = {chart_name(k): v for k, v in record.items() if k != "step" and v is not None}
@@ -95,12 +115,17 @@ def open_trackers(cfg, output_dir: Path, *, layout: dict[str, Any], layout_text:
 
     settings = cfg.model_dump(mode="json", by_alias=False)
     trackers: list = []
-    tensorboard = cfg.use_tensorboard if cfg.use_tensorboard is not None else \
-        importlib.util.find_spec("tensorboard") is not None
+    tensorboard = (
+        cfg.use_tensorboard if cfg.use_tensorboard is not None else importlib.util.find_spec("tensorboard") is not None
+    )
     if tensorboard:
-        trackers.append(TensorBoardTracker(output_dir / "tensorboard",
-                                           config_yaml=yaml.safe_dump(settings, sort_keys=False), layout=layout_text))
+        trackers.append(
+            TensorBoardTracker(
+                output_dir / "tensorboard", config_yaml=yaml.safe_dump(settings, sort_keys=False), layout=layout_text
+            )
+        )
     if wandb_wanted(cfg):
-        trackers.append(WandbTracker(cfg, output_dir, config={**settings, "layout": layout,
-                                                              "layout_description": layout_text}))
+        trackers.append(
+            WandbTracker(cfg, output_dir, config={**settings, "layout": layout, "layout_description": layout_text})
+        )
     return trackers

@@ -35,9 +35,17 @@ from ndparallel.data import DataOrder, build_rows_distributed
 from ndparallel.errors import ConfigError
 from ndparallel.layout import Layout
 from ndparallel.lora import LoraSpec, save_peft_adapter
+from ndparallel.loss import IGNORE_INDEX
 from ndparallel.metrics import MetricsLogger, device_peak_flops, flops_per_token
 from ndparallel.models.build import initialize_adapters, materialize, meta_model, model_config_for
-from ndparallel.oom import DeviceMemoryError, device_memory_gib, layout_text, memory_history, oom_message, write_snapshot
+from ndparallel.oom import (
+    DeviceMemoryError,
+    device_memory_gib,
+    layout_text,
+    memory_history,
+    oom_message,
+    write_snapshot,
+)
 from ndparallel.parallel.float8 import Fp8Spec
 from ndparallel.parallelize import ParallelOptions, parallelize
 from ndparallel.progress import human_seconds
@@ -74,11 +82,17 @@ def resolve_layout(cfg: TrainConfig, world_size: int, model_config) -> tuple[Lay
     if cfg.dp_shard_size == "auto":
         from ndparallel.planner import best_layout
 
-        layout, reason = best_layout(model_config, world_size, cfg.sequence_len,
-                                     micro_batch_size=cfg.micro_batch_size, cp_comm_strategy=cfg.cp_comm_strategy,
-                                     activation_checkpointing=cfg.ac_mode, compile=cfg.torch_compile,
-                                     gradient_sync=cfg.gradient_sync,
-                                     lora_rank=cfg.lora_r if cfg.adapter == "lora" else None)
+        layout, reason = best_layout(
+            model_config,
+            world_size,
+            cfg.sequence_len,
+            micro_batch_size=cfg.micro_batch_size,
+            cp_comm_strategy=cfg.cp_comm_strategy,
+            activation_checkpointing=cfg.ac_mode,
+            compile=cfg.torch_compile,
+            gradient_sync=cfg.gradient_sync,
+            lora_rank=cfg.lora_r if cfg.adapter == "lora" else None,
+        )
         # The planner does not weigh expert parallelism yet: the ep size asked for is applied to its layout.
         return dataclasses.replace(layout, ep=cfg.expert_parallel_size), reason
     return cfg.parallelism(world_size=world_size).resolve(world_size), None
@@ -87,9 +101,13 @@ def resolve_layout(cfg: TrainConfig, world_size: int, model_config) -> tuple[Lay
 def fp8_spec(cfg: TrainConfig) -> Fp8Spec | None:
     if not cfg.fp8:
         return None
-    return Fp8Spec(recipe=cfg.fp8_recipe, keep_bf16_layers=tuple(cfg.fp8_keep_bf16_layers),
-                   keep_bf16_modules=tuple(cfg.fp8_keep_bf16_modules), min_features=cfg.fp8_min_features,
-                   fsdp_float8_all_gather=cfg.fp8_enable_fsdp_float8_all_gather)
+    return Fp8Spec(
+        recipe=cfg.fp8_recipe,
+        keep_bf16_layers=tuple(cfg.fp8_keep_bf16_layers),
+        keep_bf16_modules=tuple(cfg.fp8_keep_bf16_modules),
+        min_features=cfg.fp8_min_features,
+        fsdp_float8_all_gather=cfg.fp8_enable_fsdp_float8_all_gather,
+    )
 
 
 @contextlib.contextmanager
@@ -146,16 +164,22 @@ def setup(cfg: TrainConfig) -> TrainingRun:
     """Check the config, build mesh, data, model and optimizer, and resume if asked (on every rank)."""
     device_type = default_device_type() if cfg.device == "auto" else cfg.device
     if device_type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device: cuda, but this machine has no CUDA GPU (or torch is a CPU build); set device: "
-                          "cpu or auto")
+        raise ConfigError(
+            "device: cuda, but this machine has no CUDA GPU (or torch is a CPU build); set device: cpu or auto"
+        )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     torch.manual_seed(cfg.seed)
     fetch_run_inputs(cfg, device_type)  # hub ids: local rank 0 of each node downloads while the others wait
 
     # 1. Checks that need no communication: the same answer on every rank.
-    model_config = model_config_for(base_model=cfg.base_model, model_shape=cfg.model_shape,
-                                    overrides=cfg.model_config_overrides, max_position_embeddings=cfg.sequence_len,
-                                    revision=cfg.revision_of_model, trust_remote_code=cfg.trust_remote_code)
+    model_config = model_config_for(
+        base_model=cfg.base_model,
+        model_shape=cfg.model_shape,
+        overrides=cfg.model_config_overrides,
+        max_position_embeddings=cfg.sequence_len,
+        revision=cfg.revision_of_model,
+        trust_remote_code=cfg.trust_remote_code,
+    )
     layout, layout_reason = resolve_layout(cfg, world, model_config)
     tokenizer, added_tokens = load_run_tokenizer(cfg)
     vocab_from, vocab_note = fit_vocab(model_config, len(tokenizer), added_tokens, tp=layout.tp)
@@ -171,73 +195,128 @@ def setup(cfg: TrainConfig) -> TrainingRun:
     cache_dir = cfg.dataset_prepared_path or str(output_dir / "prepared")
     global_rows = cfg.micro_batch_size * layout.batch_size * cfg.gradient_accumulation_steps
     train_rows, eval_rows = build_rows_distributed(
-        specs, tokenizer, seq_len=cfg.sequence_len, packing=cfg.sample_packing or bool(cfg.pretraining_dataset),
-        cache_dir=cache_dir, long_rows=cfg.long_rows_policy, eval_fraction=cfg.val_set_size, seed=cfg.seed,
-        min_len=cfg.min_sample_len, eval_packing=cfg.eval_packing, token_budget=token_budget(cfg, global_rows),
-        is_main=topo.is_main, barrier=dist.barrier)
+        specs,
+        tokenizer,
+        seq_len=cfg.sequence_len,
+        packing=cfg.sample_packing or bool(cfg.pretraining_dataset),
+        cache_dir=cache_dir,
+        long_rows=cfg.long_rows_policy,
+        eval_fraction=cfg.val_set_size,
+        seed=cfg.seed,
+        min_len=cfg.min_sample_len,
+        eval_packing=cfg.eval_packing,
+        token_budget=token_budget(cfg, global_rows),
+        is_main=topo.is_main,
+        barrier=dist.barrier,
+    )
     model, lora = _build_model(cfg, model_config, topo, vocab_from=vocab_from)
     optimizer = build_run_optimizer(model, cfg, device_type)
 
-    order = DataOrder(len(train_rows), rows_per_rank=cfg.micro_batch_size, batch_rank=topo.batch_rank,
-                      batch_ranks=layout.batch_size, seed=cfg.seed)
+    order = DataOrder(
+        len(train_rows),
+        rows_per_rank=cfg.micro_batch_size,
+        batch_rank=topo.batch_rank,
+        batch_ranks=layout.batch_size,
+        seed=cfg.seed,
+    )
     steps_per_epoch = max(1, order.batches_per_epoch // cfg.gradient_accumulation_steps)
     schedule = schedule_for(cfg, steps_per_epoch=steps_per_epoch)
     total_steps = schedule.total_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.lr_factor)
     state = ckpt.TrainState()
-    checkpointer = ckpt.trainer_checkpointer(output_dir, keep=cfg.save_total_limit, async_save=cfg.async_save,
-                                             timeout_s=cfg.process_group_timeout_s)
+    checkpointer = ckpt.trainer_checkpointer(
+        output_dir, keep=cfg.save_total_limit, async_save=cfg.async_save, timeout_s=cfg.process_group_timeout_s
+    )
     load_s = None
     if resume_dir is not None:
         load_start = time.perf_counter()
-        state = ckpt.load(checkpointer, resume_dir, model=model, optimizer=optimizer, scheduler=scheduler,
-                          order=order)
+        state = ckpt.load(checkpointer, resume_dir, model=model, optimizer=optimizer, scheduler=scheduler, order=order)
         load_s = time.perf_counter() - load_start
         # The schedule resumes at the saved step, with this config's learning rate (it may have changed).
         scheduler.base_lrs = [cfg.learning_rate for _ in scheduler.base_lrs]
         for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
             group["lr"] = base * factor(scheduler.last_epoch)
-    return TrainingRun(cfg=cfg, topo=topo, model_config=model_config, tokenizer=tokenizer, model=model,
-                       optimizer=optimizer, scheduler=scheduler, order=order, train_rows=train_rows,
-                       eval_rows=eval_rows, lora=lora, state=state, checkpointer=checkpointer, total_steps=total_steps,
-                       steps_per_epoch=steps_per_epoch, resume_dir=resume_dir, layout_reason=layout_reason,
-                       schedule=schedule, load_s=load_s, vocab_note=vocab_note)
+    return TrainingRun(
+        cfg=cfg,
+        topo=topo,
+        model_config=model_config,
+        tokenizer=tokenizer,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        order=order,
+        train_rows=train_rows,
+        eval_rows=eval_rows,
+        lora=lora,
+        state=state,
+        checkpointer=checkpointer,
+        total_steps=total_steps,
+        steps_per_epoch=steps_per_epoch,
+        resume_dir=resume_dir,
+        layout_reason=layout_reason,
+        schedule=schedule,
+        load_s=load_s,
+        vocab_note=vocab_note,
+    )
 
 
 def _check_output_dir(cfg: TrainConfig, output_dir: Path) -> Path | None:
     """The checkpoint to resume from; refuses to mix a fresh run into another run's checkpoints or export."""
     resume_dir = ckpt.find_resume(output_dir, cfg.resume_from_checkpoint)
     if resume_dir is None and ckpt.has_checkpoints(output_dir) and not cfg.overwrite_output_dir:
-        raise ConfigError(f"output_dir {str(output_dir)!r} already holds checkpoints; resume with "
-                          f"resume_from_checkpoint: latest, choose another output_dir, or set overwrite_output_dir: true")
+        raise ConfigError(
+            f"output_dir {str(output_dir)!r} already holds checkpoints; resume with "
+            f"resume_from_checkpoint: latest, choose another output_dir, or set overwrite_output_dir: true"
+        )
     export_dir = output_dir / "hf"
     if cfg.export_hf and export_dir.exists() and any(export_dir.iterdir()) and not cfg.overwrite_output_dir:
-        raise ConfigError(f"export_hf would replace {str(export_dir)!r}, which is not empty; move it away, choose "
-                          f"another output_dir, or set overwrite_output_dir: true")
+        raise ConfigError(
+            f"export_hf would replace {str(export_dir)!r}, which is not empty; move it away, choose "
+            f"another output_dir, or set overwrite_output_dir: true"
+        )
     return resume_dir
 
 
-def _build_model(cfg: TrainConfig, model_config, topo: Topology, *, vocab_from: int | None = None
-                 ) -> tuple[torch.nn.Module, LoraSpec | None]:
+def _build_model(
+    cfg: TrainConfig, model_config, topo: Topology, *, vocab_from: int | None = None
+) -> tuple[torch.nn.Module, LoraSpec | None]:
     """The model built on the meta device, parallelized, then filled shard by shard (offloaded: on the CPU)."""
     bf16 = cfg.bf16 if cfg.bf16 != "auto" else topo.device.type == "cuda"
-    options = ParallelOptions(param_dtype="bfloat16" if bf16 else None, reduce_dtype="float32",
-                              activation_checkpointing=cfg.ac_mode, compile=cfg.torch_compile,
-                              fsdp_wrap=cfg.fsdp_wrap, reshard_after_forward=cfg.reshard_after_forward,
-                              cpu_offload=cfg.cpu_offload, fp8=fp8_spec(cfg))
+    options = ParallelOptions(
+        param_dtype="bfloat16" if bf16 else None,
+        reduce_dtype="float32",
+        activation_checkpointing=cfg.ac_mode,
+        compile=cfg.torch_compile,
+        fsdp_wrap=cfg.fsdp_wrap,
+        reshard_after_forward=cfg.reshard_after_forward,
+        cpu_offload=cfg.cpu_offload,
+        fp8=fp8_spec(cfg),
+    )
     model = meta_model(model_config)
     lora = LoraSpec.from_config(cfg)
     if cfg.cpu_offload and topo.world_size == 1:
         # FSDP2 takes over a one-rank unit's parameters when fully_shard runs (it re-reads them later only when
         # they are sharded), so offloaded parameters must have their CPU storage before it.
-        materialize(model, topo.device, weights_dir=base_model_dir(cfg), seed=cfg.seed, offload_params=True,
-                    vocab_from=vocab_from)
+        materialize(
+            model,
+            topo.device,
+            weights_dir=base_model_dir(cfg),
+            seed=cfg.seed,
+            offload_params=True,
+            vocab_from=vocab_from,
+        )
         parallelize(model, topo, options=options, lora=lora)
         initialize_adapters(model, cfg.seed)
     else:
         parallelize(model, topo, options=options, lora=lora)
-        materialize(model, topo.device, weights_dir=base_model_dir(cfg), seed=cfg.seed,
-                    offload_params=cfg.cpu_offload, vocab_from=vocab_from)
+        materialize(
+            model,
+            topo.device,
+            weights_dir=base_model_dir(cfg),
+            seed=cfg.seed,
+            offload_params=cfg.cpu_offload,
+            vocab_from=vocab_from,
+        )
     model.train()
     return model, lora
 
@@ -269,48 +348,74 @@ def _open_metrics(run: TrainingRun) -> MetricsLogger:
     trackers = []
     if topo.is_main:
         lay = topo.layout
-        trackers = open_trackers(cfg, output_dir, layout_text=topo.describe(),
-                                 layout={"dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "cp": lay.cp,
-                                         "tp": lay.tp, "cp_comm_strategy": lay.cp_comm_strategy,
-                                         "world_size": lay.world_size})
-    metrics = MetricsLogger(output_dir, enabled=topo.is_main, total_steps=run.total_steps, start_step=state.step,
-                            trackers=trackers)
+        trackers = open_trackers(
+            cfg,
+            output_dir,
+            layout_text=topo.describe(),
+            layout={
+                "dp_replicate": lay.dp_replicate,
+                "dp_shard": lay.dp_shard,
+                "cp": lay.cp,
+                "tp": lay.tp,
+                "cp_comm_strategy": lay.cp_comm_strategy,
+                "world_size": lay.world_size,
+            },
+        )
+    metrics = MetricsLogger(
+        output_dir, enabled=topo.is_main, total_steps=run.total_steps, start_step=state.step, trackers=trackers
+    )
     metrics.message(topo.describe())
-    for note in filter(None, [run.layout_reason and f"layout chosen by the planner: {run.layout_reason}",
-                              run.vocab_note]):
+    for note in filter(
+        None, [run.layout_reason and f"layout chosen by the planner: {run.layout_reason}", run.vocab_note]
+    ):
         metrics.message(note)
-    metrics.message(f"data: {len(run.train_rows)} rows of {cfg.sequence_len} tokens; {run.steps_per_epoch} steps "
-                    f"per epoch; {run.total_steps} steps"
-                    + (f"; resumed at step {state.step} from {run.resume_dir} (loaded in {human_seconds(run.load_s)})"
-                       if run.resume_dir else ""))
+    metrics.message(
+        f"data: {len(run.train_rows)} rows of {cfg.sequence_len} tokens; {run.steps_per_epoch} steps "
+        f"per epoch; {run.total_steps} steps"
+        + (
+            f"; resumed at step {state.step} from {run.resume_dir} (loaded in {human_seconds(run.load_s)})"
+            if run.resume_dir
+            else ""
+        )
+    )
     if cfg.wandb_watch not in (None, False, "false") and wandb_wanted(cfg):
-        metrics.message(f"wandb_watch: {cfg.wandb_watch} is not logged (parameters are sharded over ranks); "
-                        f"the global grad_norm is")
+        metrics.message(
+            f"wandb_watch: {cfg.wandb_watch} is not logged (parameters are sharded over ranks); the global grad_norm is"
+        )
     return metrics
 
 
 def _train_loop(run: TrainingRun, metrics: MetricsLogger) -> None:
     """Optimizer steps from the resumed step to the last: step, then save and log when due."""
     cfg, topo, state = run.cfg, run.topo, run.state
-    window = LogWindow(topo, nan_policy=cfg.nan_policy, flops_per_token=flops_per_token(run.model_config,
-                       cfg.sequence_len), peak_flops=device_peak_flops(topo.device))
+    window = LogWindow(
+        topo,
+        nan_policy=cfg.nan_policy,
+        flops_per_token=flops_per_token(run.model_config, cfg.sequence_len),
+        peak_flops=device_peak_flops(topo.device),
+    )
     saved = run.resume_dir
     batches = iter(run.order)
     with memory_history(cfg.cuda_memory_snapshot, topo.device):
         for step in range(state.step, run.total_steps):
             try:
                 with window.timer.phase("data"):
-                    micro = [prepare_batch(**run.train_rows.batch(next(batches)), topology=topo, local=True,
-                                           pad_token_id=run.tokenizer.pad_token_id)
-                             for _ in range(cfg.gradient_accumulation_steps)]
+                    micro = [
+                        prepare_batch(
+                            **run.train_rows.batch(next(batches)),
+                            topology=topo,
+                            local=True,
+                            pad_token_id=run.tokenizer.pad_token_id,
+                        )
+                        for _ in range(cfg.gradient_accumulation_steps)
+                    ]
                 window.add(step + 1, train_step(run, micro, window.timer))
             except torch.OutOfMemoryError:
                 raise _out_of_memory(run, step + 1) from None
             state.step = step + 1
             metrics.advance()
             if window.skipped_now:
-                metrics.message(f"step {state.step}: non-finite loss or gradient norm; step skipped "
-                                f"(nan_policy: skip)")
+                metrics.message(f"step {state.step}: non-finite loss or gradient norm; step skipped (nan_policy: skip)")
             saving = run.schedule.saving(state.step)
             evaluating = run.eval_rows is not None and run.schedule.evaluating(state.step)
             logging_now = run.schedule.logging(state.step) or evaluating
@@ -327,8 +432,9 @@ def train_step(run: TrainingRun, micro_batches: list, timer: PhaseTimer) -> Step
     policy). Returns device tensors; nothing here waits for the device unless ``nan_policy: skip``."""
     cfg, topo, optimizer = run.cfg, run.topo, run.optimizer
     with timer.phase("fwd_bwd"):
-        loss, tokens = forward_backward(run.model, micro_batches, topo, compiled_loss=cfg.torch_compile,
-                                        gradient_sync=cfg.gradient_sync)
+        loss, tokens = forward_backward(
+            run.model, micro_batches, topo, compiled_loss=cfg.torch_compile, gradient_sync=cfg.gradient_sync
+        )
     with timer.phase("optimizer"):
         grad_norm = clip_grad_norm_(run.trainable, cfg.clip_norm)
         skip = cfg.nan_policy == "skip" and not _finite_everywhere(loss, grad_norm, topo)
@@ -343,12 +449,24 @@ def _out_of_memory(run: TrainingRun, step: int) -> DeviceMemoryError:
     """The one-line error for a CUDA out-of-memory at ``step`` (with a snapshot when asked for)."""
     topo, cfg = run.topo, run.cfg
     if topo.device.type != "cuda":
-        return DeviceMemoryError(f"step {step}: out of memory on rank {topo.rank} ({topo.device.type}) with "
-                                 f"{layout_text(topo.layout)}; lower micro_batch_size or sequence_len")
+        return DeviceMemoryError(
+            f"step {step}: out of memory on rank {topo.rank} ({topo.device.type}) with "
+            f"{layout_text(topo.layout)}; lower micro_batch_size or sequence_len"
+        )
     snapshot = write_snapshot(Path(cfg.output_dir), topo.rank, topo.device, cfg.cuda_memory_snapshot)
     used, total = device_memory_gib(topo.device)
-    return DeviceMemoryError(oom_message(step=step, rank=topo.rank, cfg=cfg, model_config=run.model_config,
-                                         layout=topo.layout, used_gib=used, total_gib=total, snapshot=snapshot))
+    return DeviceMemoryError(
+        oom_message(
+            step=step,
+            rank=topo.rank,
+            cfg=cfg,
+            model_config=run.model_config,
+            layout=topo.layout,
+            used_gib=used,
+            total_gib=total,
+            snapshot=snapshot,
+        )
+    )
 
 
 def _save(run: TrainingRun, metrics: MetricsLogger, window: LogWindow) -> Path:
@@ -356,14 +474,28 @@ def _save(run: TrainingRun, metrics: MetricsLogger, window: LogWindow) -> Path:
     start = time.perf_counter()
     # Tokens of the steps since the last log line belong to this checkpoint too (a save between log lines).
     saved = ckpt.TrainState(step=state.step, tokens=state.tokens + window.tokens_so_far())
-    path = ckpt.save(run.checkpointer, state=saved, model=run.model, optimizer=run.optimizer,
-                     scheduler=run.scheduler, order=run.order, topology=run.topo, config=cfg,
-                     tokenizer=run.tokenizer, extra={"lora": asdict(run.lora)} if run.lora is not None else None)
+    path = ckpt.save(
+        run.checkpointer,
+        state=saved,
+        model=run.model,
+        optimizer=run.optimizer,
+        scheduler=run.scheduler,
+        order=run.order,
+        topology=run.topo,
+        config=cfg,
+        tokenizer=run.tokenizer,
+        extra={"lora": asdict(run.lora)} if run.lora is not None else None,
+    )
     stall = time.perf_counter() - start
     window.timer.add("checkpoint_stall", stall)
-    metrics.message(f"step {state.step}: checkpoint {path.name} " + (
-        f"writing in the background (training paused {human_seconds(stall)})" if cfg.async_save
-        else f"saved in {human_seconds(stall)}"))
+    metrics.message(
+        f"step {state.step}: checkpoint {path.name} "
+        + (
+            f"writing in the background (training paused {human_seconds(stall)})"
+            if cfg.async_save
+            else f"saved in {human_seconds(stall)}"
+        )
+    )
     if cfg.wandb_log_model == "checkpoint":
         run.checkpointer.wait()  # an uploaded checkpoint must be complete: this save is not in the background
         metrics.artifact(path, name=f"checkpoint-step-{state.step}")
@@ -376,8 +508,7 @@ def _log(run: TrainingRun, metrics: MetricsLogger, window: LogWindow, evaluating
     state.tokens += record.pop("window_tokens")
     record["tokens"] = state.tokens
     if evaluating:
-        record["eval_loss"] = evaluate(run.model, run.eval_rows, topo, cfg.micro_batch_size,
-                                       run.tokenizer.pad_token_id)
+        record["eval_loss"] = evaluate(run.model, run.eval_rows, topo, cfg.micro_batch_size, run.tokenizer.pad_token_id)
     metrics.log(record)
     window.restart()  # evaluation and logging do not count as training time
 
@@ -404,8 +535,9 @@ def _finish(run: TrainingRun, metrics: MetricsLogger) -> None:
         metrics.artifact(final, name="model")
 
 
-def forward_backward(model, micro_batches: list, topo: Topology, *, compiled_loss: bool = False,
-                     gradient_sync: str = "every_micro_batch") -> tuple[torch.Tensor, torch.Tensor]:
+def forward_backward(
+    model, micro_batches: list, topo: Topology, *, compiled_loss: bool = False, gradient_sync: str = "every_micro_batch"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step's forward and backward passes over its micro-batches (gradients summed).
 
     Returns this rank's share of the step loss and its real input tokens, as device tensors (no sync).
@@ -417,8 +549,9 @@ def forward_backward(model, micro_batches: list, topo: Topology, *, compiled_los
         set_gradient_sync(model, i == len(micro_batches) - 1, mode=gradient_sync)
         outputs = model(**batch.model_inputs())
         loss = token_loss(outputs.logits, batch.labels, num_tokens=num_targets, topology=topo, compiled=compiled_loss)
-        loss = loss + router_aux_loss(outputs, batch, config=model.config, topology=topo,
-                                      num_micro_batches=len(micro_batches))  # MoE models; zero otherwise
+        loss = loss + router_aux_loss(
+            outputs, batch, config=model.config, topology=topo, num_micro_batches=len(micro_batches)
+        )  # MoE models; zero otherwise
         loss.backward()
         step_loss += loss.detach()
         tokens += batch.num_input_tokens
@@ -447,7 +580,7 @@ def evaluate(model, rows, topo: Topology, micro_batch_size: int, pad_id: int) ->
         data = rows.batch([i if ok else 0 for i, ok in zip(idx, valid)])
         for r, ok in enumerate(valid):
             if not ok:
-                data["labels"][r] = -100
+                data["labels"][r] = IGNORE_INDEX
         batch = prepare_batch(**data, topology=topo, local=True, pad_token_id=pad_id)
         logits = model(**batch.model_inputs()).logits
         one = torch.ones((), device=topo.device)

@@ -13,7 +13,6 @@ from ndparallel.errors import NdParallelError
 from ndparallel.layout import Layout
 
 
-
 @dataclass
 class RunPlan:
     layout: Layout
@@ -32,26 +31,39 @@ def run_errors(cfg: TrainConfig, *, world_size: int | None) -> tuple[list[str], 
     from ndparallel.vocab import fit_vocab
 
     problems: list[str] = []
-    model_config = _attempt(problems, lambda: model_config_for(
-        base_model=cfg.base_model, model_shape=cfg.model_shape, overrides=cfg.model_config_overrides,
-        max_position_embeddings=cfg.sequence_len, revision=cfg.revision_of_model,
-        trust_remote_code=cfg.trust_remote_code))
+    model_config = _attempt(
+        problems,
+        lambda: model_config_for(
+            base_model=cfg.base_model,
+            model_shape=cfg.model_shape,
+            overrides=cfg.model_config_overrides,
+            max_position_embeddings=cfg.sequence_len,
+            revision=cfg.revision_of_model,
+            trust_remote_code=cfg.trust_remote_code,
+        ),
+    )
     tokenizer = _attempt(problems, lambda: load_run_tokenizer(cfg))
     world = world_size or cfg.fixed_world_size() or 1
     plan = None
     try:
-        layout, reason = resolve_layout(cfg, world, model_config) if model_config is not None or \
-            cfg.dp_shard_size != "auto" else (None, None)
+        layout, reason = (
+            resolve_layout(cfg, world, model_config)
+            if model_config is not None or cfg.dp_shard_size != "auto"
+            else (None, None)
+        )
         if layout is not None:
             plan = RunPlan(layout=layout, world_size=world, reason=reason)
             if cfg.dp_replicate_size is None and layout.dp_replicate > 1:
-                plan.notes.append(f"dp_replicate_size is unset: {layout.dp_replicate} replicas fill the {world} "
-                                  f"processes (Axolotl's rule)")
+                plan.notes.append(
+                    f"dp_replicate_size is unset: {layout.dp_replicate} replicas fill the {world} "
+                    f"processes (Axolotl's rule)"
+                )
     except NdParallelError as exc:
         problems.append(str(exc))
     if model_config is not None and tokenizer is not None and plan is not None:
-        note = _attempt(problems, lambda: fit_vocab(model_config, len(tokenizer[0]), tokenizer[1],
-                                                   tp=plan.layout.tp)[1])
+        note = _attempt(
+            problems, lambda: fit_vocab(model_config, len(tokenizer[0]), tokenizer[1], tp=plan.layout.tp)[1]
+        )
         if note:
             plan.notes.append(note)
     if model_config is not None and plan is not None:
@@ -83,8 +95,9 @@ def _data_problems(cfg: TrainConfig) -> list[str]:
             if problem:
                 problems.append(problem)
         elif not (Path(path).exists() or glob.glob(path)):
-            problems.append(f"{setting}[{i}].path {raw_path!r} matches no file or directory (nor a hub dataset id "
-                            f"org/name)")
+            problems.append(
+                f"{setting}[{i}].path {raw_path!r} matches no file or directory (nor a hub dataset id org/name)"
+            )
     return problems
 
 
@@ -115,8 +128,10 @@ def differences(cfg: TrainConfig) -> str | None:
     if cfg.lr_scheduler != "constant":
         items.append("warm-up reaches lr x (s+1)/warmup at step s, so the first step learns (transformers: s/warmup)")
     if cfg.sample_packing or cfg.pretraining_dataset:
-        items.append("packing is first-fit in document order (Axolotl's multipack bins by length), so rows hold "
-                     "other document mixes")
+        items.append(
+            "packing is first-fit in document order (Axolotl's multipack bins by length), so rows hold "
+            "other document mixes"
+        )
     if cfg.val_set_size and cfg.eval_steps is None and cfg.evals_per_epoch is None and cfg.eval_strategy is None:
         items.append("with val_set_size and no evaluation cadence the held-out loss is computed once, at the end")
     return ("differs from Axolotl on purpose: " + "; ".join(items)) if items else None

@@ -35,22 +35,31 @@ def fit_vocab(model_config: Any, tokenizer_size: int, added: list[str], *, tp: i
     if vocab is None or tokenizer_size <= vocab:  # no vocabulary of its own (a multimodal wrapper): refused elsewhere
         return None, None
     if not added:
-        raise ConfigError(f"the tokenizer has {tokenizer_size} tokens but the model's vocab_size is {vocab}; use the "
-                          f"model's own tokenizer or raise vocab_size")
+        raise ConfigError(
+            f"the tokenizer has {tokenizer_size} tokens but the model's vocab_size is {vocab}; use the "
+            f"model's own tokenizer or raise vocab_size"
+        )
     grown = padded_vocab(tokenizer_size, tp)
     model_config.vocab_size = grown
     shown = ", ".join(added[:4]) + (" ..." if len(added) > 4 else "")
-    note = (f"vocabulary: {len(added)} token(s) added ({shown}); embeddings grow from {vocab} to {grown} rows "
-            f"(a multiple of {math.lcm(VOCAB_MULTIPLE, tp)}, so tensor_parallel_size {tp} divides it); new rows "
-            f"start at the mean row")
+    note = (
+        f"vocabulary: {len(added)} token(s) added ({shown}); embeddings grow from {vocab} to {grown} rows "
+        f"(a multiple of {math.lcm(VOCAB_MULTIPLE, tp)}, so tensor_parallel_size {tp} divides it); new rows "
+        f"start at the mean row"
+    )
     return vocab, note
 
 
 def grow_rows(full: torch.Tensor, shape: tuple[int, ...], vocab_from: int | None) -> torch.Tensor:
     """``full`` (vocab_from, hidden) from a checkpoint, grown to ``shape`` with mean rows when the vocabulary
     grew; any other tensor unchanged (a wrong shape is reported by the caller)."""
-    if vocab_from is None or full.dim() != 2 or full.shape[0] != vocab_from or shape[0] <= vocab_from \
-            or tuple(full.shape[1:]) != tuple(shape[1:]):
+    if (
+        vocab_from is None
+        or full.dim() != 2
+        or full.shape[0] != vocab_from
+        or shape[0] <= vocab_from
+        or tuple(full.shape[1:]) != tuple(shape[1:])
+    ):
         return full
     mean = full.float().mean(dim=0, keepdim=True).to(full.dtype)
     return torch.cat([full, mean.expand(shape[0] - vocab_from, -1)], dim=0)

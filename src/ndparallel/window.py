@@ -79,8 +79,10 @@ class LogWindow:
         if bad == never:
             return
         kept = f"; the last good checkpoint is {last_good}" if last_good else "; no checkpoint was saved before it"
-        raise NumericsError(f"step {bad}: the loss or the gradient norm is not finite; training stopped{kept}. "
-                            f"Lower learning_rate or set max_grad_norm, or set nan_policy: skip to skip such steps")
+        raise NumericsError(
+            f"step {bad}: the loss or the gradient norm is not finite; training stopped{kept}. "
+            f"Lower learning_rate or set max_grad_norm, or set nan_policy: skip to skip such steps"
+        )
 
     def tokens_so_far(self) -> int:
         """Tokens of this window's steps over all ranks (for a checkpoint saved between log lines; a collective)."""
@@ -100,11 +102,19 @@ class LogWindow:
         stall = phases.pop("checkpoint_stall", 0.0)
         elapsed = max(time.perf_counter() - self.started - stall, 1e-9)  # training time only
         tps = tokens / elapsed
-        record = {"step": step, "loss": loss, "grad_norm": self.grad_norm.item(), "lr": lr,
-                  "window_tokens": int(tokens), "tokens_per_s": tps, "tokens_per_s_per_device": tps / topo.world_size,
-                  "mfu": tps * self.flops_per_token / (self.peak_flops * topo.world_size) if self.peak_flops else None,
-                  "peak_memory_gib": peak_memory_gib(topo.device), "step_time_s": elapsed / steps,
-                  "skipped_steps": self.skipped_total}
+        record = {
+            "step": step,
+            "loss": loss,
+            "grad_norm": self.grad_norm.item(),
+            "lr": lr,
+            "window_tokens": int(tokens),
+            "tokens_per_s": tps,
+            "tokens_per_s_per_device": tps / topo.world_size,
+            "mfu": tps * self.flops_per_token / (self.peak_flops * topo.world_size) if self.peak_flops else None,
+            "peak_memory_gib": peak_memory_gib(topo.device),
+            "step_time_s": elapsed / steps,
+            "skipped_steps": self.skipped_total,
+        }
         record.update({f"{name}_s": seconds / steps for name, seconds in phases.items()})
         record["checkpoint_stall_s"] = stall
         return record

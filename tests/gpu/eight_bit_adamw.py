@@ -37,8 +37,15 @@ import ndparallel as ndp
 from ndparallel.models.build import materialize, meta_model
 from ndparallel.optim8bit import build_adamw_8bit
 
-CONFIG = dict(vocab_size=8192, hidden_size=1024, intermediate_size=4096, num_hidden_layers=4, num_attention_heads=16,
-              num_key_value_heads=8, max_position_embeddings=512)
+CONFIG = dict(
+    vocab_size=8192,
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    max_position_embeddings=512,
+)
 ROWS, SEQ, LR = 8, 256, 1e-3
 
 
@@ -59,8 +66,9 @@ def build(topo, kind: str):
     if kind == "adamw":
         optimizer = ndp.build_optimizer(model, lr=LR, weight_decay=0.0, betas=(0.9, 0.999))
     else:
-        optimizer = build_adamw_8bit(model, lr=LR, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,
-                                     device_type=topo.device.type)
+        optimizer = build_adamw_8bit(
+            model, lr=LR, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, device_type=topo.device.type
+        )
     return model, optimizer
 
 
@@ -84,8 +92,11 @@ def state_bytes(optimizer) -> int:
         for value in state.values():
             if isinstance(value, torch.Tensor):
                 local = value.to_local() if hasattr(value, "to_local") else value
-                inner = [local] if not hasattr(local, "__tensor_flatten__") else \
-                    [getattr(local, name) for name in local.__tensor_flatten__()[0]]
+                inner = (
+                    [local]
+                    if not hasattr(local, "__tensor_flatten__")
+                    else [getattr(local, name) for name in local.__tensor_flatten__()[0]]
+                )
                 total += sum(t.numel() * t.element_size() for t in inner)
     return total
 
@@ -98,11 +109,16 @@ def single(out: Path, steps: int) -> dict:
         start = time.perf_counter()
         losses = train(model, optimizer, topo, batches(steps))
         torch.cuda.synchronize()
-        result[kind] = {"losses": losses, "s_per_step": (time.perf_counter() - start) / steps,
-                        "state_bytes": state_bytes(optimizer)}
-        print(f"{kind:10s} loss {losses[0]:.4f} -> {losses[-1]:.4f}, optimizer state "
-              f"{result[kind]['state_bytes'] / 2**20:.1f} MiB, {result[kind]['s_per_step'] * 1e3:.0f} ms/step",
-              flush=True)
+        result[kind] = {
+            "losses": losses,
+            "s_per_step": (time.perf_counter() - start) / steps,
+            "state_bytes": state_bytes(optimizer),
+        }
+        print(
+            f"{kind:10s} loss {losses[0]:.4f} -> {losses[-1]:.4f}, optimizer state "
+            f"{result[kind]['state_bytes'] / 2**20:.1f} MiB, {result[kind]['s_per_step'] * 1e3:.0f} ms/step",
+            flush=True,
+        )
     full, eight = result["adamw"], result["adamw_8bit"]
     result["final_loss_rel_diff"] = abs(eight["losses"][-1] - full["losses"][-1]) / full["losses"][-1]
     result["state_ratio"] = eight["state_bytes"] / full["state_bytes"]
@@ -112,13 +128,18 @@ def single(out: Path, steps: int) -> dict:
         result["resume_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
         result["resume_max_abs_diff"] = float("inf")
         print(f"checkpoint round trip failed: {result['resume_error']}", flush=True)
-    checks = {"losses fall": eight["losses"][-1] < 0.85 * eight["losses"][0],
-              "final loss within 3% of AdamW": result["final_loss_rel_diff"] < 0.03,
-              "state at most 30% of AdamW's": result["state_ratio"] <= 0.30,
-              "resume matches": result["resume_max_abs_diff"] < 1e-5}
+    checks = {
+        "losses fall": eight["losses"][-1] < 0.85 * eight["losses"][0],
+        "final loss within 3% of AdamW": result["final_loss_rel_diff"] < 0.03,
+        "state at most 30% of AdamW's": result["state_ratio"] <= 0.30,
+        "resume matches": result["resume_max_abs_diff"] < 1e-5,
+    }
     result["checks"] = checks
-    print(f"final loss rel diff {result['final_loss_rel_diff']:.4f}, state ratio {result['state_ratio']:.3f}, "
-          f"resume max |diff| {result['resume_max_abs_diff']:.2e}", flush=True)
+    print(
+        f"final loss rel diff {result['final_loss_rel_diff']:.4f}, state ratio {result['state_ratio']:.3f}, "
+        f"resume max |diff| {result['resume_max_abs_diff']:.2e}",
+        flush=True,
+    )
     print("PASS" if all(checks.values()) else f"FAIL {[k for k, ok in checks.items() if not ok]}", flush=True)
     (out / "eight_bit_single.json").write_text(json.dumps(result, indent=1))
     return result
@@ -152,9 +173,16 @@ def parallel(out: Path, steps: int, dp_shard: int, tp: int, reference: Path | No
         expected = json.loads(reference.read_text())["adamw_8bit"]["losses"]
         result["max_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(losses, expected))
     if topo.is_main:
-        print(f"layout {topo.layout.shape}: loss {losses[0]:.4f} -> {losses[-1]:.4f}"
-              + (f", max rel diff vs one GPU {result['max_rel_diff']:.2e} "
-                 f"({'PASS' if result['max_rel_diff'] < 1e-4 else 'FAIL'})" if reference else ""), flush=True)
+        print(
+            f"layout {topo.layout.shape}: loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+            + (
+                f", max rel diff vs one GPU {result['max_rel_diff']:.2e} "
+                f"({'PASS' if result['max_rel_diff'] < 1e-4 else 'FAIL'})"
+                if reference
+                else ""
+            ),
+            flush=True,
+        )
         (out / f"eight_bit_dp{dp_shard}_tp{tp}.json").write_text(json.dumps(result, indent=1))
 
 

@@ -12,23 +12,30 @@ from __future__ import annotations
 import warnings
 
 import torch
-
 from harness import run_ranks
 
 
 def train(shard: int):
     warnings.filterwarnings("ignore")
     torch.compiler.set_stance("force_eager")
+    from torchao.optim import AdamW8bit
     from transformers import LlamaConfig
 
     import ndparallel as ndp
     from ndparallel.models.build import materialize, meta_model
     from ndparallel.step import decay_groups
-    from torchao.optim import AdamW8bit
 
     topo = ndp.Topology.build(ndp.ParallelismConfig(dp_shard_size=shard), device_type="cpu")
-    model = meta_model(LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=4))
+    model = meta_model(
+        LlamaConfig(
+            vocab_size=256,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+        )
+    )
     ndp.parallelize(model, topo, options=ndp.ParallelOptions(param_dtype=None))
     materialize(model, topo.device, weights_dir=None, seed=0)
     optimizer = AdamW8bit(decay_groups(model, 0.0), lr=1e-2)

@@ -16,11 +16,12 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from cp_simulation import whole_rows  # noqa: E402
+from scenarios import make_batches, make_model, max_rel_diff, train_parallel, train_reference  # noqa: E402
+
 import ndparallel as ndp  # noqa: E402
 from ndparallel import _compat  # noqa: E402
-from cp_simulation import whole_rows  # noqa: E402
 from ndparallel.parallel.cp_layout import segment_ids_from  # noqa: E402
-from scenarios import make_batches, make_model, max_rel_diff, train_parallel, train_reference  # noqa: E402
 
 FAILURES: list[str] = []
 
@@ -55,15 +56,16 @@ def check_kernels(device: torch.device) -> None:
                 allowed = torch.rand(b, 1, lq, lk, device=device) > 0.3
                 allowed[..., 0] = True
                 bias = torch.zeros(b, 1, lq, lk, device=device, dtype=dtype).masked_fill(~allowed, float("-inf"))
-            scale = d ** -0.5
+            scale = d**-0.5
             out, lse = _compat.attention_forward_with_lse(q, k, v, bias=bias, is_causal=kind == "causal", scale=scale)
             ref_out, ref_lse = _math(q, k, v, bias, kind == "causal", scale)
             err = float((out.double() - ref_out).norm() / ref_out.norm())
             report(f"kernel fwd {dtype} {kind} out", err, bound)
             report(f"kernel fwd {dtype} {kind} lse", float((lse.double() - ref_lse).abs().max()), bound * 10)
             grad = torch.randn_like(out)
-            dq, dk, dv = _compat.attention_backward(grad, q, k, v, out, lse, bias=bias, is_causal=kind == "causal",
-                                                    scale=scale)
+            dq, dk, dv = _compat.attention_backward(
+                grad, q, k, v, out, lse, bias=bias, is_causal=kind == "causal", scale=scale
+            )
             qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
             o, _ = _math(qd, kd, vd, bias, kind == "causal", scale)
             o.backward(grad.double())
@@ -76,11 +78,11 @@ def _document_rows(kind: str, batch: int, seq: int, g: torch.Generator):
     pos = torch.empty(batch, seq, dtype=torch.long)
     padding = torch.zeros(batch, seq, dtype=torch.bool)
     for row in range(batch):
-        if kind == "short-docs":      # many documents of 1-40 tokens, several of length 1
+        if kind == "short-docs":  # many documents of 1-40 tokens, several of length 1
             lengths = torch.randint(1, 41, (seq,), generator=g).tolist()
-        elif kind == "long-docs":     # documents longer than a CP chunk (seq / 8 at cp 4)
+        elif kind == "long-docs":  # documents longer than a CP chunk (seq / 8 at cp 4)
             lengths = [seq * 5 // 8 + 3 * row, seq]
-        else:                         # "padded" and "window": documents of 50-400 tokens
+        else:  # "padded" and "window": documents of 50-400 tokens
             lengths = torch.randint(50, 401, (seq,), generator=g).tolist()
         start = 0
         for n in lengths:
@@ -90,7 +92,7 @@ def _document_rows(kind: str, batch: int, seq: int, g: torch.Generator):
             if start == seq:
                 break
         if kind == "padded":
-            padding[row, seq - 77 - 100 * row:] = True
+            padding[row, seq - 77 - 100 * row :] = True
     return segment_ids_from(pos, padding)
 
 
@@ -123,7 +125,7 @@ def check_document_attention(device: torch.device) -> None:
                 window = 100 if kind == "window" else None
                 q, grad = (torch.randn(batch, seq, heads, head_dim, generator=g).to(device, dtype) for _ in range(2))
                 k, v = (torch.randn(batch, seq, kv_heads, head_dim, generator=g).to(device, dtype) for _ in range(2))
-                scale = head_dim ** -0.5
+                scale = head_dim**-0.5
                 want = _reference_attention(q, k, v, grad, segments, window, scale)
                 real = (segments != -1).to(device)[:, :, None, None]  # padding rows' outputs are never read
                 for method, cps in (("allgather", (1, 2, 4)), ("ring", (2, 4)), ("alltoall", (2,))):
@@ -133,8 +135,11 @@ def check_document_attention(device: torch.device) -> None:
                             if name in ("out", "dq"):
                                 a, b = a * real, b * real
                             err = float((a.double() - b).norm() / b.norm())
-                            report(f"doc attention {dtype} h{heads}/{kv_heads}x{head_dim} {kind} {method} cp{cp} {name}",
-                                   err, bound)
+                            report(
+                                f"doc attention {dtype} h{heads}/{kv_heads}x{head_dim} {kind} {method} cp{cp} {name}",
+                                err,
+                                bound,
+                            )
 
 
 def check_world1_parity() -> None:
@@ -146,7 +151,11 @@ def check_world1_parity() -> None:
             ref = train_reference(make_model(family).cuda(), batches)
             got = train_parallel(family, {"dp_shard_size": 1}, batches)
             report(f"world-1 parity {family} {data} fp32 loss", max_rel_diff(got["losses"], ref["losses"]), 1e-5)
-            report(f"world-1 parity {family} {data} fp32 grad norm", max_rel_diff(got["grad_norms"], ref["grad_norms"]), 1e-5)
+            report(
+                f"world-1 parity {family} {data} fp32 grad norm",
+                max_rel_diff(got["grad_norms"], ref["grad_norms"]),
+                1e-5,
+            )
             worst = max(float((got["weights"][n].cuda() - r).norm() / r.norm()) for n, r in ref["weights"].items())
             report(f"world-1 parity {family} {data} fp32 weights", worst, 1e-5)
             bf16 = train_parallel(family, {"dp_shard_size": 1}, batches, options={"param_dtype": "bfloat16"})
@@ -176,9 +185,11 @@ def _layouts_for(world: int) -> list[dict]:
 # bf16 unit roundoff (8 significand bits): the bounds of a bf16 run against the fp32 reference are set in
 # units of it. The weight check compares the UPDATE (final - initial weights): a run that does not train
 # has update error 1 and fails every bound below.
-BF16_U = 2.0 ** -8
-BOUNDS = {"float32": {"loss": 1e-5, "grad_norm": 1e-5, "update": 1e-4},
-          "bfloat16": {"loss": 2 * BF16_U, "grad_norm": 5 * BF16_U, "update": 25 * BF16_U}}
+BF16_U = 2.0**-8
+BOUNDS = {
+    "float32": {"loss": 1e-5, "grad_norm": 1e-5, "update": 1e-4},
+    "bfloat16": {"loss": 2 * BF16_U, "grad_norm": 5 * BF16_U, "update": 25 * BF16_U},
+}
 
 
 def _update_error(got: dict, ref: dict, init: dict) -> tuple[float, str]:
@@ -224,6 +235,7 @@ def main() -> int:
     args = parser.parse_args()
     print(f"torch {torch.__version__}, cuda {torch.version.cuda}, device {torch.cuda.get_device_name()}", flush=True)
     import transformers
+
     print(f"transformers {transformers.__version__}", flush=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

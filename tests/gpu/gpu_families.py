@@ -21,10 +21,11 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import ndparallel as ndp  # noqa: E402
 from gpu_checks import FAILURES, _layouts_for, report  # noqa: E402
-from ndparallel.models.families import model_attention_reason  # noqa: E402
 from scenarios import make_batches, make_model, max_rel_diff, model_config, train_parallel, train_reference  # noqa: E402
+
+import ndparallel as ndp  # noqa: E402
+from ndparallel.models.families import model_attention_reason  # noqa: E402
 
 FAMILIES = ("gemma2", "gemma3", "phi3", "granite", "olmo2", "cohere", "glm", "glm4", "falcon", "qwen2")
 EPS = 1e-4  # as tests/multirank/test_families.py (zero-initialized tensors)
@@ -32,14 +33,17 @@ EPS = 1e-4  # as tests/multirank/test_families.py (zero-initialized tensors)
 
 def _check(family: str, layout: dict, batches, ref: dict, label: str) -> None:
     for dtype, bound in (("float32", 1e-5), ("bfloat16", 3e-3)):
-        got = train_parallel(family, layout, batches, options={"param_dtype": None if dtype == "float32" else dtype},
-                             eps=EPS)
+        got = train_parallel(
+            family, layout, batches, options={"param_dtype": None if dtype == "float32" else dtype}, eps=EPS
+        )
         report(f"{family} {label} {dtype} loss", max_rel_diff(got["losses"], ref["losses"]), bound)
         if dtype == "float32":
             report(f"{family} {label} {dtype} grad norm", max_rel_diff(got["grad_norms"], ref["grad_norms"]), bound)
             if got["weights"] is not None:
-                worst = max(float((got["weights"][n].to(r.device) - r).norm() / r.norm().clamp(min=1e-12))
-                            for n, r in ref["weights"].items())
+                worst = max(
+                    float((got["weights"][n].to(r.device) - r).norm() / r.norm().clamp(min=1e-12))
+                    for n, r in ref["weights"].items()
+                )
                 report(f"{family} {label} {dtype} weights", worst, bound)
 
 

@@ -22,10 +22,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import ndparallel as ndp  # noqa: E402
 from moe_scenarios import make_moe_model, train_parallel_moe, train_reference_moe  # noqa: E402
-from ndparallel.models.moe_experts import run_experts  # noqa: E402
 from scenarios import make_batches, max_rel_diff  # noqa: E402
+
+import ndparallel as ndp  # noqa: E402
+from ndparallel.models.moe_experts import run_experts  # noqa: E402
 
 RESULTS: list[dict] = []
 DEVICE = torch.device("cuda")
@@ -78,12 +79,18 @@ def check_world1() -> None:
 
 
 def _layouts(world: int) -> list[dict]:
-    candidates = [dict(dp_shard_size=world, expert_parallel_size=world),
-                  dict(dp_shard_size=world // 2, tp_size=2, expert_parallel_size=world),
-                  dict(dp_replicate_size=2, dp_shard_size=world // 2, expert_parallel_size=world // 2),
-                  dict(dp_shard_size=world // 2, cp_size=2, expert_parallel_size=2)]
-    return [c for c in candidates if all(v >= 1 for v in c.values()) and
-            c.get("dp_replicate_size", 1) * c["dp_shard_size"] * c.get("cp_size", 1) * c.get("tp_size", 1) == world]
+    candidates = [
+        dict(dp_shard_size=world, expert_parallel_size=world),
+        dict(dp_shard_size=world // 2, tp_size=2, expert_parallel_size=world),
+        dict(dp_replicate_size=2, dp_shard_size=world // 2, expert_parallel_size=world // 2),
+        dict(dp_shard_size=world // 2, cp_size=2, expert_parallel_size=2),
+    ]
+    return [
+        c
+        for c in candidates
+        if all(v >= 1 for v in c.values())
+        and c.get("dp_replicate_size", 1) * c["dp_shard_size"] * c.get("cp_size", 1) * c.get("tp_size", 1) == world
+    ]
 
 
 def check_layouts() -> None:
@@ -91,8 +98,13 @@ def check_layouts() -> None:
     batches = _on_device(make_batches(steps=5, micro=1, rows=8, seq=128, packed=True))
     ref = train_reference_moe(make_moe_model("qwen3_moe").to(DEVICE), batches)
     for layout in _layouts(world):
-        short = {"dp_replicate_size": "r", "dp_shard_size": "s", "cp_size": "c", "tp_size": "t",
-                 "expert_parallel_size": "ep"}
+        short = {
+            "dp_replicate_size": "r",
+            "dp_shard_size": "s",
+            "cp_size": "c",
+            "tp_size": "t",
+            "expert_parallel_size": "ep",
+        }
         name = ",".join(f"{short[k]}{v}" for k, v in layout.items())
         _compare(f"{world} GPUs qwen3_moe {name}", "qwen3_moe", layout, batches, ref)
 
@@ -121,7 +133,9 @@ def main() -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"{len(failures)} failure(s)", flush=True)
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / f"moe_checks{'_layouts' if args.layouts else ''}.json").write_text(json.dumps(RESULTS, indent=2))
+        (Path(args.out) / f"moe_checks{'_layouts' if args.layouts else ''}.json").write_text(
+            json.dumps(RESULTS, indent=2)
+        )
     return 1 if failures else 0
 
 

@@ -22,9 +22,17 @@ from pathlib import Path
 
 import yaml
 
-BASE = {"tokenizer_config": "byte", "datasets": [{"path": "stdlib:*.py", "type": "pretrain_files"}],
-        "sample_packing": True, "micro_batch_size": 1, "learning_rate": 3.0e-4, "warmup_steps": 1,
-        "logging_steps": 1, "overwrite_output_dir": True, "save_total_limit": 1}
+BASE = {
+    "tokenizer_config": "byte",
+    "datasets": [{"path": "stdlib:*.py", "type": "pretrain_files"}],
+    "sample_packing": True,
+    "micro_batch_size": 1,
+    "learning_rate": 3.0e-4,
+    "warmup_steps": 1,
+    "logging_steps": 1,
+    "overwrite_output_dir": True,
+    "save_total_limit": 1,
+}
 
 
 def train(config: dict, out: Path, name: str) -> tuple[int, str, list[dict]]:
@@ -33,8 +41,11 @@ def train(config: dict, out: Path, name: str) -> tuple[int, str, list[dict]]:
     config = {**BASE, **config, "output_dir": str(run_dir / "run"), "dataset_prepared_path": str(out / "prepared")}
     path = run_dir / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    proc = subprocess.run([sys.executable, "-m", "ndparallel.cli", "train", str(path), "--nproc-per-node", "1"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ndparallel.cli", "train", str(path), "--nproc-per-node", "1"],
+        capture_output=True,
+        text=True,
+    )
     (run_dir / "stdout.txt").write_text(proc.stdout)
     (run_dir / "stderr.txt").write_text(proc.stderr)
     metrics = run_dir / "run" / "metrics.jsonl"
@@ -50,23 +61,39 @@ def check_offload(out: Path, tiny: bool = False) -> dict:
     code_off, err_off, off = train({**shape, "cpu_offload": True}, out, "offload")
     ok = code_plain == 0 and code_off == 0 and len(off) == len(plain) == 5
     diff = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(off, plain)) if ok else None
-    result = {"exit_codes": [code_plain, code_off], "loss_rel_diff": diff,
-              "peak_gib": [plain[-1]["peak_memory_gib"], off[-1]["peak_memory_gib"]] if ok else None,
-              "step_s": [plain[-1]["step_time_s"], off[-1]["step_time_s"]] if ok else None,
-              "stderr_tail": [err_plain[-500:], err_off[-500:]]}
+    result = {
+        "exit_codes": [code_plain, code_off],
+        "loss_rel_diff": diff,
+        "peak_gib": [plain[-1]["peak_memory_gib"], off[-1]["peak_memory_gib"]] if ok else None,
+        "step_s": [plain[-1]["step_time_s"], off[-1]["step_time_s"]] if ok else None,
+        "stderr_tail": [err_plain[-500:], err_off[-500:]],
+    }
     result["pass"] = bool(ok and diff <= 2e-2 and (tiny or result["peak_gib"][1] < result["peak_gib"][0]))
     return result
 
 
 def check_oom(out: Path) -> dict:
-    code, err, _ = train({"model_shape": "8b", "sequence_len": 16384, "max_steps": 2, "bf16": True,
-                          "cuda_memory_snapshot": True}, out, "oom")
+    code, err, _ = train(
+        {"model_shape": "8b", "sequence_len": 16384, "max_steps": 2, "bf16": True, "cuda_memory_snapshot": True},
+        out,
+        "oom",
+    )
     lines = [line for line in err.splitlines() if line.startswith("ndparallel:")]
     snapshot = out / "oom" / "run" / "logs" / "memory-snapshot-rank0.pickle"
-    ok = (code == 2 and len(lines) == 1 and "CUDA out of memory on rank 0" in lines[0]
-          and "The planner suggests" in lines[0] and snapshot.is_file())
-    return {"exit_code": code, "error_lines": lines, "snapshot": str(snapshot) if snapshot.is_file() else None,
-            "snapshot_mib": snapshot.stat().st_size / 2**20 if snapshot.is_file() else None, "pass": ok}
+    ok = (
+        code == 2
+        and len(lines) == 1
+        and "CUDA out of memory on rank 0" in lines[0]
+        and "The planner suggests" in lines[0]
+        and snapshot.is_file()
+    )
+    return {
+        "exit_code": code,
+        "error_lines": lines,
+        "snapshot": str(snapshot) if snapshot.is_file() else None,
+        "snapshot_mib": snapshot.stat().st_size / 2**20 if snapshot.is_file() else None,
+        "pass": ok,
+    }
 
 
 def main() -> int:

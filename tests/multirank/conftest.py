@@ -9,6 +9,7 @@ PARITY_RESULTS: list[tuple[str, dict]] = []
 def parity_record(request):
     def record(diffs: dict) -> None:
         PARITY_RESULTS.append((request.node.name, diffs))
+
     return record
 
 

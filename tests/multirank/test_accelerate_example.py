@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness import run_ranks
+from scenarios import make_model, max_rel_diff
 from transformers import AutoModelForCausalLM
 
-from harness import run_ranks
 from ndparallel.data.tokenizer import byte_tokenizer
-from scenarios import make_model, max_rel_diff
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "accelerate_nd_parallel.py"
 
@@ -38,8 +38,23 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def _argv(model_dir: Path, out: Path, steps: int, *sizes: str, **extra: str) -> list[str]:
-    argv = ["--model-name", str(model_dir), "--save-dir", str(out), "--num-steps", str(steps), "--sequence-length",
-            "64", "--global-batch-size", "4", "--lr", "0.05", "--checkpoint-frequency", "2", *sizes]
+    argv = [
+        "--model-name",
+        str(model_dir),
+        "--save-dir",
+        str(out),
+        "--num-steps",
+        str(steps),
+        "--sequence-length",
+        "64",
+        "--global-batch-size",
+        "4",
+        "--lr",
+        "0.05",
+        "--checkpoint-frequency",
+        "2",
+        *sizes,
+    ]
     for key, value in extra.items():
         argv += [f"--{key.replace('_', '-')}", value]
     return argv
@@ -52,8 +67,22 @@ def test_layouts_give_the_one_process_losses_and_resume_elsewhere(model_dir, tmp
     parallel = run_ranks(4, _run, _argv(model_dir, tmp_path / "cp", 4, *layout))[0]
     assert max_rel_diff(parallel, single) < 1e-5, (parallel, single)
     # steps 3-4 again, from the step-2 checkpoint of the cp run, on a tp x plain-replica layout
-    resumed = run_ranks(4, _run, _argv(model_dir, tmp_path / "tp", 4, "--dp-replicate-size", "2", "--tp-size", "2",
-                                       "--dp-shard-size", "1", resume_from=str(tmp_path / "cp" / "checkpoint-2")))[0]
+    resumed = run_ranks(
+        4,
+        _run,
+        _argv(
+            model_dir,
+            tmp_path / "tp",
+            4,
+            "--dp-replicate-size",
+            "2",
+            "--tp-size",
+            "2",
+            "--dp-shard-size",
+            "1",
+            resume_from=str(tmp_path / "cp" / "checkpoints" / "step-2"),
+        ),
+    )[0]
     assert max_rel_diff(resumed, single[2:]) < 1e-5, (resumed, single[2:])
     # the exported model is the trained one (bf16 export of fp32 weights)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "tp" / "final", dtype=torch.float32)

@@ -8,17 +8,17 @@ import warnings
 import accelerate.parallelism_config as acc_pc
 import torch
 import torch.distributed as dist
+from harness import run_ranks
 
 import ndparallel as ndp
-from harness import run_ranks
 from ndparallel.layout import AXES, VIEWS
 
 # Sizes that together cover every axis and every flattened view, on 8 ranks. One comment per row.
 LAYOUTS = [
-    dict(dp_replicate_size=2, dp_shard_size=2, tp_size=2, cp_size=1),   # HSDP + TP
-    dict(dp_replicate_size=1, dp_shard_size=2, tp_size=2, cp_size=2),   # FSDP + CP + TP
-    dict(dp_replicate_size=2, dp_shard_size=2, tp_size=1, cp_size=2),   # HSDP + CP
-    dict(dp_replicate_size=8, dp_shard_size=1, tp_size=1, cp_size=1),   # DDP
+    dict(dp_replicate_size=2, dp_shard_size=2, tp_size=2, cp_size=1),  # HSDP + TP
+    dict(dp_replicate_size=1, dp_shard_size=2, tp_size=2, cp_size=2),  # FSDP + CP + TP
+    dict(dp_replicate_size=2, dp_shard_size=2, tp_size=1, cp_size=2),  # HSDP + CP
+    dict(dp_replicate_size=8, dp_shard_size=1, tp_size=1, cp_size=1),  # DDP
 ]
 
 
@@ -40,10 +40,17 @@ def _compare_meshes() -> list[dict]:
         layout = ours_config.topology.layout
         predicted = {name: _ranks(ours[name]) in layout.groups(name) for name in (*AXES, *VIEWS)}
         fsdp_mesh = ours_config.topology.fully_shard_mesh.mesh.tolist()
-        report.append({"same": same, "predicted": predicted, "fsdp_mesh": fsdp_mesh,
-                       "their_fsdp_mesh": theirs[tuple(theirs_config.fsdp_dim_names)].mesh.tolist()
-                       if _has(theirs, "dp_shard_cp") else None,
-                       "again": ours_config.get_device_mesh("cpu") is ours})
+        report.append(
+            {
+                "same": same,
+                "predicted": predicted,
+                "fsdp_mesh": fsdp_mesh,
+                "their_fsdp_mesh": theirs[tuple(theirs_config.fsdp_dim_names)].mesh.tolist()
+                if _has(theirs, "dp_shard_cp")
+                else None,
+                "again": ours_config.get_device_mesh("cpu") is ours,
+            }
+        )
     return report
 
 
@@ -75,14 +82,22 @@ def accelerate_style_script(config_class, *, sizes: dict) -> dict:
     loss = torch.tensor(float(dist.get_rank()))
     dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=loss_group)
     tp_ranks = _ranks(mesh["tp"]) if config.tp_enabled else None
-    return {"wants_fsdp": wants_fsdp, "loss": loss.item(), "tp_ranks": tp_ranks,
-            "tokens_per_device_divisor": config.non_data_parallel_size, "total": config.total_size,
-            "fsdp_dims": config.fsdp_dim_names, "active": config.active_mesh_dims}
+    return {
+        "wants_fsdp": wants_fsdp,
+        "loss": loss.item(),
+        "tp_ranks": tp_ranks,
+        "tokens_per_device_divisor": config.non_data_parallel_size,
+        "total": config.total_size,
+        "fsdp_dims": config.fsdp_dim_names,
+        "active": config.active_mesh_dims,
+    }
 
 
 def _both_scripts(sizes: dict) -> tuple[dict, dict]:
-    return (accelerate_style_script(acc_pc.ParallelismConfig, sizes=sizes),
-            accelerate_style_script(ndp.ParallelismConfig, sizes=sizes))
+    return (
+        accelerate_style_script(acc_pc.ParallelismConfig, sizes=sizes),
+        accelerate_style_script(ndp.ParallelismConfig, sizes=sizes),
+    )
 
 
 def test_an_accelerate_script_runs_unchanged():
@@ -99,5 +114,5 @@ def _all_sizes_one() -> tuple:
 
 def test_difference_a_mesh_even_when_every_size_is_one():
     theirs, shape, names, loss_ranks = run_ranks(1, _all_sizes_one)[0]
-    assert theirs is None                       # Accelerate: no mesh at all
+    assert theirs is None  # Accelerate: no mesh at all
     assert shape == (1, 1, 1, 1) and names == AXES and loss_ranks == [0]

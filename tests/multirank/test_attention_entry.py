@@ -5,11 +5,11 @@ model gave with transformers' own SDPA attention."""
 from __future__ import annotations
 
 import torch
+from harness import run_ranks
+from scenarios import make_model, reference_mask
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 import ndparallel as ndp
-from harness import run_ranks
-from scenarios import make_model, reference_mask
 
 
 def _check_entry() -> dict:

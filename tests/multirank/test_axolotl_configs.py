@@ -12,12 +12,11 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
-
 from harness import run_ranks
 from hub_cache import add_dataset, add_model, alpaca_records, chat_records, family_tokenizer
-from ndparallel.cli import main
 from scenarios import make_model
+
+from ndparallel.cli import main
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "axolotl" / "examples"
 
@@ -53,11 +52,14 @@ TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_la
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, repo, family, sizes, data_ranks", [
-    ("qwen3-8b-fsdp-tp-cp.yaml", "Qwen/Qwen3-8B", "qwen3", {}, 2),
-    # written for 16 GPUs (dp_replicate 2 x dp_shard 4 x tp 2): run on 8 ranks with dp_shard 2
-    ("llama-3_1-8b-hsdp-tp.yaml", "meta-llama/Llama-3.1-8B", "llama", {"dp_shard_size": 2}, 4),
-])
+@pytest.mark.parametrize(
+    "name, repo, family, sizes, data_ranks",
+    [
+        ("qwen3-8b-fsdp-tp-cp.yaml", "Qwen/Qwen3-8B", "qwen3", {}, 2),
+        # written for 16 GPUs (dp_replicate 2 x dp_shard 4 x tp 2): run on 8 ranks with dp_shard 2
+        ("llama-3_1-8b-hsdp-tp.yaml", "meta-llama/Llama-3.1-8B", "llama", {"dp_shard_size": 2}, 4),
+    ],
+)
 def test_distributed_parallel_configs_train_like_one_process(offline_hub, name, repo, family, sizes, data_ranks):
     # The Llama config's special_tokens (pad_token: <|end_of_text|>) name a token this tokenizer lacks, and the
     # model's vocabulary is exactly the tokenizer's: the embeddings must grow, split over tp like the rest.
@@ -78,10 +80,21 @@ def test_distributed_parallel_configs_train_like_one_process(offline_hub, name, 
         assert f"vocabulary: 1 token(s) added (<|end_of_text|>); embeddings grow from {vocab} to 320 rows" in out
     parallel = _records("outputs/ndp-out")
     # one process reading the same global batch: micro_batch_size = the layout's data-parallel ranks
-    single = run_ranks(1, _train_in_rank, config, _sets(**common, dp_shard_size=1, dp_replicate_size=1,
-                                                        tensor_parallel_size=1, context_parallel_size=1,
-                                                        micro_batch_size=data_ranks, output_dir="single"),
-                       timeout_s=300)
+    single = run_ranks(
+        1,
+        _train_in_rank,
+        config,
+        _sets(
+            **common,
+            dp_shard_size=1,
+            dp_replicate_size=1,
+            tensor_parallel_size=1,
+            context_parallel_size=1,
+            micro_batch_size=data_ranks,
+            output_dir="single",
+        ),
+        timeout_s=300,
+    )
     assert single[0][0] == 0, single[0][1][-3000:]
     reference = _records("single")
     assert [r["step"] for r in parallel] == [1, 2, 3]
@@ -110,8 +123,9 @@ REFUSED = {  # config -> the settings its one-line errors name (everything else 
     "llama-3/diffusion/sft-1b.yaml": {"diffusion", "plugins", "save_strategy"},
     "llama-3/instruct-dpo-lora-8b.yml": RL | {"load_in_8bit", "datasets[0].field_chosen", "datasets[0].field_rejected"},
     "llama-3/instruct-lora-8b.yml": {"load_in_8bit"},
-    "llama-3/lora-1b-deduplicate-dpo.yml": RL | {"load_in_8bit", "dataset_exact_deduplication"} | {
-        f"datasets[{i}].field_{k}" for i in (0, 1) for k in ("chosen", "rejected")},
+    "llama-3/lora-1b-deduplicate-dpo.yml": RL
+    | {"load_in_8bit", "dataset_exact_deduplication"}
+    | {f"datasets[{i}].field_{k}" for i in (0, 1) for k in ("chosen", "rejected")},
     "llama-3/lora-1b-deduplicate-sft.yml": {"load_in_8bit", "dataset_exact_deduplication"},
     "llama-3/lora-1b-ray.yml": {"use_ray"},
     "llama-3/lora-1b-sample-packing-sequentially.yml": {"load_in_8bit", "curriculum_sampling", "test_value"},
@@ -125,8 +139,8 @@ REFUSED = {  # config -> the settings its one-line errors name (everything else 
     "llama-3/qlora.yml": {"adapter", "load_in_4bit", "optimizer"},
     "llama-3/sparse-finetuning.yaml": {"llmcompressor", "plugins"},
     "mistral/bigstral/bigstral-ds-zero3.yaml": {"unfrozen_parameters"},
-    "mistral/dpo/mistral-dpo-qlora.yml": RL | {"adapter", "load_in_4bit", "datasets[0].field_chosen",
-                                               "datasets[0].field_rejected"},
+    "mistral/dpo/mistral-dpo-qlora.yml": RL
+    | {"adapter", "load_in_4bit", "datasets[0].field_chosen", "datasets[0].field_rejected"},
     "mistral/lora.yml": {"load_in_8bit"},
     "mistral/mistral-qlora-fsdp.yml": {"adapter", "load_in_4bit"},
     "mistral/mixtral/mixtral-8x22b-qlora-fsdp.yml": {"adapter", "load_in_4bit"},
@@ -139,8 +153,11 @@ REFUSED = {  # config -> the settings its one-line errors name (everything else 
     "qwen3/8b-qat-fsdp2.yml": {"qat"},
     "qwen3/reward-model.yaml": {"model_type", "num_labels", "reward_model", "center_rewards_coefficient"},
 }
-WORLD = {"distributed-parallel/qwen3-8b-fsdp-tp-cp.yaml": 8, "distributed-parallel/llama-3_1-8b-hsdp-tp.yaml": 16,
-         "alst/llama3-8b-fsdp2-alst.yaml": 8}
+WORLD = {
+    "distributed-parallel/qwen3-8b-fsdp-tp-cp.yaml": 8,
+    "distributed-parallel/llama-3_1-8b-hsdp-tp.yaml": 16,
+    "alst/llama3-8b-fsdp2-alst.yaml": 8,
+}
 CONFIGS = sorted(str(p.relative_to(FIXTURES)) for p in FIXTURES.rglob("*.y*ml"))
 
 
@@ -152,10 +169,14 @@ def example_hub(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("examples-hf")
     cache = root / "hub"
-    for repo, family in [("meta-llama/Llama-3.1-8B", "llama"), ("NousResearch/Meta-Llama-3.1-8B", "llama"),
-                         ("NousResearch/Llama-3.2-1B", "llama"), ("meta-llama/Llama-3.2-3B", "llama"),
-                         ("Qwen/Qwen3-8B", "qwen3"),
-                         ("mistralai/Mistral-7B-v0.1", "mistral")]:
+    for repo, family in [
+        ("meta-llama/Llama-3.1-8B", "llama"),
+        ("NousResearch/Meta-Llama-3.1-8B", "llama"),
+        ("NousResearch/Llama-3.2-1B", "llama"),
+        ("meta-llama/Llama-3.2-3B", "llama"),
+        ("Qwen/Qwen3-8B", "qwen3"),
+        ("mistralai/Mistral-7B-v0.1", "mistral"),
+    ]:
         add_model(cache, repo, PUBLISHED[repo], family)
     add_dataset(cache, "tatsu-lab/alpaca", {"data/train-00000-of-00001.parquet": alpaca_records()})
     add_dataset(cache, "teknium/GPT4-LLM-Cleaned", {"alpaca_gpt4_data_unfiltered.json": alpaca_records()})
@@ -181,8 +202,14 @@ def test_every_example_config_validates_or_is_refused_by_name(example_hub, monke
         return
     assert code == 2
     lines = [line.removeprefix("  - ") for line in out.err.splitlines() if line.startswith("  - ")]
-    named = {line.split(":")[0].split(" ")[0] for line in lines if " — " in line or line.startswith("adapter:")
-             or line.startswith("optimizer:") or line.startswith("save_strategy:")}
+    named = {
+        line.split(":")[0].split(" ")[0]
+        for line in lines
+        if " — " in line
+        or line.startswith("adapter:")
+        or line.startswith("optimizer:")
+        or line.startswith("save_strategy:")
+    }
     named |= {line.split("'")[1] for line in lines if line.startswith("unknown setting '")}
     assert REFUSED[name] <= named, (named, lines)
     assert all("\n" not in line for line in lines)
@@ -204,9 +231,13 @@ def test_a_chat_config_trains_as_written(offline_hub):
     add_model(offline_hub, "NousResearch/Meta-Llama-3.1-8B", model.config, "llama", model=model)
     add_dataset(offline_hub, "mlabonne/FineTome-100k", {"data/train-00000-of-00001.parquet": chat_records(60)})
     config = str(FIXTURES / "llama-3" / "fft-8b-liger-fsdp.yaml")
-    results = run_ranks(2, _train_in_rank, config, _sets(sequence_len=128, bf16="false", max_steps=2,
-                                                         micro_batch_size=1, gradient_accumulation_steps=1),
-                        timeout_s=300)
+    results = run_ranks(
+        2,
+        _train_in_rank,
+        config,
+        _sets(sequence_len=128, bf16="false", max_steps=2, micro_batch_size=1, gradient_accumulation_steps=1),
+        timeout_s=300,
+    )
     code, err, out = results[0]
     assert code == 0, err[-3000:]
     assert "liger_rope" in next(line for line in out.splitlines() if line.startswith("ndparallel: not used: "))

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import shutil
 
+import malicious
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
-import malicious
-import ndparallel as ndp
 from harness import run_ranks
-from ndparallel.errors import CheckpointError
 from scenarios import max_rel_diff
 from trainer_helpers import full_state, layout_config, losses, run_train, tiny_config
+from transformers import AutoModelForCausalLM
+
+import ndparallel as ndp
+from ndparallel.errors import CheckpointError
 
 PROBE = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(3))
 
@@ -36,8 +36,15 @@ def test_layout_of_a_checkpoint(saved):
     tmp, _, _ = saved
     root = tmp / "out" / "checkpoints"
     assert (root / "latest").read_text() == "step-6"
-    for name in ("COMPLETE", "index.json", "config.yaml", "hf_config.json", "tokenizer", "tensors/.metadata",
-                 "ranks/rank-7.json"):
+    for name in (
+        "COMPLETE",
+        "index.json",
+        "config.yaml",
+        "hf_config.json",
+        "tokenizer",
+        "tensors/.metadata",
+        "ranks/rank-7.json",
+    ):
         assert (_step3(tmp) / name).exists(), name
     assert not list(root.glob(".partial-*"))
 
@@ -65,12 +72,16 @@ def loaded_on_8(saved):
     return run_ranks(8, _loaded_state, config, str(_step3(tmp)))[0]
 
 
-@pytest.mark.parametrize("layout, world", [
-    (dict(s=4), 4),                        # 2x2x2 on 8 ranks -> FSDP 4 on 4
-    (dict(c=2, t=2, method="alltoall"), 4),  # -> TP 2 x CP 2 on 4
-    (dict(r=2, t=1), 2),                    # -> plain replicas on 2
-    (dict(), 1),                            # -> one process
-], ids=["fsdp4", "cp2-tp2", "ddp2", "single"])
+@pytest.mark.parametrize(
+    "layout, world",
+    [
+        (dict(s=4), 4),  # 2x2x2 on 8 ranks -> FSDP 4 on 4
+        (dict(c=2, t=2, method="alltoall"), 4),  # -> TP 2 x CP 2 on 4
+        (dict(r=2, t=1), 2),  # -> plain replicas on 2
+        (dict(), 1),  # -> one process
+    ],
+    ids=["fsdp4", "cp2-tp2", "ddp2", "single"],
+)
 def test_resume_on_another_layout(saved, loaded_on_8, layout, world, parity_record):
     tmp, config, uninterrupted = saved
     checkpoint = str(_step3(tmp))
@@ -78,9 +89,12 @@ def test_resume_on_another_layout(saved, loaded_on_8, layout, world, parity_reco
     new_config = {**layout_config(config, **layout), "output_dir": str(tmp / f"reshard-{world}-{len(layout)}")}
     moved = run_ranks(world, _loaded_state, new_config, checkpoint)[0]
     assert moved["step"] == 3
-    assert moved["data"]["batches_done_in_epoch"] * new_config["micro_batch_size"] * (world // max(
-        1, layout.get("c", 1) * layout.get("t", 1))) == original["data"]["batches_done_in_epoch"] * config[
-        "micro_batch_size"] * 2
+    assert (
+        moved["data"]["batches_done_in_epoch"]
+        * new_config["micro_batch_size"]
+        * (world // max(1, layout.get("c", 1) * layout.get("t", 1)))
+        == original["data"]["batches_done_in_epoch"] * config["micro_batch_size"] * 2
+    )
     assert original["state"].keys() == moved["state"].keys()
     for name, value in original["state"].items():
         assert torch.equal(value, moved["state"][name]), f"{name} differs after resharding"
@@ -112,8 +126,9 @@ def test_export_gives_the_parallel_models_logits(saved, tmp_path):
     exported = AutoModelForCausalLM.from_pretrained(out, attn_implementation="sdpa").eval()
     with torch.no_grad():
         want = exported(input_ids=PROBE).logits
-    results = run_ranks(8, _trained_logits, {**config, "output_dir": str(tmp_path / "o")},
-                        str(tmp / "out" / "checkpoints" / "step-6"))
+    results = run_ranks(
+        8, _trained_logits, {**config, "output_dir": str(tmp_path / "o")}, str(tmp / "out" / "checkpoints" / "step-6")
+    )
     for logits, batch_rank in results:
         rows = slice(batch_rank * 4, batch_rank * 4 + 4)
         assert float((logits - want[rows]).abs().max() / want.abs().max()) < 1e-5
@@ -124,9 +139,8 @@ def test_export_gives_the_parallel_models_logits(saved, tmp_path):
         export_checkpoint(tmp / "out", out)
 
 
-
-
 # --- damaged and malicious checkpoints ------------------------------------------------------------------
+
 
 def _damage(tmp, kind: str) -> tuple[str, str, str]:
     """A copy of step-3 damaged in one way: (output_dir, resume value, text the refusal must contain)."""
@@ -156,9 +170,15 @@ def _damage(tmp, kind: str) -> tuple[str, str, str]:
             latest.symlink_to(bad / "elsewhere")
         else:
             latest.write_text("step-99" if kind == "latest-dangling" else "../../../etc")
-        return str(bad), "latest", {"latest-dangling": "points at 'step-99', which does not exist",
-                                    "latest-escape": "which is not a checkpoint of this directory",
-                                    "latest-symlink": "is not a plain file"}[kind]
+        return (
+            str(bad),
+            "latest",
+            {
+                "latest-dangling": "points at 'step-99', which does not exist",
+                "latest-escape": "which is not a checkpoint of this directory",
+                "latest-symlink": "is not a plain file",
+            }[kind],
+        )
     if kind == "no-checkpoint":
         shutil.rmtree(bad / "checkpoints")
         return str(bad), "latest", "does not exist"
@@ -170,8 +190,17 @@ def _damage(tmp, kind: str) -> tuple[str, str, str]:
     return str(bad), str(ckpt), malicious.tamper(ckpt, kind, marker, outside)
 
 
-DAMAGED = ["truncated-shard", "corrupted-index", "missing-complete", "format-1", "latest-dangling", "latest-escape",
-           "latest-symlink", "no-checkpoint", "partial"]
+DAMAGED = [
+    "truncated-shard",
+    "corrupted-index",
+    "missing-complete",
+    "format-1",
+    "latest-dangling",
+    "latest-escape",
+    "latest-symlink",
+    "no-checkpoint",
+    "partial",
+]
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +217,9 @@ def _resume_errors(config: dict, cases: dict) -> dict:
     errors = {}
     for kind, (output_dir, resume, _) in cases.items():
         try:
-            setup(parse_config({**config, "output_dir": output_dir, "resume_from_checkpoint": resume})).checkpointer.close()
+            setup(
+                parse_config({**config, "output_dir": output_dir, "resume_from_checkpoint": resume})
+            ).checkpointer.close()
             errors[kind] = None
         except CheckpointError as exc:
             errors[kind] = str(exc)
@@ -246,10 +277,12 @@ def test_the_payloads_are_live(tmp_path):
 
 def test_checkpoint_of_another_model_shape_is_refused(saved):
     tmp, config, _ = saved
-    other = {**layout_config(config, s=2), "model_config_overrides": {"vocab_size": 320, "intermediate_size": 192},
-             "output_dir": str(tmp / "other-shape")}
-    cases = {"shape": (str(tmp / "other-shape"), str(_step3(tmp)),
-                       "intermediate_size: checkpoint 128 vs model 192")}
+    other = {
+        **layout_config(config, s=2),
+        "model_config_overrides": {"vocab_size": 320, "intermediate_size": 192},
+        "output_dir": str(tmp / "other-shape"),
+    }
+    cases = {"shape": (str(tmp / "other-shape"), str(_step3(tmp)), "intermediate_size: checkpoint 128 vs model 192")}
     errors = run_ranks(2, _resume_errors, other, cases, timeout_s=120)
     assert all(not _check_refusals(e, cases) for e in errors), errors
 
@@ -258,7 +291,13 @@ def test_tokens_resume_from_a_save_between_logging_steps(tmp_path):
     """Saved at step 3 while logging every 2 steps: the resumed run's token count goes on from step 3's."""
     config = tiny_config(tmp_path, max_steps=4, save_steps=3, logging_steps=2, micro_batch_size=4)
     uninterrupted = run_train(1, config)
-    resumed = run_train(1, {**config, "output_dir": str(tmp_path / "resumed"),
-                            "resume_from_checkpoint": str(tmp_path / "out" / "checkpoints" / "step-3")})
+    resumed = run_train(
+        1,
+        {
+            **config,
+            "output_dir": str(tmp_path / "resumed"),
+            "resume_from_checkpoint": str(tmp_path / "out" / "checkpoints" / "step-3"),
+        },
+    )
     assert [r["step"] for r in resumed] == [4]
     assert resumed[-1]["tokens"] == uninterrupted[-1]["tokens"]

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import ndparallel as ndp
 from harness import run_ranks
 from scenarios import EPS, LR, WEIGHT_DECAY, _labels, make_batches, make_model, max_rel_diff, reference_mask
+
+import ndparallel as ndp
 
 STEPS, SAVE_AT = 4, 2
 BATCHES = make_batches(steps=STEPS, micro=1, rows=4, seq=32, packed=True)
@@ -36,15 +36,20 @@ def _reference() -> list[float]:
     model = make_model("llama")
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0.0}],
-                            lr=LR, betas=(0.9, 0.95), eps=EPS)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0.0}],
+        lr=LR,
+        betas=(0.9, 0.95),
+        eps=EPS,
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
     losses = []
     for (mb,) in BATCHES:
         labels = _labels(mb)
         logits = model(**reference_mask(mb)).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / int(
-            (labels != ndp.IGNORE_INDEX).sum())
+            (labels != ndp.IGNORE_INDEX).sum()
+        )
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -101,10 +106,14 @@ def test_training_goes_on_during_an_asynchronous_save(saved):
     assert max_rel_diff(first["losses"], reference) < 1e-5
 
 
-@pytest.mark.parametrize("layout, world", [
-    ({"cp_size": 2, "cp_comm_strategy": "ring"}, 2),  # 2 x 2 (fsdp, tp) -> context parallel on 2
-    ({}, 1),                                           # -> one process
-], ids=["cp2", "single"])
+@pytest.mark.parametrize(
+    "layout, world",
+    [
+        ({"cp_size": 2, "cp_comm_strategy": "ring"}, 2),  # 2 x 2 (fsdp, tp) -> context parallel on 2
+        ({}, 1),  # -> one process
+    ],
+    ids=["cp2", "single"],
+)
 def test_resume_on_another_layout_continues_like_one_process(saved, layout, world, parity_record):
     root, _, reference = saved
     resumed = run_ranks(world, _loop, layout, str(root), resume=True, with_rank_state=True)[0]
@@ -126,6 +135,7 @@ def _failing_save(root: str) -> dict:
     ckpt.save(1, {"model": model})
     ckpt.wait()
     if dist.get_rank() == 0:
+
         def full_disk(*args, **kwargs):
             raise OSError(28, "No space left on device")
 

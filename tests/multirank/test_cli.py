@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from scenarios import max_rel_diff
+from trainer_helpers import layout_config, losses, run_train, tiny_config
 from transformers import LlamaConfig
 
 from ndparallel.cli import main
-from scenarios import max_rel_diff
-from trainer_helpers import layout_config, losses, run_train, tiny_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -24,14 +24,28 @@ def _fake_8b(tmp: Path) -> Path:
     from ndparallel.data.tokenizer import byte_tokenizer
 
     path = tmp / "llama-8b"
-    LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072).save_pretrained(path)
+    LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+    ).save_pretrained(path)
     byte_tokenizer().save_pretrained(path)  # validate loads the tokenizer, as train would
     return path
 
 
-@pytest.mark.parametrize("example, world", [("llama-8b-finetune-fsdp-tp-cp.yaml", 8), ("hsdp-tp-multinode.yaml", 16),
-                                            ("long-context-128k-cp.yaml", 8), ("lora-8b-2x2x2.yaml", 8)])
+@pytest.mark.parametrize(
+    "example, world",
+    [
+        ("llama-8b-finetune-fsdp-tp-cp.yaml", 8),
+        ("hsdp-tp-multinode.yaml", 16),
+        ("long-context-128k-cp.yaml", 8),
+        ("lora-8b-2x2x2.yaml", 8),
+    ],
+)
 def test_examples_validate(tmp_path, capsys, example, world):
     model = _fake_8b(tmp_path)
     data = tmp_path / "data.jsonl"
@@ -39,7 +53,9 @@ def test_examples_validate(tmp_path, capsys, example, world):
     raw = yaml.safe_load((EXAMPLES / example).read_text())
     sets = [f"datasets.{i}.path={data}" for i in range(len(raw["datasets"]))]
     sets += [f"base_model={model}"] if "base_model" in raw else [f"tokenizer_config={model}"]
-    code = main(["validate", str(EXAMPLES / example), "--world-size", str(world), *sum((["--set", s] for s in sets), [])])
+    code = main(
+        ["validate", str(EXAMPLES / example), "--world-size", str(world), *sum((["--set", s] for s in sets), [])]
+    )
     out = capsys.readouterr()
     assert code == 0, out.err
     assert f"config OK for {world} process(es)" in out.out
@@ -48,8 +64,16 @@ def test_examples_validate(tmp_path, capsys, example, world):
 
 def test_validate_reports_every_problem(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump({"model_shape": "tiny", "datasets": [{"path": "nowhere.jsonl"}],
-                                   "learnig_rate": 1e-4, "micro_batch_size": 0}))
+    bad.write_text(
+        yaml.safe_dump(
+            {
+                "model_shape": "tiny",
+                "datasets": [{"path": "nowhere.jsonl"}],
+                "learnig_rate": 1e-4,
+                "micro_batch_size": 0,
+            }
+        )
+    )
     assert main(["validate", str(bad)]) == 2
     err = capsys.readouterr().err
     # the config's mistakes, then (with defaults in their place) the model's and the data's
@@ -62,8 +86,11 @@ def test_validate_checks_the_layout_against_the_model(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
     data = tmp_path / "d.jsonl"
     data.write_text("{}\n")
-    cfg.write_text(yaml.safe_dump({"model_shape": "tiny", "datasets": [{"path": str(data)}], "tensor_parallel_size": 3,
-                                   "dp_shard_size": 1}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {"model_shape": "tiny", "datasets": [{"path": str(data)}], "tensor_parallel_size": 3, "dp_shard_size": 1}
+        )
+    )
     assert main(["validate", str(cfg), "--world-size", "3"]) == 2
     assert "tp_size=3 does not divide the model's attention heads (num_attention_heads=8)" in capsys.readouterr().err
 
@@ -71,8 +98,14 @@ def test_validate_checks_the_layout_against_the_model(tmp_path, capsys):
 def _cli(args: list[str], cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None), env.pop("WORLD_SIZE", None)
-    return subprocess.run([sys.executable, "-m", "ndparallel.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "ndparallel.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.slow

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from harness import run_ranks
 
 import ndparallel as ndp
-from harness import run_ranks
 from ndparallel.parallel.context import build_attention_context, segment_ids_from
 from ndparallel.parallel.cp_attention import context_attention
 
@@ -58,7 +58,7 @@ def _reference(q, k, v, grad, segments, window, sinks=None):
     allowed = (segments[:, :, None] == segments[:, None, :]) & (i[:, None] >= i[None, :])
     if window is not None:
         allowed &= (i[:, None] - i[None, :]) < window
-    scores = (qd @ kk.transpose(-1, -2)) * D ** -0.5
+    scores = (qd @ kk.transpose(-1, -2)) * D**-0.5
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     if sinks is None:
         out = torch.softmax(scores, -1) @ vv
@@ -83,7 +83,7 @@ def _run_cp(method: str, cp: int) -> dict:
         sinks = _sinks(kind)
         if sinks is not None:
             sinks.requires_grad_()
-        out = context_attention(ql, kl, vl, ctx, scale=D ** -0.5, window=window, sinks=sinks).transpose(1, 2)
+        out = context_attention(ql, kl, vl, ctx, scale=D**-0.5, window=window, sinks=sinks).transpose(1, 2)
         out.backward(ndp.cp_shard(grad, **shard))  # out is (B, H, L, D) again
         results[kind] = [ndp.cp_gather(t.detach(), topo, dim=2) for t in (out, ql.grad, kl.grad, vl.grad)]
         if sinks is not None:  # each rank holds its rows' (or heads') share, summed as FSDP sums gradients
@@ -93,7 +93,9 @@ def _run_cp(method: str, cp: int) -> dict:
     return results
 
 
-@pytest.mark.parametrize("method, cp", [("local", 1), *((m, c) for m in ("allgather", "ring", "alltoall") for c in (2, 4))])
+@pytest.mark.parametrize(
+    "method, cp", [("local", 1), *((m, c) for m in ("allgather", "ring", "alltoall") for c in (2, 4))]
+)
 def test_cp_attention_equals_full_attention(method, cp, parity_record):
     got = run_ranks(cp, _run_cp, method, cp)[0]
     worst = {}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 
 import pytest
-
 from harness import run_ranks
 from scenarios import assert_parity, make_batches, make_model, train_parallel, train_reference, world_size
 
@@ -19,8 +18,15 @@ STEPS = 5
 
 @functools.lru_cache(maxsize=None)
 def _batches(data: str, accum: int):
-    return make_batches(steps=STEPS, micro=accum, rows=4, seq=64, pad=data in ("pad", "mixed"),
-                        packed=data in ("packed", "mixed"), seed=7)
+    return make_batches(
+        steps=STEPS,
+        micro=accum,
+        rows=4,
+        seq=64,
+        pad=data in ("pad", "mixed"),
+        packed=data in ("packed", "mixed"),
+        seed=7,
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -43,20 +49,26 @@ CASES = [
     pytest.param(L(1, 1, 8, 1, "alltoall"), "qwen3", "packed", 1, {}, id="cp8-alltoall-qwen3-packed"),
     pytest.param(L(1, 1, 8, 1, "ring"), "llama", "pad", 1, {}, id="cp8-ring-llama-pad"),
     # sliding-window attention shorter than the row, under CP
-    pytest.param(L(1, 1, 8, 1, "allgather"), "mistral", "packed", 1, {"sliding_window": 24},
-                 id="cp8-allgather-mistral-window"),
+    pytest.param(
+        L(1, 1, 8, 1, "allgather"), "mistral", "packed", 1, {"sliding_window": 24}, id="cp8-allgather-mistral-window"
+    ),
     # composed with FSDP / HSDP and TP
     pytest.param(L(1, 2, 2, 2, "allgather"), "mistral", "packed", 1, {}, id="fsdp2-cp2-tp2-allgather-mistral"),
     pytest.param(L(1, 2, 2, 2, "ring"), "qwen3", "pad", 1, {}, id="fsdp2-cp2-tp2-ring-qwen3"),
-    pytest.param(L(2, 1, 2, 2, "alltoall"), "llama", "packed", 1, {"tied": True}, id="ddp2-cp2-tp2-alltoall-llama-tied"),
+    pytest.param(
+        L(2, 1, 2, 2, "alltoall"), "llama", "packed", 1, {"tied": True}, id="ddp2-cp2-tp2-alltoall-llama-tied"
+    ),
     pytest.param(L(2, 2, 2, 1, "ring"), "qwen3", "mixed", 2, {}, id="hsdp2x2-cp2-ring-qwen3-accum"),
     pytest.param(L(2, 2, 2, 1, "allgather"), "mistral", "pad", 1, {}, id="hsdp2x2-cp2-allgather-mistral"),
     pytest.param(L(1, 1, 4, 2, "ring"), "llama", "packed", 1, {}, id="cp4-tp2-ring-llama"),
     pytest.param(L(1, 1, 4, 2, "alltoall"), "qwen3", "pad", 1, {}, id="cp4-tp2-alltoall-qwen3"),
     # the other ordered factorizations of 8 ranks with cp > 1, two of them with sliding windows (ring, alltoall)
-    pytest.param(L(2, 1, 4, 1, "ring"), "mistral", "packed", 1, {"sliding_window": 24}, id="ddp2-cp4-ring-mistral-window"),
-    pytest.param(L(1, 2, 4, 1, "alltoall"), "mistral", "mixed", 1, {"sliding_window": 20},
-                 id="fsdp2-cp4-alltoall-mistral-window"),
+    pytest.param(
+        L(2, 1, 4, 1, "ring"), "mistral", "packed", 1, {"sliding_window": 24}, id="ddp2-cp4-ring-mistral-window"
+    ),
+    pytest.param(
+        L(1, 2, 4, 1, "alltoall"), "mistral", "mixed", 1, {"sliding_window": 20}, id="fsdp2-cp4-alltoall-mistral-window"
+    ),
     pytest.param(L(4, 1, 2, 1, "allgather"), "qwen3", "pad", 1, {}, id="ddp4-cp2-allgather-qwen3"),
     pytest.param(L(1, 4, 2, 1, "ring"), "llama", "packed", 1, {}, id="fsdp4-cp2-ring-llama"),
     pytest.param(L(1, 1, 2, 4, "allgather"), "llama", "mixed", 1, {}, id="cp2-tp4-allgather-llama"),
@@ -66,6 +78,7 @@ CASES = [
 @pytest.mark.parametrize("layout, family, data, accum, model_kwargs", CASES)
 def test_cp_layout_matches_one_process(layout, family, data, accum, model_kwargs, parity_record):
     ref = _reference(family, data, accum, tuple(sorted(model_kwargs.items())))
-    results = run_ranks(world_size(layout), train_parallel, family, layout, _batches(data, accum),
-                        model_kwargs=model_kwargs)
+    results = run_ranks(
+        world_size(layout), train_parallel, family, layout, _batches(data, accum), model_kwargs=model_kwargs
+    )
     parity_record(assert_parity(ref, results[0]))

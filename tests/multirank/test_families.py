@@ -33,15 +33,14 @@ import functools
 
 import pytest
 import torch
-
+from harness import run_ranks
+from scenarios import assert_parity, make_batches, make_model, train_parallel, train_reference, world_size
+from trainer_helpers import layout_config, run_train, tiny_config
 from transformers import AutoModelForCausalLM
 
 import ndparallel as ndp
-from harness import run_ranks
 from ndparallel.cli import main
 from ndparallel.lora import LoraSpec
-from scenarios import assert_parity, make_batches, make_model, train_parallel, train_reference, world_size
-from trainer_helpers import layout_config, run_train, tiny_config
 
 STEPS = 5
 EPS = 1e-4
@@ -66,13 +65,16 @@ def _batches(vocab: int):
 @functools.lru_cache(maxsize=None)
 def _reference(family: str, model_items: tuple):
     kwargs = dict(model_items)
-    return train_reference(make_model(family, **kwargs), _batches(kwargs.get("vocab_size", 256)),
-                           transformers_masks=True, eps=EPS)
+    return train_reference(
+        make_model(family, **kwargs), _batches(kwargs.get("vocab_size", 256)), transformers_masks=True, eps=EPS
+    )
 
 
 def _train_layouts(family, layouts, batches, model_kwargs, lora=None):
     """Several layouts of the same world size one after another in one launch (one fork, one process group)."""
-    return [train_parallel(family, layout, batches, model_kwargs=model_kwargs, lora=lora, eps=EPS) for layout in layouts]
+    return [
+        train_parallel(family, layout, batches, model_kwargs=model_kwargs, lora=lora, eps=EPS) for layout in layouts
+    ]
 
 
 HSDP = L(2, 2, 1, 1)
@@ -112,10 +114,20 @@ def test_lora_on_fused_projections_under_tp(parity_record):
     parity_record(assert_parity(ref, got))
 
 
-GEMMA2_TINY = {"model_type": "gemma2", "vocab_size": 4099, "hidden_size": 64, "intermediate_size": 128,
-               "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8,
-               "sliding_window": 12, "query_pre_attn_scalar": 8, "attn_logit_softcapping": 2.0,
-               "final_logit_softcapping": 1.5}
+GEMMA2_TINY = {
+    "model_type": "gemma2",
+    "vocab_size": 4099,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 8,
+    "sliding_window": 12,
+    "query_pre_attn_scalar": 8,
+    "attn_logit_softcapping": 2.0,
+    "final_logit_softcapping": 1.5,
+}
 
 
 def _parallel_logits(config: dict, checkpoint: str, probe: torch.Tensor):
@@ -131,8 +143,9 @@ def _parallel_logits(config: dict, checkpoint: str, probe: torch.Tensor):
 def test_family_checkpoint_exports_to_transformers(tmp_path):
     """``ndparallel train`` on Gemma 2 (tied and scaled embeddings, soft caps, an odd vocabulary split over
     tp 2, FSDP 2) saves a checkpoint whose export transformers loads with the parallel model's logits."""
-    config = layout_config(tiny_config(tmp_path, model_shape=None, model_config_overrides=GEMMA2_TINY,
-                                       max_steps=2, save_steps=2), s=2, t=2)
+    config = layout_config(
+        tiny_config(tmp_path, model_shape=None, model_config_overrides=GEMMA2_TINY, max_steps=2, save_steps=2), s=2, t=2
+    )
     run_train(4, config)
     out = tmp_path / "hf"
     assert main(["export", str(tmp_path / "out"), str(out), "--dtype", "float32"]) == 0
@@ -140,8 +153,13 @@ def test_family_checkpoint_exports_to_transformers(tmp_path):
     probe = torch.randint(0, 4099, (4, 32), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         want = exported(input_ids=probe).logits
-    results = run_ranks(4, _parallel_logits, {**config, "output_dir": str(tmp_path / "o")},
-                        str(tmp_path / "out" / "checkpoints" / "step-2"), probe)
+    results = run_ranks(
+        4,
+        _parallel_logits,
+        {**config, "output_dir": str(tmp_path / "o")},
+        str(tmp_path / "out" / "checkpoints" / "step-2"),
+        probe,
+    )
     for logits, batch_rank in results:
         rows = slice(batch_rank * 2, batch_rank * 2 + 2)
         assert float((logits - want[rows]).abs().max() / want.abs().max()) < 1e-5

@@ -14,11 +14,11 @@ import psutil
 import pytest
 import torch
 import yaml
-
 from harness import RankFailure, run_ranks
-from ndparallel.errors import NumericsError
 from scenarios import max_rel_diff
 from trainer_helpers import layout_config, losses, run_train, tiny_config
+
+from ndparallel.errors import NumericsError
 
 
 def _metrics(path: Path) -> dict[int, dict]:
@@ -48,8 +48,14 @@ def test_killed_rank_ends_the_job_and_resume_reproduces_the_run(tmp_path, parity
     path.write_text(yaml.safe_dump(config))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
-    launcher = subprocess.Popen([sys.executable, "-m", "ndparallel.cli", "train", str(path)], cwd=tmp_path, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "ndparallel.cli", "train", str(path)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = Path(config["output_dir"]) / "metrics.jsonl"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and not (metrics.exists() and max(_metrics(metrics), default=0) >= 5):
@@ -64,8 +70,14 @@ def test_killed_rank_ends_the_job_and_resume_reproduces_the_run(tmp_path, parity
     assert to_exit < 60, f"the job took {to_exit:.1f} s to end after a rank was killed"
     parity_record({"kill_to_exit_s": to_exit})
     latest = (Path(config["output_dir"]) / "checkpoints" / "latest").read_text()
-    resumed = subprocess.run([sys.executable, "-m", "ndparallel.cli", "train", str(path), "--resume", "latest"],
-                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "ndparallel.cli", "train", str(path), "--resume", "latest"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     after = _metrics(metrics)
     start = int(latest.split("-")[1])
@@ -86,8 +98,9 @@ def _save_crash(config: dict, crash_point: str):
         return real_publish(partial, root, name, index, keep)
 
     def dying_write(path, text):
-        if ((crash_point == "complete" and path.name == "COMPLETE" and "step-6" in str(path))
-                or (crash_point == "latest" and path.name == "latest" and text == "step-6")):
+        if (crash_point == "complete" and path.name == "COMPLETE" and "step-6" in str(path)) or (
+            crash_point == "latest" and path.name == "latest" and text == "step-6"
+        ):
             os._exit(137)
         return real_write(path, text)
 
@@ -124,8 +137,15 @@ def _train_expecting(config: dict):
 def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
     config = layout_config(tiny_config(tmp_path, max_steps=4, save_steps=2), s=2)
     run_train(2, config)
-    diverging = {**config, "resume_from_checkpoint": "latest", "learning_rate": 1e9, "max_grad_norm": 0,
-                 "max_steps": 10, "save_steps": 1, "logging_steps": 3}
+    diverging = {
+        **config,
+        "resume_from_checkpoint": "latest",
+        "learning_rate": 1e9,
+        "max_grad_norm": 0,
+        "max_steps": 10,
+        "save_steps": 1,
+        "logging_steps": 3,
+    }
     results = run_ranks(2, _train_expecting, diverging)
     message = results[0]["error"]
     assert all("error" in r for r in results), "every rank stops"
@@ -138,11 +158,22 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_
 
 
 def test_nan_policy_skip_finishes_with_finite_weights(tmp_path):
-    from ndparallel.export import export_checkpoint
     from safetensors.torch import load_file
 
-    config = layout_config(tiny_config(tmp_path, max_steps=5, learning_rate=1e9, max_grad_norm=0,
-                                       nan_policy="skip", warmup_steps=0, lr_scheduler="constant"), s=2)
+    from ndparallel.export import export_checkpoint
+
+    config = layout_config(
+        tiny_config(
+            tmp_path,
+            max_steps=5,
+            learning_rate=1e9,
+            max_grad_norm=0,
+            nan_policy="skip",
+            warmup_steps=0,
+            lr_scheduler="constant",
+        ),
+        s=2,
+    )
     records = run_ranks(2, _train_expecting, config)[0]["records"]
     assert records[-1]["skipped_steps"] >= 1
     export_checkpoint(config["output_dir"], tmp_path / "hf", dtype="float32")
@@ -154,8 +185,12 @@ def test_nan_policy_skip_finishes_with_finite_weights(tmp_path):
 def test_sixteen_ranks_train_like_one(tmp_path, parity_record):
     config = tiny_config(tmp_path, max_steps=3, micro_batch_size=16)
     single = run_train(1, {**config, "output_dir": str(tmp_path / "single")})
-    sixteen = run_train(16, {**layout_config(config, r=2, s=2, c=2, t=2, method="ring"),
-                             "output_dir": str(tmp_path / "sixteen")}, timeout_s=400, pg_timeout_s=300)
+    sixteen = run_train(
+        16,
+        {**layout_config(config, r=2, s=2, c=2, t=2, method="ring"), "output_dir": str(tmp_path / "sixteen")},
+        timeout_s=400,
+        pg_timeout_s=300,
+    )
     diff = max_rel_diff(losses(sixteen), losses(single))
     parity_record({"loss": diff})
     assert diff < 1e-5
@@ -185,8 +220,9 @@ def _long_run(config: dict):
 
 @pytest.mark.slow
 def test_long_run_memory_stays_flat(tmp_path, parity_record):
-    config = layout_config(tiny_config(tmp_path, max_steps=300, save_steps=50, logging_steps=25,
-                                       save_total_limit=2), s=2)
+    config = layout_config(
+        tiny_config(tmp_path, max_steps=300, save_steps=50, logging_steps=25, save_total_limit=2), s=2
+    )
     samples = run_ranks(2, _long_run, config, timeout_s=600)[0]
     warm, end = samples[60], samples[-1]  # after the first saves and allocator warm-up
     growth = end - warm

@@ -11,30 +11,40 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness import run_ranks
+from scenarios import make_batches, make_model, max_rel_diff, train_parallel
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import ndparallel as ndp
-from harness import run_ranks
 from ndparallel.errors import ConfigError
 from ndparallel.models.decoder import decoder_parts
 from ndparallel.parallel.float8 import Fp8Spec, check_fp8_supported, fp8_linear_names
-from scenarios import make_batches, make_model, max_rel_diff, train_parallel
 
 EMULATED = Fp8Spec(emulate=True, min_features=32, keep_bf16_layers=())
 
 
 def test_the_rule_keeps_head_first_last_layers_and_small_linears_in_bf16():
-    config = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=4, num_attention_heads=16,
-                         num_key_value_heads=4, vocab_size=1024)
+    config = LlamaConfig(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=1024,
+    )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     names = fp8_linear_names(decoder_parts(model), Fp8Spec())
     # k/v project 2048 -> 512 (< min_features 2048): bf16. Layers 0 and 3 and lm_head: bf16.
-    expected = [f"model.layers.{i}.{path}" for i in (1, 2) for path in
-                ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    expected = [
+        f"model.layers.{i}.{path}"
+        for i in (1, 2)
+        for path in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    ]
     assert names == expected
-    everything = fp8_linear_names(decoder_parts(model), Fp8Spec(keep_bf16_layers=(), keep_bf16_modules=(),
-                                                                min_features=16))
+    everything = fp8_linear_names(
+        decoder_parts(model), Fp8Spec(keep_bf16_layers=(), keep_bf16_modules=(), min_features=16)
+    )
     assert len(everything) == 4 * 7 + 1
 
 
@@ -48,8 +58,10 @@ def test_fp8_is_refused_with_one_line_on_cpu_and_for_bad_settings():
 def _train_both(layout: dict) -> dict:
     """The same 3 steps in emulated fp8 and in bf16 on this layout; what the conversion made."""
     batches = make_batches(steps=3, micro=1, rows=8, seq=32)
-    out = {name: train_parallel("llama", layout, batches, options={"param_dtype": "bfloat16", "fp8": fp8})["losses"]
-           for name, fp8 in (("fp8", EMULATED), ("bf16", None))}
+    out = {
+        name: train_parallel("llama", layout, batches, options={"param_dtype": "bfloat16", "fp8": fp8})["losses"]
+        for name, fp8 in (("fp8", EMULATED), ("bf16", None))
+    }
     topo = ndp.Topology.build(ndp.ParallelismConfig(**layout))
     model = make_model("llama")
     ndp.parallelize(model, topo, options=ndp.ParallelOptions(param_dtype="bfloat16", fp8=EMULATED))
@@ -59,8 +71,11 @@ def _train_both(layout: dict) -> dict:
     return out
 
 
-@pytest.mark.parametrize("layout, world", [(dict(dp_shard_size=1), 1), (dict(dp_shard_size=2), 2)],
-                         ids=["one-rank", "fsdp2-float8-allgather"])
+@pytest.mark.parametrize(
+    "layout, world",
+    [(dict(dp_shard_size=1), 1), (dict(dp_shard_size=2), 2)],
+    ids=["one-rank", "fsdp2-float8-allgather"],
+)
 def test_emulated_fp8_training_tracks_bf16(layout, world, parity_record):
     got = run_ranks(world, _train_both, layout)[0]
     diff = max_rel_diff(got["fp8"], got["bf16"])
@@ -101,11 +116,22 @@ def test_fp8_with_tensor_parallel_forward_matches_one_rank():
 
 
 def test_the_yaml_settings_make_the_spec(tmp_path):
-    from ndparallel.config import parse_config
-    from ndparallel.train import fp8_spec
     from trainer_helpers import tiny_config
 
+    from ndparallel.config import parse_config
+    from ndparallel.train import fp8_spec
+
     assert fp8_spec(parse_config(tiny_config(tmp_path))) is None
-    spec = fp8_spec(parse_config({**tiny_config(tmp_path), "fp8": True, "fp8_recipe": "rowwise",
-                                  "fp8_keep_bf16_layers": [1], "fp8_keep_bf16_modules": [], "fp8_min_features": 64}))
+    spec = fp8_spec(
+        parse_config(
+            {
+                **tiny_config(tmp_path),
+                "fp8": True,
+                "fp8_recipe": "rowwise",
+                "fp8_keep_bf16_layers": [1],
+                "fp8_keep_bf16_modules": [],
+                "fp8_min_features": 64,
+            }
+        )
+    )
     assert spec == Fp8Spec(recipe="rowwise", keep_bf16_layers=(1,), keep_bf16_modules=(), min_features=64)

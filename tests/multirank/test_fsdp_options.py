@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness import RankFailure, run_ranks
+from scenarios import make_model
 from torch.distributed.tensor import DTensor
 
 import ndparallel as ndp
-from harness import RankFailure, run_ranks
-from scenarios import make_model
 
 
 def _rows_held_after_forward(layout: dict, reshard) -> tuple[int, list[int]]:
@@ -36,6 +36,9 @@ def test_reshard_after_forward_keeps_the_asked_shard_size(reshard, first_layer_s
 
 
 def test_reshard_to_a_subgroup_with_tensor_parallel_is_one_clear_error():
-    with pytest.raises(RankFailure, match=r"reshard_after_forward=2 \(a number of ranks\) cannot be combined with "
-                                          r"tensor_parallel_size > 1"):
+    with pytest.raises(
+        RankFailure,
+        match=r"reshard_after_forward=2 \(a number of ranks\) cannot be combined with "
+        r"tensor_parallel_size > 1",
+    ):
         run_ranks(2, _rows_held_after_forward, {"dp_shard_size": 1, "tp_size": 2}, 2)

@@ -9,11 +9,11 @@ import functools
 
 import pytest
 import torch
+from harness import run_ranks
+from scenarios import assert_parity, make_batches, make_model, train_parallel, train_reference
 from torch.distributed.tensor import DTensor
 
 import ndparallel as ndp
-from harness import run_ranks
-from scenarios import assert_parity, make_batches, make_model, train_parallel, train_reference
 
 HSDP = dict(dp_replicate_size=2, dp_shard_size=2)
 
@@ -43,8 +43,11 @@ def _grads_after_first_micro_batch(mode: str) -> tuple[int, int]:
     logits = model(**batch.model_inputs()).logits
     logits.float().logsumexp(-1).mean().backward()
     params = list(model.parameters())
-    sharded = [p for p in params if p.grad is not None and isinstance(p.grad, DTensor)
-               and p.grad.to_local().shape == p.to_local().shape]
+    sharded = [
+        p
+        for p in params
+        if p.grad is not None and isinstance(p.grad, DTensor) and p.grad.to_local().shape == p.to_local().shape
+    ]
     return len(sharded), len(params)
 
 
@@ -56,6 +59,7 @@ def test_every_micro_batch_reduce_scatters_before_the_last():
 
 
 def test_unknown_mode_is_one_clear_error():
-    with pytest.raises(ndp.ConfigError, match="gradient_sync='sometimes' must be one of every_micro_batch, "
-                                              "last_micro_batch"):
+    with pytest.raises(
+        ndp.ConfigError, match="gradient_sync='sometimes' must be one of every_micro_batch, last_micro_batch"
+    ):
         ndp.set_gradient_sync(torch.nn.Linear(2, 2), True, mode="sometimes")

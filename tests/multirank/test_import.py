@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness import run_ranks
+from scenarios import make_model, world_size
 from transformers import AutoModelForCausalLM
 
 import ndparallel as ndp
-from harness import run_ranks
 from ndparallel.models.build import materialize, meta_model, model_config_for
-from scenarios import make_model, world_size
 
 SEQ = 32
 
@@ -32,11 +32,14 @@ def _parallel_logits(weights_dir: str, layout: dict):
     return full if topo.batch_rank == 0 else None
 
 
-@pytest.mark.parametrize("family, tied, layout, shard", [
-    ("llama", False, dict(dp_shard_size=2, tp_size=2), "200KB"),
-    ("qwen3", True, dict(dp_shard_size=1, cp_size=2, tp_size=2, cp_comm_strategy="ring"), None),
-    ("mistral", False, dict(dp_replicate_size=2, dp_shard_size=2), "100KB"),
-])
+@pytest.mark.parametrize(
+    "family, tied, layout, shard",
+    [
+        ("llama", False, dict(dp_shard_size=2, tp_size=2), "200KB"),
+        ("qwen3", True, dict(dp_shard_size=1, cp_size=2, tp_size=2, cp_comm_strategy="ring"), None),
+        ("mistral", False, dict(dp_replicate_size=2, dp_shard_size=2), "100KB"),
+    ],
+)
 def test_hf_weights_load_into_layout(tmp_path, family, tied, layout, shard):
     source = make_model(family, tied=tied, seed=9)
     source.save_pretrained(tmp_path, safe_serialization=True, **({"max_shard_size": shard} if shard else {}))

@@ -9,9 +9,7 @@ import functools
 
 import pytest
 import torch
-
 from harness import run_ranks
-from ndparallel.lora import LoraSpec
 from scenarios import (
     assert_parity,
     make_batches,
@@ -21,6 +19,8 @@ from scenarios import (
     train_reference_peft,
     world_size,
 )
+
+from ndparallel.lora import LoraSpec
 
 STEPS = 5
 SPEC_QV = LoraSpec(r=4, alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"], seed=3)
@@ -73,4 +73,3 @@ def test_attach_lora_reference_matches_peft(family, data, spec_name, parity_reco
     spec = {"qv": SPEC_QV, "all": SPEC_ALL}[spec_name]
     peft = train_reference_peft(make_model(family), _batches(data), spec)
     parity_record(assert_parity(peft, _reference(family, data, spec_name)))
-

@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
-import ndparallel as ndp
 from harness import run_ranks
 from scenarios import make_model, max_rel_diff
 from trainer_helpers import layout_config, losses, plain_reference, run_train, tiny_config
+from transformers import AutoModelForCausalLM
+
+import ndparallel as ndp
 
 PROBE = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(4))
 
-LORA = {"adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
-        "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]}
+LORA = {
+    "adapter": "lora",
+    "lora_r": 4,
+    "lora_alpha": 8,
+    "lora_dropout": 0.0,
+    "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +27,15 @@ def lora_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora")
     base_dir = tmp / "base"
     make_model("llama", vocab_size=320, seed=5).save_pretrained(base_dir)
-    config = tiny_config(tmp, base_model=str(base_dir), model_shape=None, model_config_overrides={},
-                         learning_rate=1e-2, save_steps=6, **LORA)
+    config = tiny_config(
+        tmp,
+        base_model=str(base_dir),
+        model_shape=None,
+        model_config_overrides={},
+        learning_rate=1e-2,
+        save_steps=6,
+        **LORA,
+    )
     single = run_train(1, {**config, "output_dir": str(tmp / "single")})
     parallel_config = {**layout_config(config, s=2, c=2, t=2, method="ring"), "output_dir": str(tmp / "par")}
     parallel = run_train(8, parallel_config)
@@ -53,7 +65,9 @@ def _logits(config: dict, checkpoint: str):
     from ndparallel.config import parse_config
     from ndparallel.train import setup
 
-    run = setup(parse_config({**config, "resume_from_checkpoint": checkpoint, "output_dir": config["output_dir"] + "-x"}))
+    run = setup(
+        parse_config({**config, "resume_from_checkpoint": checkpoint, "output_dir": config["output_dir"] + "-x"})
+    )
     batch = ndp.prepare_batch(PROBE, run.topo)
     with torch.no_grad():
         logits = ndp.gather_logits(run.model(**batch.model_inputs()).logits, run.topo)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
-
 from harness import run_ranks
 from moe_scenarios import make_moe_model, train_parallel_moe, train_reference_moe
-from ndparallel.lora import LoraSpec, init_lora_tensor
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from scenarios import VOCAB, make_batches, max_rel_diff, world_size
+
+from ndparallel.lora import LoraSpec, init_lora_tensor
 
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 SPEC = LoraSpec(r=2, alpha=4.0, target_modules=["q_proj", "v_proj"], target_parameters=EXPERTS, seed=5)
@@ -24,8 +24,10 @@ SPEC = LoraSpec(r=2, alpha=4.0, target_modules=["q_proj", "v_proj"], target_para
 def _peft_model(family: str):
     """transformers + peft, adapters set to ndparallel's layout-independent initial values."""
     model = make_moe_model(family)
-    wrapped = get_peft_model(model, LoraConfig(r=SPEC.r, lora_alpha=SPEC.alpha, target_modules=SPEC.target_modules,
-                                               target_parameters=EXPERTS))
+    wrapped = get_peft_model(
+        model,
+        LoraConfig(r=SPEC.r, lora_alpha=SPEC.alpha, target_modules=SPEC.target_modules, target_parameters=EXPERTS),
+    )
     cpu = torch.device("cpu")
     with torch.no_grad():
         for name, module in model.named_modules():
@@ -41,10 +43,15 @@ def _peft_model(family: str):
     return wrapped
 
 
-@pytest.mark.parametrize("family, layout", [
-    pytest.param("qwen3_moe", dict(dp_shard_size=2, tp_size=2, expert_parallel_size=2), id="qwen3moe-fsdp2-tp2-ep2"),
-    pytest.param("gpt_oss", dict(dp_shard_size=2, expert_parallel_size=2), id="gptoss-ep2"),  # (E, in, out) weights
-])
+@pytest.mark.parametrize(
+    "family, layout",
+    [
+        pytest.param(
+            "qwen3_moe", dict(dp_shard_size=2, tp_size=2, expert_parallel_size=2), id="qwen3moe-fsdp2-tp2-ep2"
+        ),
+        pytest.param("gpt_oss", dict(dp_shard_size=2, expert_parallel_size=2), id="gptoss-ep2"),  # (E, in, out) weights
+    ],
+)
 def test_expert_lora_matches_peft(family, layout, parity_record):
     batches = make_batches(steps=5, micro=1, rows=8, seq=32, packed=family != "gpt_oss", pad=family == "gpt_oss")
     reference = _peft_model(family)
@@ -53,8 +60,11 @@ def test_expert_lora_matches_peft(family, layout, parity_record):
     peft_state = get_peft_model_state_dict(reference)
     assert sorted(got["adapters"]) == sorted(peft_state)
     worst = max(float((got["adapters"][k] - v).norm() / v.norm().clamp(min=1e-12)) for k, v in peft_state.items())
-    diffs = {"loss": max_rel_diff(got["losses"], ref["losses"]),
-             "grad_norm": max_rel_diff(got["grad_norms"], ref["grad_norms"]), "weights": worst}
+    diffs = {
+        "loss": max_rel_diff(got["losses"], ref["losses"]),
+        "grad_norm": max_rel_diff(got["grad_norms"], ref["grad_norms"]),
+        "weights": worst,
+    }
     parity_record(diffs)
     assert max(diffs.values()) <= 1e-5, diffs
 

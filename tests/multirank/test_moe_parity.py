@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 
 import pytest
-
 from harness import run_ranks
 from moe_scenarios import make_moe_model, train_parallel_moe, train_reference_moe
 from scenarios import assert_parity, make_batches, world_size
@@ -44,17 +43,25 @@ CASES = [
     # expert parallel over dp_shard, with accumulation
     pytest.param(L(dp_shard_size=2, expert_parallel_size=2), "qwen3_moe", "pad", 2, id="qwen3moe-ep2-accum"),
     # expert parallel over cp; DeepSeek-V3 latent attention, dense first layer, shared experts
-    pytest.param(L(dp_shard_size=1, cp_size=2, expert_parallel_size=2), "deepseek_v3", "packed", 1,
-                 id="deepseekv3-cp2-ep2"),
+    pytest.param(
+        L(dp_shard_size=1, cp_size=2, expert_parallel_size=2), "deepseek_v3", "packed", 1, id="deepseekv3-cp2-ep2"
+    ),
     # expert parallel over dp_shard x tp (4 ranks, 2 experts each)
-    pytest.param(L(dp_shard_size=2, tp_size=2, expert_parallel_size=4), "qwen3_moe", "packed", 1,
-                 id="qwen3moe-fsdp2-tp2-ep4"),
+    pytest.param(
+        L(dp_shard_size=2, tp_size=2, expert_parallel_size=4), "qwen3_moe", "packed", 1, id="qwen3moe-fsdp2-tp2-ep4"
+    ),
     # HSDP x EP: expert weights on a (replicate, expert-dp, ep) mesh
-    pytest.param(L(dp_replicate_size=2, dp_shard_size=2, expert_parallel_size=2), "mixtral", "pad", 1,
-                 id="mixtral-hsdp2x2-ep2"),
+    pytest.param(
+        L(dp_replicate_size=2, dp_shard_size=2, expert_parallel_size=2), "mixtral", "pad", 1, id="mixtral-hsdp2x2-ep2"
+    ),
     # expert parallel with expert biases and the clamped SwiGLU; sinks and alternating windows under ring CP
-    pytest.param(L(dp_shard_size=1, cp_size=2, expert_parallel_size=2, cp_comm_strategy="ring"), "gpt_oss", "packed", 1,
-                 id="gptoss-cp2-ring-ep2"),
+    pytest.param(
+        L(dp_shard_size=1, cp_size=2, expert_parallel_size=2, cp_comm_strategy="ring"),
+        "gpt_oss",
+        "packed",
+        1,
+        id="gptoss-cp2-ring-ep2",
+    ),
 ]
 
 

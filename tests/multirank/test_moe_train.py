@@ -6,18 +6,36 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
-import ndparallel as ndp
 from harness import run_ranks
 from scenarios import max_rel_diff
 from trainer_helpers import losses, run_train, tiny_config
+from transformers import AutoModelForCausalLM
 
-MOE = {"model_type": "qwen3_moe", "vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 2,
-       "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8, "intermediate_size": 96, "moe_intermediate_size": 32, "num_experts": 4,
-       "num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.1}
-LORA = {"adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_target_modules": ["q_proj", "o_proj"],
-        "lora_target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], "learning_rate": 1e-2}
+import ndparallel as ndp
+
+MOE = {
+    "model_type": "qwen3_moe",
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 8,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "output_router_logits": True,
+    "router_aux_loss_coef": 0.1,
+}
+LORA = {
+    "adapter": "lora",
+    "lora_r": 4,
+    "lora_alpha": 8,
+    "lora_target_modules": ["q_proj", "o_proj"],
+    "lora_target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    "learning_rate": 1e-2,
+}
 PROBE = torch.randint(0, 320, (4, 32), generator=torch.Generator().manual_seed(3))
 
 
@@ -25,8 +43,16 @@ PROBE = torch.randint(0, 320, (4, 32), generator=torch.Generator().manual_seed(3
 def saved(tmp_path_factory):
     """6 steps on dp_shard 2 x ep 2 (the experts split over both ranks), saving at steps 3 and 6."""
     tmp = tmp_path_factory.mktemp("moe")
-    config = tiny_config(tmp, model_shape=None, model_config_overrides=MOE, save_steps=3, dp_shard_size=2,
-                         expert_parallel_size=2, micro_batch_size=4, **LORA)
+    config = tiny_config(
+        tmp,
+        model_shape=None,
+        model_config_overrides=MOE,
+        save_steps=3,
+        dp_shard_size=2,
+        expert_parallel_size=2,
+        micro_batch_size=4,
+        **LORA,
+    )
     return tmp, config, run_train(2, config)
 
 
@@ -37,9 +63,15 @@ def test_lora_run_learns(saved):
 
 def test_resume_without_expert_parallelism(saved, parity_record):
     tmp, config, uninterrupted = saved
-    moved = {**config, "dp_shard_size": 1, "tensor_parallel_size": 2, "expert_parallel_size": 1,
-             "micro_batch_size": 8, "output_dir": str(tmp / "moved"),
-             "resume_from_checkpoint": str(tmp / "out" / "checkpoints" / "step-3")}
+    moved = {
+        **config,
+        "dp_shard_size": 1,
+        "tensor_parallel_size": 2,
+        "expert_parallel_size": 1,
+        "micro_batch_size": 8,
+        "output_dir": str(tmp / "moved"),
+        "resume_from_checkpoint": str(tmp / "out" / "checkpoints" / "step-3"),
+    }
     resumed = run_train(2, moved)
     diff = max_rel_diff(losses(resumed), losses(uninterrupted)[3:])
     parity_record({"loss": diff})
@@ -67,8 +99,9 @@ def test_merged_export_gives_the_trained_logits(saved, tmp_path):
     assert not any("lora" in name for name, _ in exported.named_parameters())
     with torch.no_grad():
         want = exported(input_ids=PROBE).logits
-    results = run_ranks(2, _trained_logits, {**config, "output_dir": str(tmp_path / "o")},
-                        str(tmp / "out" / "checkpoints" / "step-6"))
+    results = run_ranks(
+        2, _trained_logits, {**config, "output_dir": str(tmp_path / "o")}, str(tmp / "out" / "checkpoints" / "step-6")
+    )
     for logits, batch_rank in results:
         rows = slice(batch_rank * 2, batch_rank * 2 + 2)
         assert float((logits - want[rows]).abs().max() / want.abs().max()) < 1e-5
@@ -76,9 +109,10 @@ def test_merged_export_gives_the_trained_logits(saved, tmp_path):
 
 
 def _loaded_weights(config: dict):
+    from trainer_helpers import full_state
+
     from ndparallel.config import parse_config
     from ndparallel.train import setup
-    from trainer_helpers import full_state
 
     run = setup(parse_config(config))
     return full_state(run.model)
@@ -96,8 +130,15 @@ def test_hub_checkpoint_loads_into_expert_parallel_layout(tmp_path, family):
             module.e_score_correction_bias.copy_(torch.randn(module.e_score_correction_bias.shape))
     model.save_pretrained(tmp_path / "model")
     want = AutoModelForCausalLM.from_pretrained(tmp_path / "model").state_dict()
-    config = tiny_config(tmp_path, model_shape=None, base_model=str(tmp_path / "model"), model_config_overrides={},
-                         dp_shard_size=2, expert_parallel_size=2, micro_batch_size=4)
+    config = tiny_config(
+        tmp_path,
+        model_shape=None,
+        base_model=str(tmp_path / "model"),
+        model_config_overrides={},
+        dp_shard_size=2,
+        expert_parallel_size=2,
+        micro_batch_size=4,
+    )
     got = run_ranks(2, _loaded_weights, config)[0]
     assert {f"model.{k}" for k in want} == set(got)
     for name, value in want.items():

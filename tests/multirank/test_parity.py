@@ -13,8 +13,6 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
-
 from harness import run_ranks
 from scenarios import assert_parity, make_batches, make_model, max_rel_diff, train_parallel, train_reference, world_size
 
@@ -40,23 +38,52 @@ CASES = [
     pytest.param(L(dp_replicate_size=2, dp_shard_size=4, tp_size=1), "qwen3", False, "pad", 2, {}, id="hsdp2x4-accum"),
     pytest.param(L(dp_replicate_size=4, dp_shard_size=2, tp_size=1), "mistral", True, "pad", 1, {}, id="hsdp4x2-tied"),
     pytest.param(L(dp_replicate_size=1, dp_shard_size=2, tp_size=4), "qwen3", False, "pad", 1, {}, id="fsdp2-tp4"),
-    pytest.param(L(dp_replicate_size=1, dp_shard_size=4, tp_size=2), "mistral", False, "pad", 2, {}, id="fsdp4-tp2-accum"),
+    pytest.param(
+        L(dp_replicate_size=1, dp_shard_size=4, tp_size=2), "mistral", False, "pad", 2, {}, id="fsdp4-tp2-accum"
+    ),
     # TP with plain replicas (no sharding): Accelerate refuses this layout.
     pytest.param(L(dp_replicate_size=2, dp_shard_size=1, tp_size=4), "qwen3", True, "pad", 1, {}, id="ddp2-tp4-tied"),
-    pytest.param(L(dp_replicate_size=4, dp_shard_size=1, tp_size=2), "llama", True, "pad", 2, {}, id="ddp4-tp2-tied-accum"),
-    pytest.param(L(dp_replicate_size=2, dp_shard_size=2, tp_size=2), "qwen2", False, "pad", 2, {}, id="hsdp2x2-tp2-accum"),
+    pytest.param(
+        L(dp_replicate_size=4, dp_shard_size=1, tp_size=2), "llama", True, "pad", 2, {}, id="ddp4-tp2-tied-accum"
+    ),
+    pytest.param(
+        L(dp_replicate_size=2, dp_shard_size=2, tp_size=2), "qwen2", False, "pad", 2, {}, id="hsdp2x2-tp2-accum"
+    ),
     # --- world 4 and 2, with the FSDP and checkpointing knobs --------------------------------------------
     pytest.param(L(dp_shard_size=4), "qwen2", True, "pad", 1, {"fsdp_wrap": "model"}, id="fsdp4-onewrap-tied"),
-    pytest.param(L(dp_replicate_size=2, dp_shard_size=2), "llama", False, "pad", 1,
-                 {"activation_checkpointing": "full"}, id="hsdp2x2-fullac"),
-    pytest.param(L(dp_shard_size=2, tp_size=2), "qwen3", False, "pad", 2,
-                 {"activation_checkpointing": "selective", "fsdp_wrap": 2}, id="fsdp2-tp2-selac-accum"),
-    pytest.param(L(dp_replicate_size=2, tp_size=2, dp_shard_size=1), "mistral", False, "pad", 1,
-                 {"reshard_after_forward": False}, id="ddp2-tp2-noreshard"),
+    pytest.param(
+        L(dp_replicate_size=2, dp_shard_size=2),
+        "llama",
+        False,
+        "pad",
+        1,
+        {"activation_checkpointing": "full"},
+        id="hsdp2x2-fullac",
+    ),
+    pytest.param(
+        L(dp_shard_size=2, tp_size=2),
+        "qwen3",
+        False,
+        "pad",
+        2,
+        {"activation_checkpointing": "selective", "fsdp_wrap": 2},
+        id="fsdp2-tp2-selac-accum",
+    ),
+    pytest.param(
+        L(dp_replicate_size=2, tp_size=2, dp_shard_size=1),
+        "mistral",
+        False,
+        "pad",
+        1,
+        {"reshard_after_forward": False},
+        id="ddp2-tp2-noreshard",
+    ),
     pytest.param(L(tp_size=4, dp_shard_size=1), "llama", False, "pad", 1, {}, id="tp4"),
     pytest.param(L(dp_shard_size=4), "llama", False, "pad", 1, {"reshard_after_forward": 2}, id="fsdp4-reshard2"),
     pytest.param(L(dp_shard_size=2), "llama", True, "pad", 2, {}, id="fsdp2-tied-accum"),
-    pytest.param(L(dp_shard_size=2, tp_size=2), "qwen3", False, "pad", 1, {"cpu_offload": True}, id="fsdp2-tp2-offload"),
+    pytest.param(
+        L(dp_shard_size=2, tp_size=2), "qwen3", False, "pad", 1, {"cpu_offload": True}, id="fsdp2-tp2-offload"
+    ),
     pytest.param(L(dp_replicate_size=2, dp_shard_size=1), "qwen3", False, "pad", 1, {}, id="ddp2"),
     pytest.param(L(tp_size=2, dp_shard_size=1), "mistral", True, "pad", 1, {}, id="tp2-tied"),
     pytest.param(L(dp_shard_size=1), "llama", False, "pad", 2, {"activation_checkpointing": "full"}, id="single-accum"),
@@ -68,8 +95,15 @@ CASES = [
 @pytest.mark.parametrize("layout, family, tied, data, accum, options", CASES)
 def test_layout_matches_one_process(layout, family, tied, data, accum, options, parity_record):
     ref = _reference(family, tied, data, accum)
-    results = run_ranks(world_size(layout), train_parallel, family, layout, _batches(data, accum),
-                        model_kwargs={"tied": tied}, options=options)
+    results = run_ranks(
+        world_size(layout),
+        train_parallel,
+        family,
+        layout,
+        _batches(data, accum),
+        model_kwargs={"tied": tied},
+        options=options,
+    )
     parity_record(assert_parity(ref, results[0]))
     # Every rank reports the same loss and grad norm (they are reduced, not local).
     for other in results[1:]:
@@ -78,17 +112,22 @@ def test_layout_matches_one_process(layout, family, tied, data, accum, options, 
 
 
 # bf16 keeps 8 significant bits: each rounding is off by at most U (relative).
-U = 2.0 ** -8
+U = 2.0**-8
 
 
 def bf16_differences(ref: dict, got: dict, initial: dict) -> dict:
     """How far a bf16 run is from the fp32 one: per-step loss and grad norm (relative), and for the weights
     the largest over tensors of |W_bf16 - W_fp32| / |W_fp32 - W_initial| (Frobenius): the error of the
     update relative to the update itself, 1.0 for a run that did not train."""
-    update = max(float((got["weights"][name].to(r.dtype) - r).norm() / (r - initial[name]).norm().clamp(min=1e-30))
-                 for name, r in ref["weights"].items())
-    return {"loss": max_rel_diff(got["losses"], ref["losses"]),
-            "grad_norm": max_rel_diff(got["grad_norms"], ref["grad_norms"]), "update": update}
+    update = max(
+        float((got["weights"][name].to(r.dtype) - r).norm() / (r - initial[name]).norm().clamp(min=1e-30))
+        for name, r in ref["weights"].items()
+    )
+    return {
+        "loss": max_rel_diff(got["losses"], ref["losses"]),
+        "grad_norm": max_rel_diff(got["grad_norms"], ref["grad_norms"]),
+        "update": update,
+    }
 
 
 def test_bf16_mixed_precision_tracks_fp32(parity_record):

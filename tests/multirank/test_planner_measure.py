@@ -8,32 +8,48 @@ up as a failure (then rerun the benchmark and update the activation or loss form
 from __future__ import annotations
 
 import pytest
-
 from harness import run_ranks
 from planner_memory.calibration import TOLERANCE, compare_to_measurements, load_measurements
 from planner_memory.measure import measure_activations, measure_loss_peak
+
 from ndparallel.planner.shapes import ModelShape
 
 STORED = {row["case"]: row for row in load_measurements()}
 
 
-@pytest.mark.parametrize("case", [
-    "tiny-single-none-bf16",
-    "tiny-gqa4-t2-selective-bf16",
-    "tiny-gqa4-c2-ring-none-bf16",
-    "tiny-gqa4-t2-none-bf16-lora8",
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "tiny-single-none-bf16",
+        "tiny-gqa4-t2-selective-bf16",
+        "tiny-gqa4-c2-ring-none-bf16",
+        "tiny-gqa4-t2-none-bf16-lora8",
+    ],
+)
 def test_fresh_measurement_matches_the_stored_one_and_the_model(case):
     row = STORED[case]
     lay = row["layout"]
-    config = {"dp_replicate_size": lay["dp_replicate"], "dp_shard_size": lay["dp_shard"], "cp_size": lay["cp"],
-              "tp_size": lay["tp"], "cp_comm_strategy": lay["cp_comm_strategy"]}
+    config = {
+        "dp_replicate_size": lay["dp_replicate"],
+        "dp_shard_size": lay["dp_shard"],
+        "cp_size": lay["cp"],
+        "tp_size": lay["tp"],
+        "cp_comm_strategy": lay["cp_comm_strategy"],
+    }
     world = lay["dp_replicate"] * lay["dp_shard"] * lay["cp"] * lay["tp"]
-    got = run_ranks(world, measure_activations, ModelShape.from_dict(row["model"]), config, seq_len=row["seq_len"],
-                    micro_batch=row["micro_batch"], activation_checkpointing=row["activation_checkpointing"],
-                    precision=row["precision"], lora_rank=row.get("lora_rank"))
+    got = run_ranks(
+        world,
+        measure_activations,
+        ModelShape.from_dict(row["model"]),
+        config,
+        seq_len=row["seq_len"],
+        micro_batch=row["micro_batch"],
+        activation_checkpointing=row["activation_checkpointing"],
+        precision=row["precision"],
+        lora_rank=row.get("lora_rank"),
+    )
     assert got[0]["retained"] == row["measured_bytes"]
-    (_, predicted, measured, err), = compare_to_measurements([{**row, "measured_bytes": got[0]["retained"]}])
+    ((_, predicted, measured, err),) = compare_to_measurements([{**row, "measured_bytes": got[0]["retained"]}])
     assert abs(err) <= TOLERANCE, f"predicted {predicted:,.0f} B, measured {measured:,.0f} B"
     if row["layout"]["cp"] == 1:  # every rank of a tp group keeps the same amount
         assert len({r["retained"] for r in got}) == 1
@@ -42,8 +58,13 @@ def test_fresh_measurement_matches_the_stored_one_and_the_model(case):
 @pytest.mark.parametrize("case", ["loss-v4096-n256-tp2-bf16", "loss-v1024-n6144-tp2-bf16"])
 def test_fresh_loss_peak_matches_the_stored_one_and_the_model(case):
     row = STORED[case]
-    got = run_ranks(row["layout"]["tp"], measure_loss_peak, vocab=row["model"]["vocab"], tokens=row["seq_len"],
-                    precision=row["precision"])
+    got = run_ranks(
+        row["layout"]["tp"],
+        measure_loss_peak,
+        vocab=row["model"]["vocab"],
+        tokens=row["seq_len"],
+        precision=row["precision"],
+    )
     assert got[0]["peak"] == row["measured_bytes"]
-    (_, predicted, measured, err), = compare_to_measurements([{**row, "measured_bytes": got[0]["peak"]}])
+    ((_, predicted, measured, err),) = compare_to_measurements([{**row, "measured_bytes": got[0]["peak"]}])
     assert abs(err) <= TOLERANCE, f"predicted {predicted:,.0f} B, measured {measured:,.0f} B"

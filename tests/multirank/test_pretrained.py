@@ -7,11 +7,11 @@ import shutil
 
 import pytest
 import torch
+from harness import run_ranks
+from scenarios import EPS, LR, WEIGHT_DECAY, assert_parity, make_batches, make_model, train_reference, world_size
 from transformers import AutoModelForCausalLM
 
 import ndparallel as ndp
-from harness import run_ranks
-from scenarios import EPS, LR, WEIGHT_DECAY, assert_parity, make_batches, make_model, train_reference, world_size
 
 BATCHES = make_batches(steps=2, micro=1, rows=4, seq=32, pad=True)
 PROBE = torch.randint(1, 256, (4, 32), generator=torch.Generator().manual_seed(5))
@@ -29,8 +29,14 @@ def _hub_cache(tmp_path, source):
 
 def _train_and_export(name: str, layout: dict, out: str, cache_dir: str | None, lora=None) -> dict:
     topo = ndp.Topology.build(ndp.ParallelismConfig(**layout))
-    model = ndp.load_pretrained(name, topo, options=ndp.ParallelOptions(param_dtype=None), lora=lora,
-                                cache_dir=cache_dir, local_files_only=cache_dir is not None)
+    model = ndp.load_pretrained(
+        name,
+        topo,
+        options=ndp.ParallelOptions(param_dtype=None),
+        lora=lora,
+        cache_dir=cache_dir,
+        local_files_only=cache_dir is not None,
+    )
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = ndp.build_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS)
     losses, norms = [], []
@@ -56,17 +62,24 @@ def _train_and_export(name: str, layout: dict, out: str, cache_dir: str | None, 
         refusal = None
     except ndp.NdParallelError as exc:
         refusal = str(exc)
-    return {"losses": losses, "grad_norms": norms, "logits": logits if topo.batch_rank == 0 else None,
-            "refusal": refusal}
+    return {
+        "losses": losses,
+        "grad_norms": norms,
+        "logits": logits if topo.batch_rank == 0 else None,
+        "refusal": refusal,
+    }
 
 
-@pytest.mark.parametrize("layout, from_hub", [
-    (dict(dp_shard_size=2, tp_size=2), False),                                   # local directory, FSDP x TP
-    (dict(dp_replicate_size=2, cp_size=2, dp_shard_size=1, cp_comm_strategy="ring"), True),  # hub id, DDP x CP
-])
+@pytest.mark.parametrize(
+    "layout, from_hub",
+    [
+        (dict(dp_shard_size=2, tp_size=2), False),  # local directory, FSDP x TP
+        (dict(dp_replicate_size=2, cp_size=2, dp_shard_size=1, cp_comm_strategy="ring"), True),  # hub id, DDP x CP
+    ],
+)
 def test_load_train_export_equals_one_process(tmp_path, layout, from_hub):
     source = tmp_path / "source"
-    make_model("llama", seed=9).save_pretrained(source, max_shard_size="200KB")   # sharded safetensors + index
+    make_model("llama", seed=9).save_pretrained(source, max_shard_size="200KB")  # sharded safetensors + index
     name, cache = ("org/tiny", _hub_cache(tmp_path, source)) if from_hub else (str(source), None)
     results = run_ranks(world_size(layout), _train_and_export, name, layout, str(tmp_path / "out"), cache)
     reference = train_reference(AutoModelForCausalLM.from_pretrained(source, attn_implementation="sdpa"), BATCHES)
@@ -82,8 +95,9 @@ def test_lora_adapter_and_merged_exports_reproduce_the_live_model(tmp_path):
     source = tmp_path / "source"
     make_model("qwen3", seed=3).save_pretrained(source)
     spec = ndp.LoraSpec(r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
-    results = run_ranks(4, _train_and_export, str(source), dict(dp_shard_size=2, tp_size=2), str(tmp_path / "out"),
-                        None, lora=spec)
+    results = run_ranks(
+        4, _train_and_export, str(source), dict(dp_shard_size=2, tp_size=2), str(tmp_path / "out"), None, lora=spec
+    )
     live = results[0]["logits"]
     base = AutoModelForCausalLM.from_pretrained(source, attn_implementation="sdpa").eval()
     with torch.no_grad():

@@ -24,8 +24,24 @@ def _run(args: list[str], timeout: int = 240) -> str:
 def test_bench_train_compares_the_paths_on_cpu():
     # Eager rows (compiling on 2 CPU cores takes minutes), in one process (a subprocess per peer, the GPU
     # default, costs an interpreter start each).
-    out = _run(["benchmarks/bench_train.py", "--shape", "tiny", "--seq", "64", "--steps", "2", "--warmup", "1",
-                "--device", "cpu", "--no-isolate", "--rows", "ndparallel-eager,fsdp2-eager,accelerate-eager,plain-eager"])
+    out = _run(
+        [
+            "benchmarks/bench_train.py",
+            "--shape",
+            "tiny",
+            "--seq",
+            "64",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--device",
+            "cpu",
+            "--no-isolate",
+            "--rows",
+            "ndparallel-eager,fsdp2-eager,accelerate-eager,plain-eager",
+        ]
+    )
     rows = [line.split()[0] for line in out.splitlines()[-4:]]
     assert rows == ["ndparallel-eager", "fsdp2-eager", "accelerate-eager", "plain-eager"], out
     assert "failed" not in out, out
@@ -33,23 +49,73 @@ def test_bench_train_compares_the_paths_on_cpu():
 
 @pytest.mark.slow
 def test_bench_cp_reports_each_method():
-    out = _run(["benchmarks/bench_cp.py", "--seqs", "128", "--cps", "1,2", "--methods", "ring,allgather",
-                "--steps", "2", "--hidden", "64", "--layers", "1"])
+    out = _run(
+        [
+            "benchmarks/bench_cp.py",
+            "--seqs",
+            "128",
+            "--cps",
+            "1,2",
+            "--methods",
+            "ring,allgather",
+            "--steps",
+            "2",
+            "--hidden",
+            "64",
+            "--layers",
+            "1",
+        ]
+    )
     assert len([line for line in out.splitlines() if line.strip().startswith(("1 ", "2 "))]) == 3, out
 
 
 @pytest.mark.slow
 def test_example_trains_on_a_layout():
-    out = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                "examples/train_any_layout.py", "--dp-shard", "2", "--tp", "2", "--steps", "3", "--seq", "64"])
+    out = _run(
+        [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            "examples/train_any_layout.py",
+            "--dp-shard",
+            "2",
+            "--tp",
+            "2",
+            "--steps",
+            "3",
+            "--seq",
+            "64",
+        ]
+    )
     assert "world 4 = dp_replicate 1 x dp_shard 2 x cp 1 x tp 2" in out and "step   2" in out, out
 
 
 @pytest.mark.slow
 def test_bench_moe_compares_expert_implementations(tmp_path):
-    out = _run(["benchmarks/bench_moe.py", "--tiny", "--device", "cpu", "--tokens", "64", "--iters", "1", "--steps", "1",
-                "--out", str(tmp_path)])
+    out = _run(
+        [
+            "benchmarks/bench_moe.py",
+            "--tiny",
+            "--device",
+            "cpu",
+            "--tokens",
+            "64",
+            "--iters",
+            "1",
+            "--steps",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     impls = [line.split()[:2] for line in out.splitlines() if line.startswith(("block", "step"))]
-    assert impls == [["block", "eager"], ["block", "grouped_mm"], ["block", "ndparallel"], ["step", "ndparallel"],
-                     ["step", "eager"]], out
+    assert impls == [
+        ["block", "eager"],
+        ["block", "grouped_mm"],
+        ["block", "ndparallel"],
+        ["step", "ndparallel"],
+        ["step", "eager"],
+    ], out
     assert (tmp_path / "bench_moe.json").is_file()

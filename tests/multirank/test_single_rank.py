@@ -44,12 +44,17 @@ def _built_from_meta() -> dict:
     materialize(model, topo.device, weights_dir=None, seed=0)  # to_empty makes new parameters: re-flattened
     opt = ndp.build_optimizer(model, lr=1e-3)
     batch = ndp.prepare_batch(torch.randint(0, 256, (2, 64)), topo)
-    ndp.token_loss(model(**batch.model_inputs()).logits, batch.labels, num_tokens=batch.num_tokens.float(),
-                   topology=topo).backward()
+    ndp.token_loss(
+        model(**batch.model_inputs()).logits, batch.labels, num_tokens=batch.num_tokens.float(), topology=topo
+    ).backward()
     opt.step()
     flat = single_rank_state(model)
-    return {"flat": flat.is_flat(), "fused_groups": len(opt._plans), "compute": str(flat.compute_flat.dtype),
-            "grads_in_buffer": all(p.grad.data_ptr() >= flat.grad_flat.data_ptr() for p in model.parameters())}
+    return {
+        "flat": flat.is_flat(),
+        "fused_groups": len(opt._plans),
+        "compute": str(flat.compute_flat.dtype),
+        "grads_in_buffer": all(p.grad.data_ptr() >= flat.grad_flat.data_ptr() for p in model.parameters()),
+    }
 
 
 def test_a_model_built_on_meta_trains_on_the_flat_buffers():

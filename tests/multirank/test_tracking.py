@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from harness import RankFailure, run_ranks
 from trainer_helpers import tiny_config
 
@@ -29,8 +28,8 @@ def wandb_records(path: Path) -> list:
         if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
             pos += 32768 - pos % 32768
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        pending += data[pos + 7:pos + 7 + length]
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
             record = wandb_internal_pb2.Record()
@@ -48,9 +47,20 @@ def tracked_run(tmp_path_factory):
         mp.setenv(name, str(tmp / "wandb-home"))
     mp.setenv("WANDB_MODE", "offline")
     mp.setenv("WANDB_SILENT", "true")
-    config = tiny_config(tmp, dp_shard_size=2, micro_batch_size=4, max_steps=4, save_steps=2, use_tensorboard=True,
-                         wandb_project="ndp-test", wandb_name="tiny-fsdp2", wandb_run_id="ndptest01",
-                         wandb_mode="offline", wandb_log_model="end", wandb_watch="gradients")
+    config = tiny_config(
+        tmp,
+        dp_shard_size=2,
+        micro_batch_size=4,
+        max_steps=4,
+        save_steps=2,
+        use_tensorboard=True,
+        wandb_project="ndp-test",
+        wandb_name="tiny-fsdp2",
+        wandb_run_id="ndptest01",
+        wandb_mode="offline",
+        wandb_log_model="end",
+        wandb_watch="gradients",
+    )
     try:
         results = run_ranks(2, _train_and_compare_process_state, config)
     finally:
@@ -64,8 +74,11 @@ def _process_state() -> tuple:
 
     import transformers
 
-    return (list(warnings.filters), transformers.logging.get_verbosity(),
-            logging.getLogger("torch.distributed.tensor._redistribute").level)
+    return (
+        list(warnings.filters),
+        transformers.logging.get_verbosity(),
+        logging.getLogger("torch.distributed.tensor._redistribute").level,
+    )
 
 
 def _train_and_compare_process_state(config: dict):
@@ -109,8 +122,9 @@ def test_wandb_offline_run_has_metrics_config_layout_and_model(tracked_run):
         if r.WhichOneof("record_type") == "history":
             items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
             history[items["_step"]] = items
-    assert [(s, history[s]["train/loss"]) for s in sorted(history)] == \
-        [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in records]
+    assert [(s, history[s]["train/loss"]) for s in sorted(history)] == [
+        (r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in records
+    ]
     assert history[4]["time/checkpoint_stall_s"] > 0
     run = next(r.run for r in parsed if r.WhichOneof("record_type") == "run")
     assert run.display_name == "tiny-fsdp2" and run.project == "ndp-test" and run.run_id == "ndptest01"

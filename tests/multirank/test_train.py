@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from scenarios import make_model, max_rel_diff
 from trainer_helpers import layout_config, losses, plain_reference, run_train, tiny_config
 
@@ -27,12 +26,16 @@ def test_one_process_matches_plain_transformers_and_torch(base, parity_record):
     assert diff < 1e-5 and norm_diff < 1e-5, (losses(single), ref["losses"])
 
 
-@pytest.mark.parametrize("layout", [
-    dict(s=2, t=2),                            # FSDP x TP
-    dict(s=2, c=2, t=2, method="ring"),        # the three axes
-    dict(r=2, c=2, method="alltoall"),         # CP with plain replicas
-    dict(r=2, s=2, t=2),                       # HSDP x TP
-], ids=["fsdp2-tp2", "fsdp2-cp2-tp2-ring", "ddp2-cp2-alltoall", "hsdp2x2-tp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(s=2, t=2),  # FSDP x TP
+        dict(s=2, c=2, t=2, method="ring"),  # the three axes
+        dict(r=2, c=2, method="alltoall"),  # CP with plain replicas
+        dict(r=2, s=2, t=2),  # HSDP x TP
+    ],
+    ids=["fsdp2-tp2", "fsdp2-cp2-tp2-ring", "ddp2-cp2-alltoall", "hsdp2x2-tp2"],
+)
 def test_train_layouts_match_one_process(base, layout, parity_record):
     tmp, config, single = base
     world = layout.get("r", 1) * layout.get("s", 1) * layout.get("c", 1) * layout.get("t", 1)
@@ -49,7 +52,16 @@ def test_train_layouts_match_one_process(base, layout, parity_record):
 def test_loss_falls_and_metrics_are_complete(base):
     _, _, single = base
     assert single[-1]["loss"] < single[0]["loss"] - 0.3
-    keys = {"step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "tokens_per_s_per_device", "mfu",
-            "peak_memory_gib"}
+    keys = {
+        "step",
+        "loss",
+        "grad_norm",
+        "lr",
+        "tokens",
+        "tokens_per_s",
+        "tokens_per_s_per_device",
+        "mfu",
+        "peak_memory_gib",
+    }
     assert keys <= set(single[0])
     assert [r["tokens"] for r in single] == sorted(r["tokens"] for r in single)

@@ -80,13 +80,25 @@ def predict_memory(row: dict[str, Any]) -> MemoryEstimate:
     seq, b = row["seq_len"], row["micro_batch"]
     mode = row.get("activation_checkpointing", "none")
     accumulation = row.get("accumulation", 1)
-    workload = Workload(seq_len=seq, global_batch_rows=b * accumulation * layout.batch_size, micro_batch_sizes=(b,),
-                        precision=row.get("precision", "bf16"), activation_checkpointing=mode,
-                        lora_rank=row.get("lora_rank"))
+    workload = Workload(
+        seq_len=seq,
+        global_batch_rows=b * accumulation * layout.batch_size,
+        micro_batch_sizes=(b,),
+        precision=row.get("precision", "bf16"),
+        activation_checkpointing=mode,
+        lora_rank=row.get("lora_rank"),
+    )
     cluster = Cluster(overhead_gib=row.get("overhead_gib", Cluster.overhead_gib))
-    return estimate_memory(model, layout, workload, micro_batch=b, activation_checkpointing=mode,
-                           accumulation=accumulation, gradient_sync=row.get("gradient_sync", "every_micro_batch"),
-                           cluster=cluster)
+    return estimate_memory(
+        model,
+        layout,
+        workload,
+        micro_batch=b,
+        activation_checkpointing=mode,
+        accumulation=accumulation,
+        gradient_sync=row.get("gradient_sync", "every_micro_batch"),
+        cluster=cluster,
+    )
 
 
 def compare_to_measurements(rows: list[dict[str, Any]]) -> list[tuple[str, float, float, float]]:

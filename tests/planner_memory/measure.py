@@ -85,9 +85,17 @@ class _StorageRecorder(TorchDispatchMode):
         return out
 
 
-def measure_activations(shape: ModelShape, layout: dict[str, Any], *, seq_len: int, micro_batch: int,
-                        activation_checkpointing: str = "none", precision: str = "bf16",
-                        lora_rank: int | None = None, seed: int = 0) -> dict[str, Any]:
+def measure_activations(
+    shape: ModelShape,
+    layout: dict[str, Any],
+    *,
+    seq_len: int,
+    micro_batch: int,
+    activation_checkpointing: str = "none",
+    precision: str = "bf16",
+    lora_rank: int | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Activation bytes one rank keeps for a micro-batch of ``micro_batch`` rows of ``seq_len`` tokens.
 
     ``layout`` holds ParallelismConfig keyword arguments; ``lora_rank`` adds LoRA adapters of that rank to
@@ -102,10 +110,14 @@ def measure_activations(shape: ModelShape, layout: dict[str, Any], *, seq_len: i
 
     topo = ndp.Topology.build(ndp.ParallelismConfig(**layout))
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(shape.to_hf_config(), attn_implementation="sdpa",
-                                             dtype=torch.float32).train()
-    options = ndp.ParallelOptions(param_dtype="bfloat16" if precision == "bf16" else None,
-                                  activation_checkpointing=activation_checkpointing, reshard_after_forward=False)
+    model = AutoModelForCausalLM.from_config(
+        shape.to_hf_config(), attn_implementation="sdpa", dtype=torch.float32
+    ).train()
+    options = ndp.ParallelOptions(
+        param_dtype="bfloat16" if precision == "bf16" else None,
+        activation_checkpointing=activation_checkpointing,
+        reshard_after_forward=False,
+    )
     lora = LoraSpec(r=lora_rank, alpha=2 * lora_rank, target_linear=True) if lora_rank else None
     ndp.parallelize(model, topo, options=options, lora=lora)
     rows = micro_batch * topo.layout.batch_size
@@ -149,7 +161,8 @@ def measure_activations(shape: ModelShape, layout: dict[str, Any], *, seq_len: i
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
         logits = model(**inputs).logits
         loss = ndp.token_loss(logits, batch.labels, num_tokens=num_tokens, topology=topo)
-    del logits, keep_refs
+    del logits
+    keep_refs.clear()
     gc.collect()
 
     params = {key[0].cdata for key in map(_storage_key, _param_tensors(model)) if key}
@@ -189,8 +202,9 @@ class _PeakRecorder(TorchDispatchMode):
         return out
 
 
-def measure_loss_peak(*, vocab: int, tokens: int, precision: str = "bf16", hidden: int = 64,
-                      seed: int = 0) -> dict[str, Any]:
+def measure_loss_peak(
+    *, vocab: int, tokens: int, precision: str = "bf16", hidden: int = 64, seed: int = 0
+) -> dict[str, Any]:
     """Peak bytes of the logits and ``ndparallel.loss`` through forward and backward, on this rank.
 
     The logits are (tokens, vocab / world) in the compute dtype, made inside the measured block by a
@@ -209,7 +223,7 @@ def measure_loss_peak(*, vocab: int, tokens: int, precision: str = "bf16", hidde
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=g).to(dtype).requires_grad_()
-    weight = (torch.randn(local, hidden, generator=g) / hidden ** 0.5).to(dtype).requires_grad_()
+    weight = (torch.randn(local, hidden, generator=g) / hidden**0.5).to(dtype).requires_grad_()
     labels = torch.randint(0, vocab, (tokens,), generator=g)
     recorder = _PeakRecorder(exclude=(x, weight, labels))
     with recorder:

@@ -21,22 +21,41 @@ from ndparallel.layout import AXES
 
 # (dp_replicate, dp_shard, tp, cp) -> the enabled mesh dims and their sizes, in mesh order; one comment per row.
 LAYOUTS = [
-    ((8, 1, 1, 1), ("dp_replicate",), (8,)),                                  # DDP
-    ((1, 8, 1, 1), ("dp_shard",), (8,)),                                      # FSDP
-    ((2, 4, 1, 1), ("dp_replicate", "dp_shard"), (2, 4)),                     # HSDP
-    ((1, 4, 2, 1), ("dp_shard", "tp"), (4, 2)),                               # FSDP + TP
-    ((2, 2, 2, 1), ("dp_replicate", "dp_shard", "tp"), (2, 2, 2)),            # HSDP + TP
-    ((1, 1, 8, 1), ("tp",), (8,)),                                            # TP alone
-    ((1, 1, 1, 4), ("cp",), (4,)),                                            # CP alone
-    ((1, 4, 1, 2), ("dp_shard", "cp"), (4, 2)),                               # FSDP + CP
-    ((1, 2, 2, 2), ("dp_shard", "cp", "tp"), (2, 2, 2)),                      # FSDP + CP + TP
-    ((2, 2, 2, 2), ("dp_replicate", "dp_shard", "cp", "tp"), (2, 2, 2, 2)),   # HSDP + CP + TP
+    ((8, 1, 1, 1), ("dp_replicate",), (8,)),  # DDP
+    ((1, 8, 1, 1), ("dp_shard",), (8,)),  # FSDP
+    ((2, 4, 1, 1), ("dp_replicate", "dp_shard"), (2, 4)),  # HSDP
+    ((1, 4, 2, 1), ("dp_shard", "tp"), (4, 2)),  # FSDP + TP
+    ((2, 2, 2, 1), ("dp_replicate", "dp_shard", "tp"), (2, 2, 2)),  # HSDP + TP
+    ((1, 1, 8, 1), ("tp",), (8,)),  # TP alone
+    ((1, 1, 1, 4), ("cp",), (4,)),  # CP alone
+    ((1, 4, 1, 2), ("dp_shard", "cp"), (4, 2)),  # FSDP + CP
+    ((1, 2, 2, 2), ("dp_shard", "cp", "tp"), (2, 2, 2)),  # FSDP + CP + TP
+    ((2, 2, 2, 2), ("dp_replicate", "dp_shard", "cp", "tp"), (2, 2, 2, 2)),  # HSDP + CP + TP
 ]
 
-PROPERTIES = ["dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "cp_backend", "sp_size", "sp_backend",
-              "dp_dim_names", "non_dp_dim_names", "dp_shard_cp_dim_names", "dp_cp_dim_names", "fsdp_dim_names",
-              "active_mesh_dims", "total_size", "non_data_parallel_size", "data_parallel_size",
-              "dp_replicate_enabled", "dp_shard_enabled", "tp_enabled", "cp_enabled", "sp_enabled"]
+PROPERTIES = [
+    "dp_replicate_size",
+    "dp_shard_size",
+    "tp_size",
+    "cp_size",
+    "cp_backend",
+    "sp_size",
+    "sp_backend",
+    "dp_dim_names",
+    "non_dp_dim_names",
+    "dp_shard_cp_dim_names",
+    "dp_cp_dim_names",
+    "fsdp_dim_names",
+    "active_mesh_dims",
+    "total_size",
+    "non_data_parallel_size",
+    "data_parallel_size",
+    "dp_replicate_enabled",
+    "dp_shard_enabled",
+    "tp_enabled",
+    "cp_enabled",
+    "sp_enabled",
+]
 
 
 def _sizes(row):
@@ -46,8 +65,16 @@ def _sizes(row):
 
 @pytest.fixture(autouse=True)
 def _no_parallelism_env(monkeypatch):
-    for name in ("DP_REPLICATE_SIZE", "DP_SHARD_SIZE", "TP_SIZE", "CP_SIZE", "CP_COMM_STRATEGY", "CP_BACKEND",
-                 "SP_SIZE", "SP_BACKEND"):
+    for name in (
+        "DP_REPLICATE_SIZE",
+        "DP_SHARD_SIZE",
+        "TP_SIZE",
+        "CP_SIZE",
+        "CP_COMM_STRATEGY",
+        "CP_BACKEND",
+        "SP_SIZE",
+        "SP_BACKEND",
+    ):
         monkeypatch.delenv("PARALLELISM_CONFIG_" + name, raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
 
@@ -123,12 +150,15 @@ def test_invalid_cp_method_is_a_value_error_naming_it(monkeypatch, method):
 
 
 def test_cp_method_shortcut_and_handler_must_agree():
-    with pytest.raises(LayoutError, match="cp_comm_strategy='ring' and cp_handler.cp_comm_strategy='alltoall' disagree"):
+    with pytest.raises(
+        LayoutError, match="cp_comm_strategy='ring' and cp_handler.cp_comm_strategy='alltoall' disagree"
+    ):
         ndp.ParallelismConfig(cp_size=2, cp_comm_strategy="ring", cp_handler={"cp_comm_strategy": "alltoall"})
 
 
-@pytest.mark.parametrize("handler", [acc_utils.TorchTensorParallelConfig(), ndp.TorchTensorParallelConfig(),
-                                     {"enable_async_tp": False}])
+@pytest.mark.parametrize(
+    "handler", [acc_utils.TorchTensorParallelConfig(), ndp.TorchTensorParallelConfig(), {"enable_async_tp": False}]
+)
 def test_tp_handler_is_accepted_in_every_form(handler):
     assert ndp.ParallelismConfig(tp_size=2, tp_handler=handler).tp_handler.enable_async_tp is False
 
@@ -155,15 +185,18 @@ def test_a_handler_for_an_axis_that_is_off_is_kept_and_ignored_with_a_warning():
         ndp.ParallelismConfig(cp_handler={"cp_comm_strategy": "ring"})
 
 
-@pytest.mark.parametrize("sizes, message", [
-    (dict(tp_size=0), "tp_size=0 must be a whole number >= 1"),
-    (dict(cp_size=-2), "cp_size=-2 must be a whole number >= 1"),
-    (dict(dp_replicate_size=0), "dp_replicate_size=0 must be a whole number >= 1"),
-    (dict(dp_shard_size=0), "dp_shard_size=0 must be >= 1, or -1"),
-    (dict(sp_size=0), "sp_size=0 must be a whole number >= 1"),
-    (dict(cp_backend="ring"), "cp_backend='ring' is not a backend"),
-    (dict(sp_backend="megatron"), "sp_backend='megatron' is not a backend"),
-])
+@pytest.mark.parametrize(
+    "sizes, message",
+    [
+        (dict(tp_size=0), "tp_size=0 must be a whole number >= 1"),
+        (dict(cp_size=-2), "cp_size=-2 must be a whole number >= 1"),
+        (dict(dp_replicate_size=0), "dp_replicate_size=0 must be a whole number >= 1"),
+        (dict(dp_shard_size=0), "dp_shard_size=0 must be >= 1, or -1"),
+        (dict(sp_size=0), "sp_size=0 must be a whole number >= 1"),
+        (dict(cp_backend="ring"), "cp_backend='ring' is not a backend"),
+        (dict(sp_backend="megatron"), "sp_backend='megatron' is not a backend"),
+    ],
+)
 def test_invalid_arguments_are_value_errors_in_both(sizes, message):
     with pytest.raises(ValueError):
         acc_pc.ParallelismConfig(**sizes)
@@ -192,16 +225,18 @@ def test_get_device_mesh_needs_a_device_type_the_first_time():
 def test_difference_dp_shard_defaults_to_fill_the_world(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "8")
     ours, theirs = ndp.ParallelismConfig(tp_size=2), acc_pc.ParallelismConfig(tp_size=2)
-    assert theirs.dp_shard_size == 1 and theirs.total_size == 2      # Accelerate: a mismatch with 8 processes
-    assert ours.dp_shard_size == -1 and ours.total_size == 8          # ours: FSDP over the 4 ranks tp leaves
+    assert theirs.dp_shard_size == 1 and theirs.total_size == 2  # Accelerate: a mismatch with 8 processes
+    assert ours.dp_shard_size == -1 and ours.total_size == 8  # ours: FSDP over the 4 ranks tp leaves
     assert ours.dp_shard_enabled and ours.dp_dim_names == ["dp_shard"] and ours.resolve(8).shape == (1, 4, 1, 2)
     # explicit sizes mean the same thing in both
     assert ndp.ParallelismConfig(dp_shard_size=1, tp_size=2).total_size == 2
 
 
 def test_difference_tp_or_cp_with_plain_replicas_is_allowed():
-    for sizes in (dict(dp_replicate_size=2, dp_shard_size=1, tp_size=2), dict(dp_replicate_size=2, cp_size=2,
-                                                                                dp_shard_size=1)):
+    for sizes in (
+        dict(dp_replicate_size=2, dp_shard_size=1, tp_size=2),
+        dict(dp_replicate_size=2, cp_size=2, dp_shard_size=1),
+    ):
         with pytest.raises(ValueError, match="pure data parallelism"):
             acc_pc.ParallelismConfig(**sizes)
         assert ndp.ParallelismConfig(**sizes).resolve(4).shape in ((2, 1, 1, 2), (2, 1, 2, 1))
@@ -214,11 +249,15 @@ def test_difference_ring_is_a_cp_method():
 
 
 def test_difference_deepspeed_sequence_parallelism_is_refused():
-    theirs = acc_pc.ParallelismConfig(sp_backend="deepspeed", sp_size=2,
-                                      sp_handler=acc_utils.DeepSpeedSequenceParallelConfig())
+    theirs = acc_pc.ParallelismConfig(
+        sp_backend="deepspeed", sp_size=2, sp_handler=acc_utils.DeepSpeedSequenceParallelConfig()
+    )
     assert theirs.sp_enabled and theirs.total_size == 2
-    with pytest.raises(LayoutError, match="sp_size=2 asks for DeepSpeed's ALST/Ulysses sequence parallelism.*use "
-                                          "cp_size=2 with cp_comm_strategy='alltoall'"):
+    with pytest.raises(
+        LayoutError,
+        match="sp_size=2 asks for DeepSpeed's ALST/Ulysses sequence parallelism.*use "
+        "cp_size=2 with cp_comm_strategy='alltoall'",
+    ):
         ndp.ParallelismConfig(sp_backend="deepspeed", sp_size=2)
 
 

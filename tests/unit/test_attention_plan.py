@@ -20,10 +20,10 @@ def _segments(seed: int, batch: int = 3, seq: int = 96) -> torch.Tensor:
         start = 0
         while start < seq:
             n = int(torch.randint(1, 30, (1,), generator=g)) if row else seq  # row 0: one document
-            pos[row, start:start + n] = torch.arange(min(n, seq - start))
+            pos[row, start : start + n] = torch.arange(min(n, seq - start))
             start += n
     padding = torch.zeros(batch, seq, dtype=torch.bool)
-    padding[-1, seq - 17:] = True
+    padding[-1, seq - 17 :] = True
     return segment_ids_from(pos, padding)
 
 
@@ -47,10 +47,10 @@ def _visible_from_pieces(p: ap.Pieces, q: ap.Side, k: ap.Side, batch: int, seq: 
         i, j = torch.arange(lq)[:, None], torch.arange(lk)[None]
         seen = torch.ones(lq, lk, dtype=torch.bool)
         if k.hi == q.hi:
-            seen &= j - i <= lk - lq                      # causal, aligned bottom-right
+            seen &= j - i <= lk - lq  # causal, aligned bottom-right
         if left != ap.UNBOUNDED:
             seen &= j - i >= (lk - lq) - left
-        block = out[b, qp:qp + lq, kp:kp + lk]
+        block = out[b, qp : qp + lq, kp : kp + lk]
         assert not (block & seen).any(), "pieces overlap"
         block |= seen
     return out
@@ -75,7 +75,7 @@ def test_pieces_are_exactly_the_attention_rule(block, window, seed):
     pieces = ap.block_pieces(ap.find_documents(segments), q, k, window)
     got = _visible_from_pieces(pieces, q, k, *segments.shape)
     want = torch.zeros_like(got)
-    want[:, q.lo:q.hi, k.lo:k.hi] = _rule(segments, window)[:, q.lo:q.hi, k.lo:k.hi]
+    want[:, q.lo : q.hi, k.lo : k.hi] = _rule(segments, window)[:, q.lo : q.hi, k.lo : k.hi]
     assert torch.equal(got, want)
     if k.hi <= q.lo:  # an earlier block: at most one piece per row (documents are contiguous)
         rows = torch.div(pieces.q_row, q.stride, rounding_mode="floor")
@@ -93,8 +93,8 @@ def test_calls_read_each_key_once_in_order_and_mark_the_rest():
     assert int(cu_q[-1]) == call.num_q == int(pieces.q_len.sum())
     read = torch.zeros(num_keys, dtype=torch.bool)
     for start, length in zip(pieces.k_row.tolist(), pieces.k_len.tolist()):
-        assert not read[start:start + length].any()
-        read[start:start + length] = True
+        assert not read[start : start + length].any()
+        read[start : start + length] = True
     assert torch.equal(call.unread_keys, (~read).nonzero().flatten())
     # every piece is one sequence; fillers (no queries) cover the unread keys between pieces
     lengths_q, lengths_k = cu_q.diff(), cu_k.diff()

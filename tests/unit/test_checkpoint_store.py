@@ -70,8 +70,14 @@ def test_a_failed_publication_keeps_latest_on_the_previous_checkpoint(tmp_path, 
 
 
 def test_state_dicts_round_trip_through_json_and_tensors():
-    state = {"lr": 0.1, "betas": (0.9, 0.95), "nan": math.nan, "ids": {3: "a", 7: [None, True]},
-             "nested": [{"w": torch.ones(2)}], "__ndp__": "a user key that looks like ours"}
+    state = {
+        "lr": 0.1,
+        "betas": (0.9, 0.95),
+        "nan": math.nan,
+        "ids": {3: "a", 7: [None, True]},
+        "nested": [{"w": torch.ones(2)}],
+        "__ndp__": "a user key that looks like ours",
+    }
     skeleton, tensors = split_state("s", state)
     assert list(tensors) == ["s.nested.0.w"]
     back = join_state(skeleton, tensors, where="test")

@@ -11,7 +11,11 @@ def test_plan_whose_import_fails_says_why(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert code == 1
     assert err.count("\n") == 1
-    assert "`ndparallel plan` is unavailable: importing ndparallel.planner failed (ModuleNotFoundError: import of ndparallel.planner halted" in err
+    expected = (
+        "`ndparallel plan` is unavailable: importing ndparallel.planner failed (ModuleNotFoundError: import "
+        "of ndparallel.planner halted"
+    )
+    assert expected in err
 
 
 def test_plan_is_listed_and_runs(capsys):

@@ -8,9 +8,18 @@ BASE = {"model_shape": "tiny", "datasets": [{"path": "data.jsonl", "type": "comp
 
 
 def test_axolotl_and_accelerate_names():
-    cfg = parse_config({**BASE, "tensor_parallel_size": 2, "context_parallel_size": 4, "dp_shard_size": 2,
-                        "gradient_checkpointing": True, "sample_packing": True, "micro_batch_size": 2,
-                        "lora_r": 8})
+    cfg = parse_config(
+        {
+            **BASE,
+            "tensor_parallel_size": 2,
+            "context_parallel_size": 4,
+            "dp_shard_size": 2,
+            "gradient_checkpointing": True,
+            "sample_packing": True,
+            "micro_batch_size": 2,
+            "lora_r": 8,
+        }
+    )
     assert (cfg.tensor_parallel_size, cfg.context_parallel_size, cfg.dp_shard_size) == (2, 4, 2)
     assert cfg.ac_mode == "full"
     alias = parse_config({**BASE, "tp_size": 2, "cp_size": 2})
@@ -32,7 +41,10 @@ BAD = [
     ({"dp_shard_size": -3}, "dp_shard_size"),
     ({"dp_shard_size": 0}, "must be >= 1, -1 (fill the remaining ranks) or auto"),
     ({"cp_comm_strategy": "ulysses"}, "cp_comm_strategy: Input should be 'allgather', 'ring' or 'alltoall'"),
-    ({"lr_scheduler": "cosine_with_restarts"}, "lr_scheduler: Input should be 'cosine', 'linear', 'constant' or 'constant_with_warmup'"),
+    (
+        {"lr_scheduler": "cosine_with_restarts"},
+        "lr_scheduler: Input should be 'cosine', 'linear', 'constant' or 'constant_with_warmup'",
+    ),
     ({"sequence_len": 4}, "sequence_len: Input should be greater than or equal to 8"),
     ({"fp16": True}, "fp16 is not supported: set bf16: true"),
     ({"adapter": "lora"}, "adapter: lora needs lora_target_modules"),
@@ -64,12 +76,21 @@ def test_all_mistakes_are_reported_at_once():
 
 def test_no_model_is_an_error():
     assert config_errors({"datasets": BASE["datasets"]}) == [
-        "no model: set base_model (a HF directory or hub id) or model_shape (tiny, 1b, 3b, 8b)"]
+        "no model: set base_model (a HF directory or hub id) or model_shape (tiny, 1b, 3b, 8b)"
+    ]
 
 
 def test_overrides_parse_values_as_yaml_and_nest():
-    raw = apply_overrides(BASE, ["learning_rate=3e-4", "sample_packing=true", "datasets.0.path=other.jsonl",
-                                 "model_config_overrides.vocab_size=320", "lora_target_modules=[q_proj, v_proj]"])
+    raw = apply_overrides(
+        BASE,
+        [
+            "learning_rate=3e-4",
+            "sample_packing=true",
+            "datasets.0.path=other.jsonl",
+            "model_config_overrides.vocab_size=320",
+            "lora_target_modules=[q_proj, v_proj]",
+        ],
+    )
     assert raw["learning_rate"] == 3e-4 and raw["sample_packing"] is True
     assert raw["datasets"][0]["path"] == "other.jsonl" and BASE["datasets"][0]["path"] == "data.jsonl"
     assert raw["model_config_overrides"] == {"vocab_size": 320}
@@ -78,8 +99,26 @@ def test_overrides_parse_values_as_yaml_and_nest():
 
 def test_every_field_is_documented():
     lines = field_docs().splitlines()
-    undocumented = [line for line in lines if "): " not in line and not line.split(" (")[0] in
-                    {"learning_rate", "adam_beta1", "adam_beta2", "adam_epsilon", "seed", "warmup_steps", "output_dir",
-                     "logging_steps", "lora_r", "lora_alpha", "lora_dropout", "dp_replicate_size",
-                     "tensor_parallel_size", "context_parallel_size"}]
+    undocumented = [
+        line
+        for line in lines
+        if "): " not in line
+        and line.split(" (")[0]
+        not in {
+            "learning_rate",
+            "adam_beta1",
+            "adam_beta2",
+            "adam_epsilon",
+            "seed",
+            "warmup_steps",
+            "output_dir",
+            "logging_steps",
+            "lora_r",
+            "lora_alpha",
+            "lora_dropout",
+            "dp_replicate_size",
+            "tensor_parallel_size",
+            "context_parallel_size",
+        }
+    ]
     assert not undocumented, undocumented

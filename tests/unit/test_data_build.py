@@ -113,8 +113,9 @@ def test_eval_split_is_deterministic_disjoint_and_complete(tmp_path, tokenizer):
     spec = write_docs(tmp_path / "a.jsonl", texts)
 
     def split(seed, cache):
-        train, evaluation = build_rows([spec], tokenizer, seq_len=8, packing=False, cache_dir=tmp_path / cache,
-                                       eval_fraction=0.25, seed=seed)
+        train, evaluation = build_rows(
+            [spec], tokenizer, seq_len=8, packing=False, cache_dir=tmp_path / cache, eval_fraction=0.25, seed=seed
+        )
         names = lambda rows: [tokenizer.decode(row[:5]) for row in rows.input_ids]  # noqa: E731
         return names(train), names(evaluation)
 
@@ -137,14 +138,24 @@ def test_bad_options_are_refused(tmp_path, tokenizer):
     with pytest.raises(DataError, match="datasets: is empty"):
         build_rows([], tokenizer, **options)
     with pytest.raises(DataError, match="1 of 2 examples are longer than sequence_len=2 "):
-        build_rows([write_docs(tmp_path / "b.jsonl", ["x", "long"])], tokenizer, seq_len=2, packing=False,
-                   cache_dir=tmp_path / "c")
+        build_rows(
+            [write_docs(tmp_path / "b.jsonl", ["x", "long"])],
+            tokenizer,
+            seq_len=2,
+            packing=False,
+            cache_dir=tmp_path / "c",
+        )
 
 
 def test_dict_specs_are_accepted(tmp_path, tokenizer):
     write_docs(tmp_path / "a.jsonl", ["x"])
-    train, _ = build_rows([{"path": str(tmp_path / "a.jsonl"), "type": "text"}], tokenizer, seq_len=4,
-                          packing=True, cache_dir=tmp_path / "c")
+    train, _ = build_rows(
+        [{"path": str(tmp_path / "a.jsonl"), "type": "text"}],
+        tokenizer,
+        seq_len=4,
+        packing=True,
+        cache_dir=tmp_path / "c",
+    )
     assert train.input_ids[0, :2].tolist() == [ord("x"), 256]
 
 
@@ -154,10 +165,12 @@ def test_distributed_build_main_builds_others_wait_then_load(tmp_path, tokenizer
     barriers = []
     with pytest.raises(DataError, match="no data cache at .* after the main process built it"):
         build_rows_distributed([spec], tokenizer, is_main=False, barrier=lambda: barriers.append("other"), **options)
-    main_train, _ = build_rows_distributed([spec], tokenizer, is_main=True, barrier=lambda: barriers.append("main"),
-                                           **options)
-    other_train, _ = build_rows_distributed([spec], tokenizer, is_main=False,
-                                            barrier=lambda: barriers.append("other"), **options)
+    main_train, _ = build_rows_distributed(
+        [spec], tokenizer, is_main=True, barrier=lambda: barriers.append("main"), **options
+    )
+    other_train, _ = build_rows_distributed(
+        [spec], tokenizer, is_main=False, barrier=lambda: barriers.append("other"), **options
+    )
     assert calls["n"] == 1 and same_rows(main_train, other_train)
     assert barriers == ["other", "main", "other"]
 
@@ -166,8 +179,15 @@ def test_distributed_main_reaches_the_barrier_even_when_it_fails(tmp_path, token
     spec = DatasetSpec(str(tmp_path / "missing.jsonl"), "completion")
     barriers = []
     with pytest.raises(DataError, match="does not exist"):
-        build_rows_distributed([spec], tokenizer, is_main=True, barrier=lambda: barriers.append(1), seq_len=8,
-                               packing=True, cache_dir=tmp_path / "cache")
+        build_rows_distributed(
+            [spec],
+            tokenizer,
+            is_main=True,
+            barrier=lambda: barriers.append(1),
+            seq_len=8,
+            packing=True,
+            cache_dir=tmp_path / "cache",
+        )
     assert barriers == [1]
 
 
@@ -179,8 +199,11 @@ def test_mixed_types_end_to_end_train_exactly_the_answers(tmp_path, tokenizer):
     chat.write_text(json.dumps({"conversations": [{"from": who, "value": text} for who, text in turns]}))
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "n.txt").write_text("note")
-    specs = [DatasetSpec(str(alpaca), "alpaca"), DatasetSpec(str(chat), "chat_template"),
-             DatasetSpec(str(tmp_path / "notes"), "pretrain_files")]
+    specs = [
+        DatasetSpec(str(alpaca), "alpaca"),
+        DatasetSpec(str(chat), "chat_template"),
+        DatasetSpec(str(tmp_path / "notes"), "pretrain_files"),
+    ]
     train, _ = build_rows(specs, tokenizer, seq_len=64, packing=True, cache_dir=tmp_path / "c")
     trained = [tokenizer.decode(row[labels != -100]) for row, labels in zip(train.input_ids, train.labels)]
     assert "".join(trained) == "2<|endoftext|>yo<|end|>\nciao<|end|>\nnote<|endoftext|>"

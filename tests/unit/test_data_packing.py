@@ -25,14 +25,16 @@ def documents_in(rows):
         starts = np.flatnonzero((rows.position_ids[r] == 0) & real)
         ends = list(starts[1:]) + [int(real.sum())]
         for s, e in zip(starts, ends):
-            pieces.append((rows.input_ids[r, s:e].tolist(), rows.labels[r, s:e].tolist(),
-                           rows.position_ids[r, s:e].tolist()))
+            pieces.append(
+                (rows.input_ids[r, s:e].tolist(), rows.labels[r, s:e].tolist(), rows.position_ids[r, s:e].tolist())
+            )
     return pieces
 
 
 def one_row(rows, r):
-    return Rows(rows.input_ids[r : r + 1], rows.labels[r : r + 1], rows.position_ids[r : r + 1],
-                rows.attention_mask[r : r + 1])
+    return Rows(
+        rows.input_ids[r : r + 1], rows.labels[r : r + 1], rows.position_ids[r : r + 1], rows.attention_mask[r : r + 1]
+    )
 
 
 def docs_per_row(rows):

@@ -9,8 +9,10 @@ from ndparallel.data import DataOrder
 
 
 def orders(num_rows, rows_per_rank, ranks, seed=0, **kwargs):
-    return [DataOrder(num_rows, rows_per_rank=rows_per_rank, batch_rank=b, batch_ranks=ranks, seed=seed, **kwargs)
-            for b in range(ranks)]
+    return [
+        DataOrder(num_rows, rows_per_rank=rows_per_rank, batch_rank=b, batch_ranks=ranks, seed=seed, **kwargs)
+        for b in range(ranks)
+    ]
 
 
 @pytest.mark.parametrize("num_rows, rows_per_rank, ranks", [(12, 1, 1), (23, 2, 3), (40, 3, 4), (17, 4, 2), (8, 1, 8)])
@@ -19,8 +21,9 @@ def test_each_epoch_covers_whole_global_batches_once_over_all_ranks(num_rows, ro
     global_rows = rows_per_rank * ranks
     for epoch in range(2):
         epoch_batches = [list(order.rest_of_epoch()) for order in per_rank]
-        assert all(len(batches) == num_rows // global_rows == per_rank[0].batches_per_epoch
-                   for batches in epoch_batches)
+        assert all(
+            len(batches) == num_rows // global_rows == per_rank[0].batches_per_epoch for batches in epoch_batches
+        )
         seen = [i for step in zip(*epoch_batches) for batch in step for i in batch]
         assert len(seen) == len(set(seen)) == (num_rows // global_rows) * global_rows
         # rank b's rows are slice b of the global batch: the epoch order cut into global batches
@@ -101,6 +104,9 @@ def test_another_batch_shape_resumes_at_the_same_row_when_the_position_is_rescal
 
 
 def test_too_small_dataset_names_micro_batch_size_ranks_and_size():
-    with pytest.raises(DataError, match=r"the dataset has 7 rows, fewer than one global batch of micro_batch_size=2 "
-                                        r"x 4 data-parallel ranks = 8 rows"):
+    with pytest.raises(
+        DataError,
+        match=r"the dataset has 7 rows, fewer than one global batch of micro_batch_size=2 "
+        r"x 4 data-parallel ranks = 8 rows",
+    ):
         DataOrder(7, rows_per_rank=2, batch_rank=0, batch_ranks=4, seed=0)

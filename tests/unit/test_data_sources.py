@@ -28,8 +28,15 @@ def save_to_disk_layout(directory, records):
     """The files Dataset.save_to_disk writes: an Arrow IPC stream, state.json listing it, dataset_info.json."""
     directory.mkdir(parents=True)
     write_arrow_stream(directory / "data-00000-of-00001.arrow", records)
-    state = {"_data_files": [{"filename": "data-00000-of-00001.arrow"}], "_fingerprint": "0", "_format_columns": None,
-             "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False, "_split": None}
+    state = {
+        "_data_files": [{"filename": "data-00000-of-00001.arrow"}],
+        "_fingerprint": "0",
+        "_format_columns": None,
+        "_format_kwargs": {},
+        "_format_type": None,
+        "_output_all_columns": False,
+        "_split": None,
+    }
     (directory / "state.json").write_text(json.dumps(state))
     (directory / "dataset_info.json").write_text(json.dumps({"features": {"text": {"dtype": "string"}}}))
     return directory
@@ -100,22 +107,33 @@ def test_text_files_each_file_one_document_from_directory_and_glob(tmp_path):
 
 
 def test_alpaca_records_with_and_without_input(tmp_path):
-    path = write_jsonl(tmp_path / "a.jsonl", [
-        {"instruction": "add", "input": "1 1", "output": "2"},
-        {"instruction": "greet", "output": "hi"},
-        {"instruction": "greet", "input": None, "output": "hi"},
-    ])
+    path = write_jsonl(
+        tmp_path / "a.jsonl",
+        [
+            {"instruction": "add", "input": "1 1", "output": "2"},
+            {"instruction": "greet", "output": "hi"},
+            {"instruction": "greet", "input": None, "output": "hi"},
+        ],
+    )
     records = list(read_records(DatasetSpec(str(path), "alpaca")))
     assert records[0] == InstructionRecord("add", "1 1", "2", f"{path} line 1")
     assert [r.input for r in records[1:]] == ["", ""]
 
 
 def test_chat_messages_and_sharegpt_conversations(tmp_path):
-    path = write_jsonl(tmp_path / "c.jsonl", [
-        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
-        {"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "q"},
-                           {"from": "gpt", "value": "a"}]},
-    ])
+    path = write_jsonl(
+        tmp_path / "c.jsonl",
+        [
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+            {
+                "conversations": [
+                    {"from": "system", "value": "s"},
+                    {"from": "human", "value": "q"},
+                    {"from": "gpt", "value": "a"},
+                ]
+            },
+        ],
+    )
     first, second = read_records(DatasetSpec(str(path), "chat"))
     assert isinstance(first, ChatRecord)
     assert first.messages == ({"role": "user", "content": "q"}, {"role": "assistant", "content": "a"})
@@ -132,37 +150,77 @@ def bad_utf8(tmp_path):
 
 
 ERRORS = [
-    ("missing file", lambda p: DatasetSpec(str(p / "nope.jsonl"), "completion"),
-     r"nope\.jsonl' does not exist .*; fix path:"),
-    ("empty file", lambda p: DatasetSpec(str(write_jsonl(p / "e.jsonl", [])), "completion"),
-     r"e\.jsonl holds no records \(for split=None\); fix path: or split:, or add data"),
-    ("no matching files", lambda p: DatasetSpec(str(p / "*.parquet"), "completion"),
-     r"no file matches path='.*\*\.parquet'"),
+    (
+        "missing file",
+        lambda p: DatasetSpec(str(p / "nope.jsonl"), "completion"),
+        r"nope\.jsonl' does not exist .*; fix path:",
+    ),
+    (
+        "empty file",
+        lambda p: DatasetSpec(str(write_jsonl(p / "e.jsonl", [])), "completion"),
+        r"e\.jsonl holds no records \(for split=None\); fix path: or split:, or add data",
+    ),
+    (
+        "no matching files",
+        lambda p: DatasetSpec(str(p / "*.parquet"), "completion"),
+        r"no file matches path='.*\*\.parquet'",
+    ),
     ("empty directory", lambda p: DatasetSpec(str(p), "completion"), r"holds no \*\.jsonl, \*\.json"),
-    ("missing text field", lambda p: DatasetSpec(str(write_jsonl(p / "m.jsonl", [{"text": "ok"}, {"body": "x"}])),
-                                                 "completion"),
-     r"m\.jsonl line 2: no field 'text' \(fields: body\); set field: to the column holding the text"),
-    ("wrong field type", lambda p: DatasetSpec(str(write_jsonl(p / "w.jsonl", [{"text": 5}])), "completion"),
-     r"w\.jsonl line 1: field 'text' holds int, not a string; set field:"),
-    ("alpaca without output", lambda p: DatasetSpec(str(write_jsonl(p / "a.jsonl", [{"instruction": "x"}])), "alpaca"),
-     r"a\.jsonl line 1: no field 'output' .*alpaca records need instruction, output"),
-    ("chat without messages", lambda p: DatasetSpec(str(write_jsonl(p / "c.jsonl", [{"text": "x"}])), "chat"),
-     r"c\.jsonl line 1: no field 'messages' \(fields: text\); set field:"),
-    ("chat message not a dict", lambda p: DatasetSpec(str(write_jsonl(p / "c.jsonl", [{"messages": ["hi"]}])), "chat"),
-     r"message 1 of 'messages': expected \{role, content\} or \{from, value\}, found str"),
-    ("unknown sharegpt speaker", lambda p: DatasetSpec(
-        str(write_jsonl(p / "s.jsonl", [{"conversations": [{"from": "bot", "value": "x"}]}])), "chat"),
-     r"from='bot' is not a ShareGPT speaker; use one of human"),
-    ("record not an object", lambda p: DatasetSpec(str(write_jsonl(p / "l.jsonl", [[1, 2]])), "completion"),
-     r"l\.jsonl line 1: a record must be a JSON object"),
-    ("invalid json line", lambda p: (p.joinpath("j.jsonl").write_text('{"text": "a"}\n{oops\n'),
-                                     DatasetSpec(str(p / "j.jsonl"), "completion"))[1],
-     r"j\.jsonl line 2: not valid JSON"),
-    ("non-UTF-8 text file", bad_utf8,
-     r"latin1\.txt: not UTF-8 text \(byte 0xe9 at byte offset 3\); re-encode it as UTF-8 .* or remove it"),
-    ("text file given as records", lambda p: (p.joinpath("t.txt").write_text("x"),
-                                              DatasetSpec(str(p / "t.txt"), "completion"))[1],
-     r"not '\.txt' files; convert it, or use type: pretrain_files"),
+    (
+        "missing text field",
+        lambda p: DatasetSpec(str(write_jsonl(p / "m.jsonl", [{"text": "ok"}, {"body": "x"}])), "completion"),
+        r"m\.jsonl line 2: no field 'text' \(fields: body\); set field: to the column holding the text",
+    ),
+    (
+        "wrong field type",
+        lambda p: DatasetSpec(str(write_jsonl(p / "w.jsonl", [{"text": 5}])), "completion"),
+        r"w\.jsonl line 1: field 'text' holds int, not a string; set field:",
+    ),
+    (
+        "alpaca without output",
+        lambda p: DatasetSpec(str(write_jsonl(p / "a.jsonl", [{"instruction": "x"}])), "alpaca"),
+        r"a\.jsonl line 1: no field 'output' .*alpaca records need instruction, output",
+    ),
+    (
+        "chat without messages",
+        lambda p: DatasetSpec(str(write_jsonl(p / "c.jsonl", [{"text": "x"}])), "chat"),
+        r"c\.jsonl line 1: no field 'messages' \(fields: text\); set field:",
+    ),
+    (
+        "chat message not a dict",
+        lambda p: DatasetSpec(str(write_jsonl(p / "c.jsonl", [{"messages": ["hi"]}])), "chat"),
+        r"message 1 of 'messages': expected \{role, content\} or \{from, value\}, found str",
+    ),
+    (
+        "unknown sharegpt speaker",
+        lambda p: DatasetSpec(
+            str(write_jsonl(p / "s.jsonl", [{"conversations": [{"from": "bot", "value": "x"}]}])), "chat"
+        ),
+        r"from='bot' is not a ShareGPT speaker; use one of human",
+    ),
+    (
+        "record not an object",
+        lambda p: DatasetSpec(str(write_jsonl(p / "l.jsonl", [[1, 2]])), "completion"),
+        r"l\.jsonl line 1: a record must be a JSON object",
+    ),
+    (
+        "invalid json line",
+        lambda p: (
+            p.joinpath("j.jsonl").write_text('{"text": "a"}\n{oops\n'),
+            DatasetSpec(str(p / "j.jsonl"), "completion"),
+        )[1],
+        r"j\.jsonl line 2: not valid JSON",
+    ),
+    (
+        "non-UTF-8 text file",
+        bad_utf8,
+        r"latin1\.txt: not UTF-8 text \(byte 0xe9 at byte offset 3\); re-encode it as UTF-8 .* or remove it",
+    ),
+    (
+        "text file given as records",
+        lambda p: (p.joinpath("t.txt").write_text("x"), DatasetSpec(str(p / "t.txt"), "completion"))[1],
+        r"not '\.txt' files; convert it, or use type: pretrain_files",
+    ),
 ]
 
 
@@ -181,8 +239,11 @@ def test_parquet_without_pyarrow_says_how_to_install_it(tmp_path, monkeypatch):
 
 
 def test_unknown_type_lists_the_valid_ones():
-    with pytest.raises(DataError, match=r"type='sharegpt' is not a dataset type; use one of: completion, alpaca, "
-                                        r"chat_template, pretrain_files, text \(= completion\)"):
+    with pytest.raises(
+        DataError,
+        match=r"type='sharegpt' is not a dataset type; use one of: completion, alpaca, "
+        r"chat_template, pretrain_files, text \(= completion\)",
+    ):
         DatasetSpec("x.jsonl", "sharegpt")
 
 

@@ -39,7 +39,8 @@ def test_bos_is_prepended_when_the_tokenizer_adds_one():
     tokenizer = byte_tokenizer()
     tokenizer.bos_token = "<|system|>"  # id 258, added in front of every encoded text by the post-processor
     tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
-        single="<|system|> $A", special_tokens=[("<|system|>", 258)])
+        single="<|system|> $A", special_tokens=[("<|system|>", 258)]
+    )
     example = RecordTokenizer(tokenizer)(TextRecord("ab", "x"))
     assert example.input_ids == [258, 97, 98, EOS]
 
@@ -50,7 +51,7 @@ def test_alpaca_trains_only_the_output_and_eos(tokenizer, given, template):
     prompt = template.format(instruction="add", input=given)
     assert tokenizer.decode(example.input_ids) == prompt + "2 é<|endoftext|>"
     assert example.labels[: len(prompt.encode())] == [IGNORE] * len(prompt.encode())
-    assert example.labels[len(prompt.encode()):] == list("2 é".encode()) + [EOS]
+    assert example.labels[len(prompt.encode()) :] == list("2 é".encode()) + [EOS]
 
 
 def test_chat_trains_only_assistant_turns_over_several_turns(tokenizer):
@@ -104,8 +105,10 @@ def examples_of_lengths(*lengths):
 
 
 def test_long_rows_error_says_how_many_and_what_to_do():
-    expected = (r"^2 of 4 examples are longer than sequence_len=5 \(longest 9 tokens\); raise sequence_len, "
-                r"or set long_rows \(excess_length_strategy\) to truncate\|drop\|split$")
+    expected = (
+        r"^2 of 4 examples are longer than sequence_len=5 \(longest 9 tokens\); raise sequence_len, "
+        r"or set long_rows \(excess_length_strategy\) to truncate\|drop\|split$"
+    )
     with pytest.raises(DataError, match=expected):
         fit_long_rows(examples_of_lengths(3, 9, 5, 6), 5)
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
+from scenarios import make_batches, make_model
 
 import ndparallel as ndp
 from ndparallel.cli import main
 from ndparallel.models.decoder import decoder_parts
-from scenarios import make_batches, make_model
 
 # (family, a config change that removes one feature). The parity tests (multirank/test_families.py) compare
 # at 1e-5; each change below moves the first loss by far more, so a layout that dropped the feature (a
@@ -23,7 +23,7 @@ FEATURES = [
     ("phi3", {"sliding_window": None}),
     ("granite", {"embedding_multiplier": 1.0}),
     ("granite", {"residual_multiplier": 1.0}),
-    ("granite", {"attention_multiplier": 8 ** -0.5}),
+    ("granite", {"attention_multiplier": 8**-0.5}),
     ("granite", {"logits_scaling": 1.0}),
     ("cohere", {"logit_scale": 1.0}),
 ]
@@ -50,16 +50,30 @@ def test_family_feature_moves_the_loss(family, change):
 PLANS = [
     ("gemma3", {"self_attn.q_proj": "colwise", "self_attn.q_norm": "qk_norm", "self_attn.o_proj": "rowwise"}),
     # fused projections sliced by the global head count: split matmul, gathered output
-    ("phi3", {"self_attn.qkv_proj": "colwise_gather", "self_attn.o_proj": "rowwise_split",
-              "mlp.gate_up_proj": "colwise_gather", "mlp.down_proj": "rowwise_split"}),
+    (
+        "phi3",
+        {
+            "self_attn.qkv_proj": "colwise_gather",
+            "self_attn.o_proj": "rowwise_split",
+            "mlp.gate_up_proj": "colwise_gather",
+            "mlp.down_proj": "rowwise_split",
+        },
+    ),
     # transformers gathers q/k/v for the all-head q/k norm; ours keeps heads split and reduces the norm
     ("olmo2", {"self_attn.q_proj": "colwise", "self_attn.q_norm": "feature_norm", "self_attn.o_proj": "rowwise"}),
     # per-head LayerNorm weights (heads, head_dim), missing from transformers' plan
     ("cohere", {"self_attn.q_norm": "head_norm", "self_attn.k_norm": "head_norm", "mlp.gate_proj": "colwise"}),
     ("glm", {"self_attn.q_proj": "colwise", "mlp.gate_up_proj": "colwise_gather", "mlp.down_proj": "rowwise_split"}),
     # no plan in transformers: ours
-    ("falcon", {"self_attention.query_key_value": "colwise_gather", "self_attention.dense": "rowwise_split",
-                "mlp.dense_h_to_4h": "colwise", "mlp.dense_4h_to_h": "rowwise"}),
+    (
+        "falcon",
+        {
+            "self_attention.query_key_value": "colwise_gather",
+            "self_attention.dense": "rowwise_split",
+            "mlp.dense_h_to_4h": "colwise",
+            "mlp.dense_4h_to_h": "rowwise",
+        },
+    ),
 ]
 
 
@@ -80,16 +94,28 @@ def test_model_attention_kept_where_ndparallel_cannot_reproduce_it():
 
 # (model_config_overrides, sizes, world, the one line validate prints)
 REFUSALS = [
-    ({"model_type": "gemma2"}, {"context_parallel_size": 2}, 2,
-     "cp_size=2 cannot split this model's attention: attention-logit soft-capping (attn_logit_softcapping=50.0)"),
-    ({"model_type": "falcon"}, {"context_parallel_size": 2}, 2,
-     "Falcon calls scaled_dot_product_attention itself rather than through transformers' attention interface"),
+    (
+        {"model_type": "gemma2"},
+        {"context_parallel_size": 2},
+        2,
+        "cp_size=2 cannot split this model's attention: attention-logit soft-capping (attn_logit_softcapping=50.0)",
+    ),
+    (
+        {"model_type": "falcon"},
+        {"context_parallel_size": 2},
+        2,
+        "Falcon calls scaled_dot_product_attention itself rather than through transformers' attention interface",
+    ),
     ({"model_type": "falcon", "alibi": True}, {}, 1, "Falcon with alibi=True (Falcon-RW) is not supported"),
     ({"model_type": "falcon_mamba"}, {}, 1, "'falcon_mamba' is not supported: Falcon-Mamba is a state-space"),
     ({"model_type": "falcon_h1"}, {}, 1, "'falcon_h1' is not supported: Falcon-H1 runs Mamba-2 state-space mixers"),
     ({"model_type": "gemma3"}, {}, 1, "this Gemma 3 config is the multimodal model"),
-    ({"model_type": "llama", "vocab_size": 5}, {"tensor_parallel_size": 4}, 4,
-     "tp_size=4 leaves the last tensor-parallel rank no vocabulary rows (vocab_size=5)"),
+    (
+        {"model_type": "llama", "vocab_size": 5},
+        {"tensor_parallel_size": 4},
+        4,
+        "tp_size=4 leaves the last tensor-parallel rank no vocabulary rows (vocab_size=5)",
+    ),
 ]
 
 
@@ -98,8 +124,11 @@ def test_validate_refuses_what_a_family_cannot_do(tmp_path, capsys, overrides, s
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "hi"}\n')
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(yaml.safe_dump({"model_config_overrides": overrides, "datasets": [{"path": str(data)}],
-                                   "dp_shard_size": 1, **sizes}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {"model_config_overrides": overrides, "datasets": [{"path": str(data)}], "dp_shard_size": 1, **sizes}
+        )
+    )
     assert main(["validate", str(cfg), "--world-size", str(world)]) == 2
     err = capsys.readouterr().err
     assert expected in err, err  # (a toy vocabulary may also be smaller than the default tokenizer: reported too)
@@ -109,6 +138,15 @@ def test_validate_accepts_a_vocabulary_tp_does_not_divide(tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "hi"}\n')
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(yaml.safe_dump({"model_shape": "tiny", "model_config_overrides": {"vocab_size": 49155},
-                                   "datasets": [{"path": str(data)}], "dp_shard_size": 1, "tensor_parallel_size": 2}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "model_shape": "tiny",
+                "model_config_overrides": {"vocab_size": 49155},
+                "datasets": [{"path": str(data)}],
+                "dp_shard_size": 1,
+                "tensor_parallel_size": 2,
+            }
+        )
+    )
     assert main(["validate", str(cfg), "--world-size", "2"]) == 0, capsys.readouterr().err

@@ -29,8 +29,10 @@ def _net(seed: int = 0) -> nn.Module:
 
 def _groups(model: nn.Module) -> list[dict]:
     params = list(model.parameters())
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
 def _run(model, opt, steps, *, start=0, skip_last_at=None):

@@ -11,10 +11,21 @@ BASE = {"base_model": "org/model", "datasets": [{"path": "data.jsonl", "type": "
 
 
 def test_placeholders_and_kernel_choices_are_reported_in_one_line():
-    reading = read_config({**BASE, "tf32": True, "attn_implementation": "flash_attention_2", "wandb_project": None,
-                           "load_in_4bit": False, "hub_model_id": "", "strict": False, "deepspeed": "zero3.json",
-                           "plugins": ["axolotl.integrations.liger.LigerPlugin"], "learning_rate": None,
-                           "lora_model_dir": None})
+    reading = read_config(
+        {
+            **BASE,
+            "tf32": True,
+            "attn_implementation": "flash_attention_2",
+            "wandb_project": None,
+            "load_in_4bit": False,
+            "hub_model_id": "",
+            "strict": False,
+            "deepspeed": "zero3.json",
+            "plugins": ["axolotl.integrations.liger.LigerPlugin"],
+            "learning_rate": None,
+            "lora_model_dir": None,
+        }
+    )
     assert reading.errors == []
     (line,) = reading.notes
     assert line.startswith("not used: ") and "\n" not in line
@@ -24,22 +35,27 @@ def test_placeholders_and_kernel_choices_are_reported_in_one_line():
     assert reading.config.learning_rate == 2e-5  # null is Axolotl's "unset": the default applies
 
 
-@pytest.mark.parametrize("extra, message", [
-    ({"rl": "dpo"}, "rl: 'dpo' — preference, reinforcement-learning and reward-model training are not supported"),
-    ({"adapter": "qlora"}, "adapter: qlora (LoRA on 4-bit quantized base weights) is not supported"),
-    ({"load_in_4bit": True}, "load_in_4bit: True — quantized weights"),
-    ({"unfrozen_parameters": ["^lm_head"]}, "unfrozen_parameters: ['^lm_head'] — training a chosen subset"),
-    ({"plugins": ["axolotl.integrations.diffusion.DiffusionPlugin"]}, "plugins: 'axolotl.integrations.diffusion"),
-    ({"model_type": "AutoModelForSequenceClassification"}, "only *ForCausalLM classes can be trained"),
-    ({"shuffle_merged_datasets": False}, "shuffle_merged_datasets: False — this changes which data"),
-    ({"bf16": "full"}, "bf16: full (pure bf16 weights, no fp32 master copy) is not supported"),
-    ({"save_strategy": "best"}, "save_strategy: best (keep the checkpoint with the best eval metric)"),
-    ({"warmup_steps": 10, "warmup_ratio": 0.1}, "warmup_steps and warmup_ratio are both set: keep one"),
-    ({"fsdp_config": {"fsdp_offload_parms": True}}, "unknown setting fsdp_config.fsdp_offload_parms; did you mean "
-                                                    "'offload_params'?"),
-    ({"datasets": [{"path": "d", "type": "alpaca", "field_chosen": "c"}]}, "datasets[0].field_chosen: 'c' —"),
-    ({"model_typ": "x"}, "unknown setting 'model_typ'; did you mean 'model_type'?"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"rl": "dpo"}, "rl: 'dpo' — preference, reinforcement-learning and reward-model training are not supported"),
+        ({"adapter": "qlora"}, "adapter: qlora (LoRA on 4-bit quantized base weights) is not supported"),
+        ({"load_in_4bit": True}, "load_in_4bit: True — quantized weights"),
+        ({"unfrozen_parameters": ["^lm_head"]}, "unfrozen_parameters: ['^lm_head'] — training a chosen subset"),
+        ({"plugins": ["axolotl.integrations.diffusion.DiffusionPlugin"]}, "plugins: 'axolotl.integrations.diffusion"),
+        ({"model_type": "AutoModelForSequenceClassification"}, "only *ForCausalLM classes can be trained"),
+        ({"shuffle_merged_datasets": False}, "shuffle_merged_datasets: False — this changes which data"),
+        ({"bf16": "full"}, "bf16: full (pure bf16 weights, no fp32 master copy) is not supported"),
+        ({"save_strategy": "best"}, "save_strategy: best (keep the checkpoint with the best eval metric)"),
+        ({"warmup_steps": 10, "warmup_ratio": 0.1}, "warmup_steps and warmup_ratio are both set: keep one"),
+        (
+            {"fsdp_config": {"fsdp_offload_parms": True}},
+            "unknown setting fsdp_config.fsdp_offload_parms; did you mean 'offload_params'?",
+        ),
+        ({"datasets": [{"path": "d", "type": "alpaca", "field_chosen": "c"}]}, "datasets[0].field_chosen: 'c' —"),
+        ({"model_typ": "x"}, "unknown setting 'model_typ'; did you mean 'model_type'?"),
+    ],
+)
 def test_settings_that_change_the_result_are_refused_in_one_line(extra, message):
     errors = read_config({**BASE, **extra}).errors
     assert any(message in line for line in errors), errors
@@ -60,21 +76,49 @@ def test_unrelated_names_get_no_did_you_mean():
 
 
 def test_fsdp_settings_translate_and_the_config_own_setting_wins():
-    cfg = read_config({**BASE, "fsdp": ["full_shard", "auto_wrap"], "fsdp_version": 2, "fsdp_config": {
-        "offload_params": True, "reshard_after_forward": False, "activation_checkpointing": True,
-        "cpu_ram_efficient_loading": True, "state_dict_type": "FULL_STATE_DICT"}}).config
+    cfg = read_config(
+        {
+            **BASE,
+            "fsdp": ["full_shard", "auto_wrap"],
+            "fsdp_version": 2,
+            "fsdp_config": {
+                "offload_params": True,
+                "reshard_after_forward": False,
+                "activation_checkpointing": True,
+                "cpu_ram_efficient_loading": True,
+                "state_dict_type": "FULL_STATE_DICT",
+            },
+        }
+    ).config
     assert (cfg.cpu_offload, cfg.reshard_after_forward, cfg.ac_mode) == (True, False, "full")
-    reading = read_config({**BASE, "cpu_offload": False, "fsdp_config": {"fsdp_offload_params": True,
-                                                                          "fsdp_sharding_strategy": "SHARD_GRAD_OP"}})
+    reading = read_config(
+        {
+            **BASE,
+            "cpu_offload": False,
+            "fsdp_config": {"fsdp_offload_params": True, "fsdp_sharding_strategy": "SHARD_GRAD_OP"},
+        }
+    )
     assert reading.config.cpu_offload is False and reading.config.reshard_after_forward is False
-    assert "fsdp_config.fsdp_offload_params says cpu_offload=True but the config sets cpu_offload=False" in \
-        reading.notes[-1]
+    assert (
+        "fsdp_config.fsdp_offload_params says cpu_offload=True but the config sets cpu_offload=False"
+        in reading.notes[-1]
+    )
 
 
 def test_other_axolotl_spellings_translate():
-    cfg = read_config({**BASE, "ring_attn_func": "batch_ring", "sequence_parallel_degree": 2, "bfloat16": True,
-                       "excess_length_strategy": "raise", "model_config": {"rope_theta": 1e6}, "ddp_timeout": 60,
-                       "model_revision": "v1", "heads_k_stride": 1}).config
+    cfg = read_config(
+        {
+            **BASE,
+            "ring_attn_func": "batch_ring",
+            "sequence_parallel_degree": 2,
+            "bfloat16": True,
+            "excess_length_strategy": "raise",
+            "model_config": {"rope_theta": 1e6},
+            "ddp_timeout": 60,
+            "model_revision": "v1",
+            "heads_k_stride": 1,
+        }
+    ).config
     assert (cfg.cp_comm_strategy, cfg.context_parallel_size, cfg.bf16, cfg.long_rows) == ("ring", 2, True, "error")
     assert cfg.model_config_overrides == {"rope_theta": 1e6} and cfg.process_group_timeout_s == 60
     assert cfg.revision_of_model == "v1"
@@ -90,8 +134,13 @@ def test_every_policy_line_has_a_reason_and_no_name_twice():
 
 def test_axolotl_defaults_and_meanings():
     cfg = read_config(BASE).config
-    assert (cfg.adam_beta2, cfg.clip_norm, cfg.save_total_limit, cfg.sequence_len, cfg.long_rows_policy) == \
-        (0.999, 1.0, 4, 512, "drop")
+    assert (cfg.adam_beta2, cfg.clip_norm, cfg.save_total_limit, cfg.sequence_len, cfg.long_rows_policy) == (
+        0.999,
+        1.0,
+        4,
+        512,
+        "drop",
+    )
     assert read_config({**BASE, "max_grad_norm": 0}).config.clip_norm is None
     assert read_config({**BASE, "max_grad_norm": None}).config.clip_norm == 1.0
 
@@ -126,11 +175,14 @@ def test_saves_and_evals_per_epoch_are_fractions_of_all_steps():
     assert _schedule(max_steps=10, save_strategy="no").save_every is None
 
 
-@pytest.mark.parametrize("kind, factors", [
-    ("constant", [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]),
-    ("constant_with_warmup", [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]),
-    ("linear", [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]),  # decays over the 4 steps after warm-up
-])
+@pytest.mark.parametrize(
+    "kind, factors",
+    [
+        ("constant", [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]),
+        ("constant_with_warmup", [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]),
+        ("linear", [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]),  # decays over the 4 steps after warm-up
+    ],
+)
 def test_lr_schedules(kind, factors):
     s = _schedule(max_steps=6, warmup_steps=2, lr_scheduler=kind)
     assert [s.lr_factor(i) for i in range(6)] == pytest.approx(factors)
@@ -144,13 +196,16 @@ def test_cosine_with_a_floor_and_a_constant_tail():
 
 
 def test_lora_target_modules_as_a_regex_matches_full_module_paths():
-    from ndparallel.lora import LoraSpec, peft_config_dict, target_paths
     from scenarios import make_model
+
+    from ndparallel.lora import LoraSpec, peft_config_dict, target_paths
 
     regex = r".*layers\.1\.self_attn\.(q|v)_proj"
     spec = LoraSpec.from_config(read_config({**BASE, "adapter": "lora", "lora_target_modules": regex}).config)
-    assert target_paths(make_model("llama"), spec) == ["model.layers.1.self_attn.q_proj",
-                                                       "model.layers.1.self_attn.v_proj"]
+    assert target_paths(make_model("llama"), spec) == [
+        "model.layers.1.self_attn.q_proj",
+        "model.layers.1.self_attn.v_proj",
+    ]
     assert peft_config_dict(spec, None)["target_modules"] == regex
     (error,) = read_config({**BASE, "adapter": "lora", "lora_target_modules": "(q_proj"}).errors
     assert error.startswith("lora_target_modules: '(q_proj' is not a valid regular expression")

@@ -3,8 +3,9 @@ and data files; one download per node; the added-token vocabulary growth; the 8-
 
 import pytest
 import torch
-
 from hub_cache import add_dataset, add_model, alpaca_records, chat_records, family_tokenizer
+from scenarios import make_model
+
 from ndparallel import hub
 from ndparallel.config import read_config
 from ndparallel.data import DatasetSpec, read_records, tokenize_records
@@ -13,7 +14,6 @@ from ndparallel.errors import ConfigError, DataError, ModelError, NdParallelErro
 from ndparallel.models.build import model_config_for
 from ndparallel.run_inputs import build_run_optimizer, load_run_tokenizer
 from ndparallel.vocab import fit_vocab, grow_rows, padded_vocab
-from scenarios import make_model
 
 
 @pytest.fixture
@@ -35,8 +35,11 @@ def test_a_hub_model_id_resolves_from_the_cache(cache, tmp_path):
 
 
 def test_a_missing_hub_model_is_one_line_that_says_how_to_get_it(cache):
-    with pytest.raises(ModelError, match=r"base_model 'org/absent' is not in the Hugging Face cache .* and "
-                                         r"HF_HUB_OFFLINE is set; download it once \(`hf download org/absent`\)"):
+    with pytest.raises(
+        ModelError,
+        match=r"base_model 'org/absent' is not in the Hugging Face cache .* and "
+        r"HF_HUB_OFFLINE is set; download it once \(`hf download org/absent`\)",
+    ):
         hub.model_dir("org/absent")
     add_model(cache, "org/config-only", make_model("llama").config, "llama")
     with pytest.raises(ModelError, match="'org/config-only' is not in the Hugging Face cache"):
@@ -46,10 +49,24 @@ def test_a_missing_hub_model_is_one_line_that_says_how_to_get_it(cache):
 
 def test_only_local_rank_zero_downloads_and_every_rank_gets_its_error():
     calls, barriers = [], []
-    assert hub.on_each_node(lambda download: calls.append(download) or "dir", local_rank=0,
-                            barrier=lambda: barriers.append(1), all_ok=lambda p: p) == "dir"
-    assert hub.on_each_node(lambda download: calls.append(download) or "dir", local_rank=3,
-                            barrier=lambda: barriers.append(1), all_ok=lambda p: p) == "dir"
+    assert (
+        hub.on_each_node(
+            lambda download: calls.append(download) or "dir",
+            local_rank=0,
+            barrier=lambda: barriers.append(1),
+            all_ok=lambda p: p,
+        )
+        == "dir"
+    )
+    assert (
+        hub.on_each_node(
+            lambda download: calls.append(download) or "dir",
+            local_rank=3,
+            barrier=lambda: barriers.append(1),
+            all_ok=lambda p: p,
+        )
+        == "dir"
+    )
     assert calls == [True, False] and barriers == [1, 1]
 
     def failing(download):
@@ -61,9 +78,15 @@ def test_only_local_rank_zero_downloads_and_every_rank_gets_its_error():
 
 def test_config_tokens_and_chat_template_by_name(cache):
     add_model(cache, "org/m", make_model("llama").config, "llama", tokenizer=family_tokenizer("llama"))
-    cfg = read_config({"base_model": "org/m", "datasets": [{"path": "d", "type": "chat_template"}],
-                       "chat_template": "chatml", "special_tokens": {"pad_token": "<|pad2|>"},
-                       "tokens": ["<tool>"]}).config
+    cfg = read_config(
+        {
+            "base_model": "org/m",
+            "datasets": [{"path": "d", "type": "chat_template"}],
+            "chat_template": "chatml",
+            "special_tokens": {"pad_token": "<|pad2|>"},
+            "tokens": ["<tool>"],
+        }
+    ).config
     tokenizer, added = load_run_tokenizer(cfg)
     assert added == ["<|pad2|>", "<tool>"] and tokenizer.pad_token == "<|pad2|>"
     assert tokenizer.chat_template == TEMPLATES["chatml"]
@@ -93,8 +116,9 @@ def _spec(**settings) -> DatasetSpec:
 
 def test_hub_dataset_splits_by_file_names_and_slices(cache):
     records = alpaca_records(40)
-    add_dataset(cache, "org/alpaca", {"data/train-00000.parquet": records[:30],
-                                      "data/test-00000.parquet": records[30:]})
+    add_dataset(
+        cache, "org/alpaca", {"data/train-00000.parquet": records[:30], "data/test-00000.parquet": records[30:]}
+    )
     assert len(list(read_records(_spec(path="org/alpaca")))) == 30
     assert len(list(read_records(_spec(path="org/alpaca", split="test")))) == 10
     tenth = list(read_records(_spec(path="org/alpaca", split="train[:10%]")))
@@ -106,8 +130,10 @@ def test_hub_dataset_splits_by_file_names_and_slices(cache):
 
 
 def test_hub_dataset_card_configs_and_data_files(cache):
-    card = ("---\nconfigs:\n- config_name: small\n  data_files:\n  - split: train\n    path: small/*.jsonl\n"
-            "- config_name: default\n  data_files: big/*.jsonl\n---\n# A card\n")
+    card = (
+        "---\nconfigs:\n- config_name: small\n  data_files:\n  - split: train\n    path: small/*.jsonl\n"
+        "- config_name: default\n  data_files: big/*.jsonl\n---\n# A card\n"
+    )
     add_dataset(cache, "org/cards", {"small/a.jsonl": alpaca_records(3), "big/b.jsonl": alpaca_records(7)}, card)
     assert len(list(read_records(_spec(path="org/cards")))) == 7
     assert len(list(read_records(_spec(path="org/cards", name="small")))) == 3
@@ -118,26 +144,43 @@ def test_hub_dataset_card_configs_and_data_files(cache):
     sink = pyarrow.BufferOutputStream()
     with pyarrow.CompressedOutputStream(sink, "zstd") as out:
         out.write(text)
-    add_dataset(cache, "org/long", {"pretrain/rp_sub.jsonl.zst": sink.getvalue().to_pybytes(),
-                                    "other/x.jsonl": [{"text": "no"}]})
-    docs = read_records(DatasetSpec.from_dict({"path": "org/long", "type": "completion",
-                                               "data_files": ["pretrain/rp_sub.jsonl.zst"]}))
+    add_dataset(
+        cache,
+        "org/long",
+        {"pretrain/rp_sub.jsonl.zst": sink.getvalue().to_pybytes(), "other/x.jsonl": [{"text": "no"}]},
+    )
+    docs = read_records(
+        DatasetSpec.from_dict({"path": "org/long", "type": "completion", "data_files": ["pretrain/rp_sub.jsonl.zst"]})
+    )
     assert [r.text for r in docs] == [f"doc {i}" for i in range(5)]
 
 
 def test_chat_mappings_roles_and_train_on_inputs(cache):
     add_dataset(cache, "org/chat", {"data/train.parquet": chat_records(2)})
     tokenizer = family_tokenizer("qwen3")
-    spec = DatasetSpec.from_dict({"path": "org/chat", "type": "chat_template", "field": "conversations",
-                                  "role_key": "from", "content_key": "value", "chat_template": TEMPLATES["chatml"]})
+    spec = DatasetSpec.from_dict(
+        {
+            "path": "org/chat",
+            "type": "chat_template",
+            "field": "conversations",
+            "role_key": "from",
+            "content_key": "value",
+            "chat_template": TEMPLATES["chatml"],
+        }
+    )
     (first, _) = tokenize_records(read_records(spec), tokenizer, spec)
     text = tokenizer.decode(first.input_ids)
-    assert text == "<|im_start|>user\nQuestion 0: what is 0 plus 0?<|im_end|>\n<|im_start|>assistant\nIt is 0.<|im_end|>\n"
+    assert (
+        text == "<|im_start|>user\nQuestion 0: what is 0 plus 0?<|im_end|>\n<|im_start|>assistant\nIt is 0.<|im_end|>\n"
+    )
     trained = tokenizer.decode([t for t, label in zip(first.input_ids, first.labels) if label != -100])
     assert trained == "It is 0.<|im_end|>\n"
-    every = DatasetSpec.from_dict({**{k: getattr(spec, k) for k in ("path", "type", "field", "role_key",
-                                                                    "content_key", "chat_template")},
-                                   "train_on_inputs": True})
+    every = DatasetSpec.from_dict(
+        {
+            **{k: getattr(spec, k) for k in ("path", "type", "field", "role_key", "content_key", "chat_template")},
+            "train_on_inputs": True,
+        }
+    )
     (first, _) = tokenize_records(read_records(every), tokenizer, every)
     assert all(label != -100 for label in first.labels)
 

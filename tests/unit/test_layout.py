@@ -8,12 +8,12 @@ from ndparallel.layout import Layout
 
 # (sizes, world, expected (dp_replicate, dp_shard, cp, tp)), one comment per row.
 GOOD = [
-    (dict(), 8, (1, 8, 1, 1)),                                   # default: FSDP over every rank
-    (dict(dp_shard_size=-1, tp_size=2), 8, (1, 4, 1, 2)),        # -1 fills what tp leaves
+    (dict(), 8, (1, 8, 1, 1)),  # default: FSDP over every rank
+    (dict(dp_shard_size=-1, tp_size=2), 8, (1, 4, 1, 2)),  # -1 fills what tp leaves
     (dict(dp_replicate_size=2, dp_shard_size=-1, cp_size=2), 8, (2, 2, 2, 1)),
     (dict(dp_replicate_size=2, dp_shard_size=1, tp_size=4), 8, (2, 1, 1, 4)),  # TP with plain replicas
-    (dict(dp_shard_size=1, cp_size=8), 8, (1, 1, 8, 1)),         # CP alone, no FSDP
-    (dict(dp_shard_size=1), 1, (1, 1, 1, 1)),                    # one process
+    (dict(dp_shard_size=1, cp_size=8), 8, (1, 1, 8, 1)),  # CP alone, no FSDP
+    (dict(dp_shard_size=1), 1, (1, 1, 1, 1)),  # one process
     (dict(dp_replicate_size=2, dp_shard_size=2, cp_size=2, tp_size=2), 16, (2, 2, 2, 2)),
 ]
 
@@ -37,8 +37,9 @@ BAD = [
 
 @pytest.mark.parametrize("sizes, world, message", BAD)
 def test_bad_sizes_name_the_setting(sizes, world, message):
-    with pytest.raises(LayoutError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")
-                       .replace("+", r"\+")):
+    with pytest.raises(
+        LayoutError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.").replace("+", r"\+")
+    ):
         ParallelismConfig(**sizes).resolve(world)
 
 
@@ -59,18 +60,22 @@ def test_env_variable_must_be_an_integer(monkeypatch):
         ParallelismConfig()
 
 
-MODEL = LlamaConfig(num_attention_heads=12, num_key_value_heads=4, hidden_size=768, intermediate_size=2000,
-                    vocab_size=32002)
+MODEL = LlamaConfig(
+    num_attention_heads=12, num_key_value_heads=4, hidden_size=768, intermediate_size=2000, vocab_size=32002
+)
 
 
-@pytest.mark.parametrize("layout, problems", [
-    (Layout(tp=4), []),  # the vocabulary need not divide: 32,002 rows split 8,001 x 3 + 7,999
-    (Layout(tp=8), ["attention heads (num_attention_heads=12)", "key/value heads (num_key_value_heads=4)"]),
-    (Layout(tp=3), ["key/value heads (num_key_value_heads=4)", "intermediate size (intermediate_size=2000)"]),
-    (Layout(cp=8, cp_comm_strategy="alltoall"), ["cp_comm_strategy='alltoall' splits attention heads"]),
-    (Layout(cp=2, tp=2, cp_comm_strategy="alltoall"), []),   # 12 heads split 4 ways: fine
-    (Layout(dp_shard=8, cp=2), []),
-])
+@pytest.mark.parametrize(
+    "layout, problems",
+    [
+        (Layout(tp=4), []),  # the vocabulary need not divide: 32,002 rows split 8,001 x 3 + 7,999
+        (Layout(tp=8), ["attention heads (num_attention_heads=12)", "key/value heads (num_key_value_heads=4)"]),
+        (Layout(tp=3), ["key/value heads (num_key_value_heads=4)", "intermediate size (intermediate_size=2000)"]),
+        (Layout(cp=8, cp_comm_strategy="alltoall"), ["cp_comm_strategy='alltoall' splits attention heads"]),
+        (Layout(cp=2, tp=2, cp_comm_strategy="alltoall"), []),  # 12 heads split 4 ways: fine
+        (Layout(dp_shard=8, cp=2), []),
+    ],
+)
 def test_model_problems_are_all_reported(layout, problems):
     found = list(layout.model_problems(MODEL))
     assert len(found) == len(problems), found
@@ -79,8 +84,9 @@ def test_model_problems_are_all_reported(layout, problems):
 
 
 def test_sequence_too_short_for_cp_and_tp():
-    (problem,) = Layout(cp=4, tp=2).model_problems(LlamaConfig(num_attention_heads=8, num_key_value_heads=8,
-                                                               intermediate_size=64, vocab_size=64), seq_len=8)
+    (problem,) = Layout(cp=4, tp=2).model_problems(
+        LlamaConfig(num_attention_heads=8, num_key_value_heads=8, intermediate_size=64, vocab_size=64), seq_len=8
+    )
     assert "sequence_len=8 is shorter than 2 x cp_size x tp_size = 16" in problem
 
 

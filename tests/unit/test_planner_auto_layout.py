@@ -9,8 +9,16 @@ from ndparallel.planner import best_layout
 from ndparallel.train import resolve_layout
 
 BASE = {"model_shape": "tiny", "datasets": [{"path": "data.jsonl", "type": "completion"}], "sequence_len": 64}
-TINY = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=8, num_key_value_heads=4, head_dim=8, max_position_embeddings=64)
+TINY = LlamaConfig(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=8,
+    max_position_embeddings=64,
+)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])

@@ -23,44 +23,110 @@ def test_table_and_exit_code(capsys):
     lines = out.splitlines()
     assert lines[0].startswith("llama-8b: 8.03B parameters on 2 x 8 NVIDIA H100 SXM 80GB (79.1 GiB), 8 rows x 131072")
     assert lines[1].startswith("kernel speeds: fractions of the datasheet peaks measured on our H200")
-    assert lines[2].startswith("no --gpu given: assuming h100-sxm")   # the default is said, not silent
+    assert lines[2].startswith("no --gpu given: assuming h100-sxm")  # the default is said, not silent
     assert "tok/s/GPU" in out and "#1:" in out
 
 
 def test_gpu_preset_overrides_and_one_layout(capsys):
-    code, out, _ = run(["--model", "8b", "--gpu", "h200", "--layout", "1,8,1,1", "--seq-len", "8192",
-                        "--global-batch", "16", "--micro-batch-sizes", "2", "--activation-checkpointing", "selective",
-                        "--compile", "--fp8", "--json"], capsys)
+    code, out, _ = run(
+        [
+            "--model",
+            "8b",
+            "--gpu",
+            "h200",
+            "--layout",
+            "1,8,1,1",
+            "--seq-len",
+            "8192",
+            "--global-batch",
+            "16",
+            "--micro-batch-sizes",
+            "2",
+            "--activation-checkpointing",
+            "selective",
+            "--compile",
+            "--fp8",
+            "--json",
+        ],
+        capsys,
+    )
     rows = json.loads(out)
     assert code == 0 and len(rows) == 1 and rows[0]["layout"]["dp_shard"] == 8 and rows[0]["fits"]
-    code, out, _ = run(["--model", "8b", "--gpu", "a100-40gb", "--memory-gib", "60", "--seq-len", "4096",
-                        "--global-batch", "8", "--top", "1"], capsys)
+    code, out, _ = run(
+        [
+            "--model",
+            "8b",
+            "--gpu",
+            "a100-40gb",
+            "--memory-gib",
+            "60",
+            "--seq-len",
+            "4096",
+            "--global-batch",
+            "8",
+            "--top",
+            "1",
+        ],
+        capsys,
+    )
     assert "NVIDIA A100 SXM 40GB (60 GiB)" in out.splitlines()[0]
-    assert "not a Hopper GPU" in out        # H200 fractions applied to another architecture: said so
+    assert "not a Hopper GPU" in out  # H200 fractions applied to another architecture: said so
 
 
 def test_compile_fp8_and_sync_modes_change_the_estimate(capsys):
-    base = ["--model", "llama-8b", "--gpu", "h100-sxm", "--layout", "2,4,1,1", "--seq-len", "4096",
-            "--global-batch", "64", "--micro-batch-sizes", "2", "--activation-checkpointing", "full", "--json"]
+    base = [
+        "--model",
+        "llama-8b",
+        "--gpu",
+        "h100-sxm",
+        "--layout",
+        "2,4,1,1",
+        "--seq-len",
+        "4096",
+        "--global-batch",
+        "64",
+        "--micro-batch-sizes",
+        "2",
+        "--activation-checkpointing",
+        "full",
+        "--json",
+    ]
+
     def best(*extra):
         _, out, _ = run(base + list(extra), capsys)
         return json.loads(out)[0]
+
     plain, compiled, fp8 = best(), best("--compile"), best("--compile", "--fp8")
     assert plain["tokens_per_s_per_gpu"] < compiled["tokens_per_s_per_gpu"] < fp8["tokens_per_s_per_gpu"]
     sharded, unsharded = best("--gradient-sync", "every_micro_batch"), best("--gradient-sync", "last_micro_batch")
     assert sharded["accumulation"] == unsharded["accumulation"] == 4
     assert unsharded["memory_bytes"]["accumulated_grads"] > 0 == sharded["memory_bytes"]["accumulated_grads"]
-    assert sharded["comm"]["fsdp"]["bytes"] > unsharded["comm"]["fsdp"]["bytes"]    # reduce-scatter x 4
+    assert sharded["comm"]["fsdp"]["bytes"] > unsharded["comm"]["fsdp"]["bytes"]  # reduce-scatter x 4
     assert sharded["comm"]["dp_replicate"]["bytes"] == unsharded["comm"]["dp_replicate"]["bytes"]  # once
 
 
 def test_json_output_parses(capsys):
-    code, out, _ = run(["--model", "tiny", "--gpus-per-node", "4", "--seq-len", "64", "--global-batch", "8",
-                        "--activation-checkpointing", "none", "--json"], capsys)
+    code, out, _ = run(
+        [
+            "--model",
+            "tiny",
+            "--gpus-per-node",
+            "4",
+            "--seq-len",
+            "64",
+            "--global-batch",
+            "8",
+            "--activation-checkpointing",
+            "none",
+            "--json",
+        ],
+        capsys,
+    )
     rows = json.loads(out)
     assert code == 0 and rows and all(r["activation_checkpointing"] == "none" for r in rows)
-    assert {r["layout"]["dp_replicate"] * r["layout"]["dp_shard"] * r["layout"]["cp"] * r["layout"]["tp"]
-            for r in rows} == {4}
+    assert {
+        r["layout"]["dp_replicate"] * r["layout"]["dp_shard"] * r["layout"]["cp"] * r["layout"]["tp"] for r in rows
+    } == {4}
 
 
 def test_nothing_fits_exits_1(capsys):
@@ -68,16 +134,21 @@ def test_nothing_fits_exits_1(capsys):
     assert code == 1 and "does not fit: needs" in out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "nope", "--seq-len", "64"], "model='nope' is not a preset"),
-    (["--model", "tiny", "--seq-len", "0"], "seq_len=0 must be"),
-    (["--model", "{\"hidden\": 64", "--seq-len", "64"], "inline JSON does not parse"),
-    (["--model", "tiny", "--seq-len", "64", "--memory-gib", "-1"], "memory_gib=-1.0 must be > 0"),
-    (["--model", "tiny", "--seq-len", "64", "--layout", "1,2,1,1"],
-     "--layout 1,2,1,1 uses 2 GPUs but the cluster has 8"),
-    (["--model", "tiny", "--seq-len", "64", "--gpu", "a100-80gb", "--fp8"], "has no fp8 tensor cores"),
-    (["--model", "tiny", "--seq-len", "64", "--precision", "fp32", "--fp8"], "fp8 matmuls need precision='bf16'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "nope", "--seq-len", "64"], "model='nope' is not a preset"),
+        (["--model", "tiny", "--seq-len", "0"], "seq_len=0 must be"),
+        (["--model", '{"hidden": 64', "--seq-len", "64"], "inline JSON does not parse"),
+        (["--model", "tiny", "--seq-len", "64", "--memory-gib", "-1"], "memory_gib=-1.0 must be > 0"),
+        (
+            ["--model", "tiny", "--seq-len", "64", "--layout", "1,2,1,1"],
+            "--layout 1,2,1,1 uses 2 GPUs but the cluster has 8",
+        ),
+        (["--model", "tiny", "--seq-len", "64", "--gpu", "a100-80gb", "--fp8"], "has no fp8 tensor cores"),
+        (["--model", "tiny", "--seq-len", "64", "--precision", "fp32", "--fp8"], "fp8 matmuls need precision='bf16'"),
+    ],
+)
 def test_bad_settings_exit_2_with_one_line(argv, message, capsys):
     code, _, err = run(argv, capsys)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
@@ -86,8 +157,9 @@ def test_bad_settings_exit_2_with_one_line(argv, message, capsys):
 def test_presets_have_the_published_sizes_under_both_names():
     names = ("llama-1b", "llama-3b", "llama-8b", "llama-70b", "llama-405b")
     sizes = {name: PRESETS[name].params / 1e9 for name in names}
-    assert sizes == pytest.approx({"llama-1b": 1.236, "llama-3b": 3.213, "llama-8b": 8.030, "llama-70b": 70.554,
-                                   "llama-405b": 405.853}, abs=2e-3)
+    assert sizes == pytest.approx(
+        {"llama-1b": 1.236, "llama-3b": 3.213, "llama-8b": 8.030, "llama-70b": 70.554, "llama-405b": 405.853}, abs=2e-3
+    )
     assert load_model_shape("8b") == load_model_shape("llama-8b") == load_model_shape("LLAMA-8B") == PRESETS["llama-8b"]
 
 
@@ -104,18 +176,35 @@ def test_one_preset_table_for_model_shape_and_the_planner():
 def test_model_from_hf_directory_inline_json_and_config_object(tmp_path):
     from transformers import Qwen3Config
 
-    cfg = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-           "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": False}
+    cfg = {
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": False,
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     from_dir = load_model_shape(str(tmp_path))
     assert from_dir.params == PRESETS["llama-8b"].params and from_dir.head_dim == 128
     assert load_model_shape(json.dumps(cfg)).params == from_dir.params
     own = load_model_shape(json.dumps(PRESETS["tiny"].to_dict()))
     assert own == PRESETS["tiny"]
-    qwen = ModelShape.from_hf_config(Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=128,
-                                                 num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
-                                                 head_dim=16))
+    qwen = ModelShape.from_hf_config(
+        Qwen3Config(
+            vocab_size=1000,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=16,
+        )
+    )
     assert qwen.qk_norm and qwen.head_dim == 16 and qwen.q_dim == 128
     with pytest.raises(ConfigError, match="model config lacks hidden_size"):
-        ModelShape.from_hf_config({"vocab_size": 10, "num_hidden_layers": 1, "num_attention_heads": 1,
-                                   "intermediate_size": 4})
+        ModelShape.from_hf_config(
+            {"vocab_size": 10, "num_hidden_layers": 1, "num_attention_heads": 1, "intermediate_size": 4}
+        )

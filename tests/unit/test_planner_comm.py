@@ -17,8 +17,9 @@ CLUSTER = Cluster(nodes=1, gpus_per_node=8)
 
 
 def comm(layout, mode="none", m=1, sync="every_micro_batch", b=1):
-    return comm_per_step(M, layout, WORK, CLUSTER, micro_batch=b, accumulation=m, activation_checkpointing=mode,
-                         gradient_sync=sync)
+    return comm_per_step(
+        M, layout, WORK, CLUSTER, micro_batch=b, accumulation=m, activation_checkpointing=mode, gradient_sync=sync
+    )
 
 
 def test_model_counts():
@@ -41,8 +42,8 @@ def test_fsdp_and_hsdp_by_hand():
     assert unsharded.bytes == pytest.approx(2 * c.bytes - 4 * 500_500 * 0.75)
     assert unsharded.last_only_s == pytest.approx(4 * 500_500 * 0.75 / (0.8 * 450e9) + 5 * 15e-6)
     hsdp = comm(Layout(dp_replicate=2, dp_shard=4))["dp_replicate"]
-    assert hsdp.bytes == pytest.approx(4 * 500_500 / 4 * 2 * 0.5)   # all-reduce of the fp32 shard
-    for sync in ("every_micro_batch", "last_micro_batch"):   # replicas all-reduce once per step, on the last one
+    assert hsdp.bytes == pytest.approx(4 * 500_500 / 4 * 2 * 0.5)  # all-reduce of the fp32 shard
+    for sync in ("every_micro_batch", "last_micro_batch"):  # replicas all-reduce once per step, on the last one
         rep = comm(Layout(dp_replicate=2, dp_shard=4), m=4, sync=sync)["dp_replicate"]
         assert rep.bytes == pytest.approx(hsdp.bytes) and rep.last_only_s == pytest.approx(rep.seconds)
 
@@ -56,12 +57,15 @@ def test_tp_by_hand():
     assert recomputed.bytes - c.bytes == pytest.approx(4 * 2 * 2 * 1000 * 100 * 0.5)
 
 
-@pytest.mark.parametrize("method, per_layer", [
-    # local K+V: 2 bytes x 2 x 50 wide x 500 tokens = 100,000 (kvb)
-    ("allgather", 2 * 100_000),                      # all-gather forward, reduce-scatter backward
-    ("ring", 2 * 100_000 + 2 * 100_000 * 2),         # K/V each way + two fp32 dK/dV hops
-    ("alltoall", 2 * 500 * (200 + 100) * 0.5 * 2),   # q, k, v, out each way; 2 kv heads split over cp 2
-])
+@pytest.mark.parametrize(
+    "method, per_layer",
+    [
+        # local K+V: 2 bytes x 2 x 50 wide x 500 tokens = 100,000 (kvb)
+        ("allgather", 2 * 100_000),  # all-gather forward, reduce-scatter backward
+        ("ring", 2 * 100_000 + 2 * 100_000 * 2),  # K/V each way + two fp32 dK/dV hops
+        ("alltoall", 2 * 500 * (200 + 100) * 0.5 * 2),  # q, k, v, out each way; 2 kv heads split over cp 2
+    ],
+)
 def test_cp_by_hand(method, per_layer):
     c = comm(Layout(cp=2, cp_comm_strategy=method))["cp"]
     assert c.bytes == pytest.approx(2 * per_layer)
@@ -71,13 +75,16 @@ def test_axes_of_size_one_send_nothing():
     assert comm(Layout()) == {}
 
 
-@pytest.mark.parametrize("layout, crossing", [
-    (Layout(dp_replicate=2, dp_shard=8), {"dp_replicate"}),       # HSDP: replicas on different nodes
-    (Layout(dp_shard=16), {"fsdp"}),
-    (Layout(dp_shard=8, tp=2), {"fsdp"}),                         # tp innermost: pairs inside a node
-    (Layout(cp=8, tp=2), {"cp", "fsdp"}),                         # cp strides over 2, spans 16 ranks
-    (Layout(dp_replicate=2, cp=4, tp=2), {"dp_replicate"}),
-])
+@pytest.mark.parametrize(
+    "layout, crossing",
+    [
+        (Layout(dp_replicate=2, dp_shard=8), {"dp_replicate"}),  # HSDP: replicas on different nodes
+        (Layout(dp_shard=16), {"fsdp"}),
+        (Layout(dp_shard=8, tp=2), {"fsdp"}),  # tp innermost: pairs inside a node
+        (Layout(cp=8, tp=2), {"cp", "fsdp"}),  # cp strides over 2, spans 16 ranks
+        (Layout(dp_replicate=2, cp=4, tp=2), {"dp_replicate"}),
+    ],
+)
 def test_which_axes_cross_nodes_on_two_nodes_of_eight(layout, crossing):
     got = groups_cross_nodes(layout, 8)
     assert {axis for axis, crosses in got.items() if crosses} == crossing
@@ -87,12 +94,13 @@ def test_network_bandwidth_by_how_an_axis_talks():
     two = Cluster(nodes=2, gpus_per_node=8)
     assert group_placement(Layout(dp_shard=16), 8)["fsdp"] == (True, 8)
     assert group_placement(Layout(dp_replicate=2, dp_shard=8), 8)["dp_replicate"] == (True, 1)
-    assert two.link_gbps(True, 8) == 400 and two.link_gbps(True, 1) == 50       # one ring per NIC
-    assert two.link_gbps(True, 8, "p2p", 16) == 50                             # a ring waits on one NIC
+    assert two.link_gbps(True, 8) == 400 and two.link_gbps(True, 1) == 50  # one ring per NIC
+    assert two.link_gbps(True, 8, "p2p", 16) == 50  # a ring waits on one NIC
     assert two.link_gbps(True, 8, "alltoall", 16) == pytest.approx(50 * 15 / 8)  # 8 of 15 peers elsewhere
     assert two.link_gbps(False, 8) == 450
-    fsdp = comm_per_step(M, Layout(dp_shard=16), WORK, two, micro_batch=1, accumulation=1,
-                         activation_checkpointing="none")["fsdp"]
+    fsdp = comm_per_step(
+        M, Layout(dp_shard=16), WORK, two, micro_batch=1, accumulation=1, activation_checkpointing="none"
+    )["fsdp"]
     assert fsdp.crosses_nodes and fsdp.per_node == 8
     assert fsdp.seconds == pytest.approx(fsdp.bytes / (0.8 * 400e9) + fsdp.collectives * 40e-6)
 
@@ -102,11 +110,11 @@ def test_flops_six_n_plus_causal_attention_and_packed_documents():
     work = Workload(seq_len=8192, global_batch_rows=1)
     total, attn = step_flops(model, Layout(), work, "none")
     n = model.matmul_params()
-    assert attn == 3 * 4 * 4096 * 32 * 8192 * 8193 / 2                # causal: S(S+1)/2 pairs per row
+    assert attn == 3 * 4 * 4096 * 32 * 8192 * 8193 / 2  # causal: S(S+1)/2 pairs per row
     assert total == pytest.approx(8192 * 6 * n + attn)
-    for method in ("allgather", "ring", "alltoall"):                  # every CP method skips the hidden half
+    for method in ("allgather", "ring", "alltoall"):  # every CP method skips the hidden half
         assert step_flops(model, Layout(cp=2, cp_comm_strategy=method), work, "none")[1] == attn
     full, _ = step_flops(model, Layout(), work, "full")
-    assert full - total == pytest.approx(8192 * 2 * n + attn / 3)     # one more forward
+    assert full - total == pytest.approx(8192 * 2 * n + attn / 3)  # one more forward
     packed = Workload(seq_len=8192, global_batch_rows=1, doc_len=1024)
     assert step_flops(model, Layout(), packed, "none")[1] == pytest.approx(attn * 1025 / 8193)

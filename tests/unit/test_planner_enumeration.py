@@ -26,7 +26,7 @@ def brute_force(model: ModelShape, world: int, seq: int) -> set[tuple]:
         multiple = 2 * c * t if c > 1 else t
         if seq < multiple or seq % multiple:
             continue
-        for method in (CP_METHODS if c > 1 else ("allgather",)):
+        for method in CP_METHODS if c > 1 else ("allgather",):
             if method == "alltoall" and model.heads % (c * t):
                 continue
             out.add((r, s, c, t, method))
@@ -34,11 +34,15 @@ def brute_force(model: ModelShape, world: int, seq: int) -> set[tuple]:
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8, 12, 16, 24])
-@pytest.mark.parametrize("model, seq", [(PRESETS["llama-8b"], 8192), (PRESETS["llama-3b"], 131072),
-                                        (PRESETS["tiny"], 64), (ODD, 96), (ODD, 30)])
+@pytest.mark.parametrize(
+    "model, seq",
+    [(PRESETS["llama-8b"], 8192), (PRESETS["llama-3b"], 131072), (PRESETS["tiny"], 64), (ODD, 96), (ODD, 30)],
+)
 def test_every_valid_layout_and_no_invalid_one(model, seq, world):
-    got = [(lay.dp_replicate, lay.dp_shard, lay.cp, lay.tp, lay.cp_comm_strategy)
-           for lay in valid_layouts(model, world, seq)]
+    got = [
+        (lay.dp_replicate, lay.dp_shard, lay.cp, lay.tp, lay.cp_comm_strategy)
+        for lay in valid_layouts(model, world, seq)
+    ]
     assert len(got) == len(set(got)), "a layout is listed twice"
     assert set(got) == brute_force(model, world, seq)
 

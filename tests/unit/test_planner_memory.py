@@ -4,8 +4,15 @@ import pytest
 
 from ndparallel.layout import Layout
 from ndparallel.planner.activations import activation_bytes, layer_full, layer_none, layer_selective, loss_peak
-from ndparallel.planner.memory import (GPU_WORKSPACE_BYTES, MOMENTS, estimate_memory, local_params, lora_params,
-                                       memory_moments, reduce_bytes)
+from ndparallel.planner.memory import (
+    GPU_WORKSPACE_BYTES,
+    MOMENTS,
+    estimate_memory,
+    local_params,
+    lora_params,
+    memory_moments,
+    reduce_bytes,
+)
 from ndparallel.planner.shapes import PRESETS
 from ndparallel.planner.workload import Workload
 
@@ -22,9 +29,9 @@ def test_llama_8b_parameter_and_state_totals():
     p = L8B.params
     assert abs(p - 8.03e9) / 8.03e9 < 1e-3
     one = _step(L8B, Layout(), Workload(seq_len=SEQ, global_batch_rows=1))
-    assert round(one.master_params / 1e9, 1) == 32.1      # fp32 master weights
-    assert round(one.grads / 1e9, 1) == 32.1              # fp32 gradients
-    assert round(one.optimizer / 1e9, 1) == 64.2          # AdamW: two fp32 states
+    assert round(one.master_params / 1e9, 1) == 32.1  # fp32 master weights
+    assert round(one.grads / 1e9, 1) == 32.1  # fp32 gradients
+    assert round(one.optimizer / 1e9, 1) == 64.2  # AdamW: two fp32 states
     assert one.allocated == 16 * p + GPU_WORKSPACE_BYTES  # nothing else is alive at the optimizer step
 
 
@@ -50,11 +57,14 @@ def test_sharding_divides_by_tp_dp_shard_and_cp_but_not_dp_replicate():
 #   none, cp 2 ring (per local token): 12h+8 + 4h + 6q+4kv+4n + 8i = 209,032
 #   selective:      2h + 2(q+2kv) + 4h + 4i + 2q+4n             = 102,528
 #   full:           2h                                          = 8,192
-@pytest.mark.parametrize("layout, tokens, per_token", [
-    (Layout(), SEQ, 200_840),
-    (Layout(tp=2), SEQ, 108_612),
-    (Layout(cp=2, cp_comm_strategy="ring"), SEQ // 2, 209_032),
-])
+@pytest.mark.parametrize(
+    "layout, tokens, per_token",
+    [
+        (Layout(), SEQ, 200_840),
+        (Layout(tp=2), SEQ, 108_612),
+        (Layout(cp=2, cp_comm_strategy="ring"), SEQ // 2, 209_032),
+    ],
+)
 def test_layer_activations_by_hand(layout, tokens, per_token):
     assert layer_none(L8B, layout, SEQ, 1, 2) == tokens * per_token
 
@@ -82,8 +92,9 @@ def test_loss_peak_is_the_logits_their_gradient_and_float32_chunk_temporaries():
     # logits + their gradient (2 + 2 B per element); three float32 copies of one 2048-row chunk at once in
     # _chunk_grad (the upcast chunk, x - lse, its exp: 12 B per chunk element); 22 B per token, 4 per chunk row.
     assert loss_peak(L8B, Layout(), SEQ, 1, 2) == SEQ * v * 4 + 12 * 2048 * v + 22 * SEQ + 4 * 2048
-    assert loss_peak(L8B, Layout(tp=2, cp=2), SEQ, 2, 2) == (8192 * (v / 2) * 4 + 12 * 2048 * (v / 2) + 22 * 8192
-                                                              + 4 * 2048)
+    assert loss_peak(L8B, Layout(tp=2, cp=2), SEQ, 2, 2) == (
+        8192 * (v / 2) * 4 + 12 * 2048 * (v / 2) + 22 * 8192 + 4 * 2048
+    )
     # fp32: the upcast is a no-op, two temporaries
     assert loss_peak(L8B, Layout(), SEQ, 1, 4) == SEQ * v * 8 + 8 * 2048 * v + 22 * SEQ + 4 * 2048
     # fewer rows than a chunk: the chunk is the whole micro-batch
@@ -128,7 +139,8 @@ def test_world_1_keeps_every_bf16_copy_and_reduces_through_three_fp32_buffers():
     assert reduce_bytes(1000, 8) == 4_000 + 500
     # tp 2 alone is still one FSDP rank
     assert memory_moments(l1b, Layout(tp=2), work)["loss"].working_params == pytest.approx(
-        2 * (l1b.split_params() / 2 + l1b.replicated_params()))
+        2 * (l1b.split_params() / 2 + l1b.replicated_params())
+    )
 
 
 def test_3b_full_checkpointing_peaks_at_the_end_of_backward_by_hand():
@@ -182,7 +194,7 @@ def test_lora_keeps_no_gradients_or_optimizer_state_for_the_base():
     # the frozen base stays fp32, as models.build.materialize makes it
     assert lora.master_params == pytest.approx(4 * local_params(L8B, lay) + 4 * adapters / 8)
     static = lambda m: m.master_params + m.grads + m.optimizer  # noqa: E731
-    assert static(lora) < static(full) / 3.9   # 4 bytes per base parameter instead of 16
+    assert static(lora) < static(full) / 3.9  # 4 bytes per base parameter instead of 16
 
 
 def test_lora_activations_drop_the_frozen_norms_copies_and_add_the_adapters():

@@ -29,7 +29,7 @@ def mb(work=None, layout=Layout(), rows=1, ac="none", model=M):
 def test_matmuls_are_compute_or_memory_bound():
     rate = 989e12 * H200_EFFICIENCY.matmul
     assert H100.gemm_s(8192, 8192, 8192) == pytest.approx(2 * 8192**3 / rate)
-    thin = H100.gemm_s(8192, 64, 8192)              # a tp slice of a key projection: reading x dominates
+    thin = H100.gemm_s(8192, 64, 8192)  # a tp slice of a key projection: reading x dominates
     assert thin > 2 * 8192 * 64 * 8192 / rate
     assert thin == pytest.approx((2 * (8192 * 8192 + 8192 * 64) + 2 * 8192 * 64) / (3350e9 * H200_EFFICIENCY.stream))
     assert H100.gemm_s(8192, 8192, 8192, "fp8") < H100.gemm_s(8192, 8192, 8192)
@@ -42,8 +42,9 @@ def test_attention_runs_at_half_rate_at_half_rows_and_blocks_use_their_own_kerne
     assert H100.attention_s(1e12, 128, H200_EFFICIENCY.attention_half_rows, backward=False) == pytest.approx(2 * long)
     slow = dataclasses.replace(H200_EFFICIENCY, block_attention={128: (0.2, 0.1)})
     rates = Rates(GPUS["h100-sxm"], slow)
-    assert rates.attention_s(1e12, 128, 4096, backward=True, blocks=True) > rates.attention_s(1e12, 128, 4096,
-                                                                                               backward=True)
+    assert rates.attention_s(1e12, 128, 4096, backward=True, blocks=True) > rates.attention_s(
+        1e12, 128, 4096, backward=True
+    )
     assert Efficiency.from_dict(json.loads(json.dumps(slow.to_dict()))) == slow
 
 
@@ -53,7 +54,7 @@ def test_linear_time_is_the_sum_of_its_products():
     per_layer = sum(H100.gemm_s(n, o, k) + H100.gemm_s(n, k, o) + H100.gemm_s(k, o, n) for k, o in shapes)
     head = 3 * H100.gemm_s(n, 1000, 256)
     assert linear_s(mb(), H100) == pytest.approx(2 * per_layer + head)
-    full = linear_s(mb(ac="full"), H100) - linear_s(mb(), H100)            # one more forward per layer
+    full = linear_s(mb(ac="full"), H100) - linear_s(mb(), H100)  # one more forward per layer
     assert full == pytest.approx(2 * sum(H100.gemm_s(n, o, k) for k, o in shapes))
     lora = Workload(seq_len=4096, global_batch_rows=1, lora_rank=8)
     big = PRESETS["llama-8b"]
@@ -63,9 +64,9 @@ def test_linear_time_is_the_sum_of_its_products():
 def test_packed_documents_cp_and_compile():
     whole = attention_s(mb(), H100)
     packed = attention_s(mb(Workload(seq_len=4096, global_batch_rows=1, doc_len=512)), H100)
-    assert whole * 513 / 4097 < packed < whole / 2                          # 1/8 of the pairs, slower short rows
+    assert whole * 513 / 4097 < packed < whole / 2  # 1/8 of the pairs, slower short rows
     ring = attention_s(mb(layout=Layout(cp=2, cp_comm_strategy="ring")), H100)
-    assert ring < whole                                                      # each rank: half the pairs
+    assert ring < whole  # each rank: half the pairs
     eager, compiled = (Workload(seq_len=4096, global_batch_rows=1, compile=c) for c in (False, True))
     assert pointwise_s(mb(compiled), H100) == pytest.approx(pointwise_s(mb(eager), H100) * 0.5, rel=0.05)
     assert loss_s(mb(compiled), H100) == pytest.approx(loss_s(mb(eager), H100) * 10 / 78)
@@ -82,9 +83,11 @@ def test_deferred_reductions_hide_behind_the_last_micro_batch_only():
 
 def test_fp8_and_compile_speed_up_an_8b_step():
     def tps(**kw):
-        work = Workload(seq_len=8192, global_batch_rows=16, micro_batch_sizes=(2,), activation_checkpointing="full",
-                        **kw)
+        work = Workload(
+            seq_len=8192, global_batch_rows=16, micro_batch_sizes=(2,), activation_checkpointing="full", **kw
+        )
         return plan("llama-8b", Cluster(gpus_per_node=8), work, constraints={"dp_shard": 8})[0].tokens_per_s_per_gpu
+
     eager, compiled, fp8 = tps(), tps(compile=True), tps(compile=True, fp8=True)
     assert eager < compiled < fp8 < 1.6 * compiled
 
@@ -113,8 +116,14 @@ def test_our_h200_throughputs_are_reproduced_within_ten_percent():
     assert len(rows) >= 17
     worst = 0.0
     for (shape, seq, b, ac, compiled, lora), measured in sorted(rows.items()):
-        work = Workload(seq_len=seq, global_batch_rows=b, micro_batch_sizes=(b,), activation_checkpointing=ac,
-                        compile=compiled, lora_rank=16 if lora else None)
+        work = Workload(
+            seq_len=seq,
+            global_batch_rows=b,
+            micro_batch_sizes=(b,),
+            activation_checkpointing=ac,
+            compile=compiled,
+            lora_rank=16 if lora else None,
+        )
         cluster = Cluster(nodes=1, gpus_per_node=1, gpu=GPUS["h200"])
         predicted = plan(PRESETS[f"llama-{shape}"], cluster, work)[0].tokens_per_s_per_gpu
         error = predicted / measured - 1

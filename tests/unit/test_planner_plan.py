@@ -6,7 +6,6 @@ import json
 import pytest
 
 from ndparallel import ConfigError
-
 from ndparallel.planner import Cluster, PlanRow, Workload, best_layout, format_table, plan, to_json
 from ndparallel.planner.candidates import layout_problems
 from ndparallel.planner.hardware import groups_cross_nodes
@@ -15,8 +14,11 @@ from ndparallel.planner.shapes import PRESETS
 
 @functools.lru_cache(maxsize=None)
 def llama8b(nodes: int, seq: int):
-    return plan("llama-8b", Cluster(nodes=nodes, gpus_per_node=8, device_memory_gib=80),
-                Workload(seq_len=seq, global_batch_tokens=1 << 20))
+    return plan(
+        "llama-8b",
+        Cluster(nodes=nodes, gpus_per_node=8, device_memory_gib=80),
+        Workload(seq_len=seq, global_batch_tokens=1 << 20),
+    )
 
 
 CASES = [(1, 8192), (2, 8192), (1, 131072), (2, 131072)]
@@ -26,7 +28,7 @@ CASES = [(1, 8192), (2, 8192), (1, 131072), (2, 131072)]
 def test_rows_are_ranked_fitting_first_and_all_have_reasons(nodes, seq):
     rows = llama8b(nodes, seq)
     fits = [r.fits for r in rows]
-    assert fits[0] and fits == sorted(fits, reverse=True)       # every fitting row before the others
+    assert fits[0] and fits == sorted(fits, reverse=True)  # every fitting row before the others
     for row in rows:
         assert row.reasons and all(isinstance(x, str) and x and "\n" not in x for x in row.reasons)
         assert row.reasons[0].startswith(("fits:", "does not fit:", "infeasible:"))
@@ -56,14 +58,21 @@ def test_two_nodes_explain_tp_and_replicas():
     rows = llama8b(2, 131072)
     best = rows[0]
     if best.layout.tp > 1:
-        assert any("kept inside a node (8 GPUs/node)" in r and "split over two nodes they would take" in r
-                   and "the network (" in r for r in best.reasons)
+        assert any(
+            "kept inside a node (8 GPUs/node)" in r
+            and "split over two nodes they would take" in r
+            and "the network (" in r
+            for r in best.reasons
+        )
     # tp never spans nodes among the fitting rows that rank above a layout without tp
     spanning = [r for r in rows if r.layout.tp > 1 and groups_cross_nodes(r.layout, 8)["tp"]]
     assert all(any("spans nodes" in x for x in r.reasons) for r in spanning if r.feasible)
     hsdp = next(r for r in llama8b(2, 8192) if r.layout.shape == (2, 8, 1, 1))
-    assert any(r.startswith("dp_replicate 2 across nodes: one gradient all-reduce per step") and
-               "the network (50 GB/s per GPU)" in r for r in hsdp.reasons)        # one member per node: one NIC
+    assert any(
+        r.startswith("dp_replicate 2 across nodes: one gradient all-reduce per step")
+        and "the network (50 GB/s per GPU)" in r
+        for r in hsdp.reasons
+    )  # one member per node: one NIC
     fsdp = next(r for r in llama8b(2, 8192) if r.layout.shape == (1, 16, 1, 1))
     assert any("spans nodes" in r and "the network (400 GB/s per GPU on 8 NICs per node)" in r for r in fsdp.reasons)
 
@@ -73,8 +82,17 @@ def test_json_round_trips():
     data = json.loads(json.dumps(to_json(rows)))
     assert data == to_json(rows)
     assert [PlanRow.from_dict(d) for d in data] == rows
-    assert set(data[0]) >= {"layout", "micro_batch", "activation_checkpointing", "memory_bytes", "comm",
-                            "step_s", "tokens_per_s_per_gpu", "reasons", "fits"}
+    assert set(data[0]) >= {
+        "layout",
+        "micro_batch",
+        "activation_checkpointing",
+        "memory_bytes",
+        "comm",
+        "step_s",
+        "tokens_per_s_per_gpu",
+        "reasons",
+        "fits",
+    }
 
 
 def test_table_is_aligned_and_shows_reasons():

@@ -5,8 +5,7 @@ import dataclasses
 
 import pytest
 
-from ndparallel.planner import Cluster, Workload, add_plan_arguments, plan, run_plan
-from ndparallel.planner import probe
+from ndparallel.planner import Cluster, Workload, add_plan_arguments, plan, probe, run_plan
 from ndparallel.planner.shapes import PRESETS
 
 TINY = dataclasses.replace(PRESETS["tiny"], kv_heads=4, name="tiny-gqa")
@@ -29,8 +28,11 @@ def test_measure_times_the_kernels_and_caches_them(tmp_path, monkeypatch):
     with pytest.raises(AssertionError, match="must not be measured"):
         probe.measure(TINY, tokens=128, device="cpu", refresh=True)
     # the plan uses what was measured
-    rows = plan(TINY, Cluster(nodes=1, gpus_per_node=1, gpu=spec, efficiency=eff, measured=True),
-                Workload(seq_len=128, global_batch_rows=1, micro_batch_sizes=(1,)))
+    rows = plan(
+        TINY,
+        Cluster(nodes=1, gpus_per_node=1, gpu=spec, efficiency=eff, measured=True),
+        Workload(seq_len=128, global_batch_rows=1, micro_batch_sizes=(1,)),
+    )
     assert rows[0].tokens_per_s_per_gpu > 0
 
 
@@ -38,7 +40,7 @@ def test_half_rows_from_two_rates():
     # rate = 100 * L / (L + 1000): at 8000 and 2000 rows
     r_long, r_short = 100 * 8000 / 9000, 100 * 2000 / 3000
     assert probe._half_rows(r_long, r_short, 8000, 2000) == pytest.approx(1000)
-    assert probe._half_rows(50, 60, 8000, 2000) is None                    # shorter rows faster: no fit
+    assert probe._half_rows(50, 60, 8000, 2000) is None  # shorter rows faster: no fit
 
 
 def test_measure_without_a_gpu_is_one_line(capsys, monkeypatch):

@@ -11,8 +11,19 @@ from ndparallel.oom import oom_message
 from ndparallel.progress import human_count, human_seconds, progress_fields, timing_line
 
 
-@pytest.mark.parametrize("value, text", [(51081.2, "51.1k"), (950, "950"), (999_960, "1M"), (1_234_567, "1.23M"),
-                                         (3.2e9, "3.2G"), (0.1234, "0.123"), (0, "0"), (12.0, "12")])
+@pytest.mark.parametrize(
+    "value, text",
+    [
+        (51081.2, "51.1k"),
+        (950, "950"),
+        (999_960, "1M"),
+        (1_234_567, "1.23M"),
+        (3.2e9, "3.2G"),
+        (0.1234, "0.123"),
+        (0, "0"),
+        (12.0, "12"),
+    ],
+)
 def test_human_count(value, text):
     assert human_count(value) == text
 
@@ -23,24 +34,60 @@ def test_human_seconds(seconds, text):
 
 
 def test_progress_line_is_readable():
-    record = {"step": 30, "loss": 2.34567, "grad_norm": 0.91234, "lr": 3e-4, "tokens_per_s": 51081.2,
-              "tokens_per_s_per_device": 6385.15, "mfu": 0.477, "peak_memory_gib": 31.04, "step_time_s": 0.612,
-              "data_s": 0.002, "fwd_bwd_s": 0.54, "optimizer_s": 0.06, "checkpoint_stall_s": 23.3}
+    record = {
+        "step": 30,
+        "loss": 2.34567,
+        "grad_norm": 0.91234,
+        "lr": 3e-4,
+        "tokens_per_s": 51081.2,
+        "tokens_per_s_per_device": 6385.15,
+        "mfu": 0.477,
+        "peak_memory_gib": 31.04,
+        "step_time_s": 0.612,
+        "data_s": 0.002,
+        "fwd_bwd_s": 0.54,
+        "optimizer_s": 0.06,
+        "checkpoint_stall_s": 23.3,
+    }
     fields = progress_fields(record)
-    assert fields == {"loss": "2.3457", "grad_norm": "0.912", "lr": "3.00e-04", "tokens/s": "51.1k (6.39k/device)",
-                      "mfu": "47.7%", "mem": "31.0 GiB", "step": "612 ms"}
+    assert fields == {
+        "loss": "2.3457",
+        "grad_norm": "0.912",
+        "lr": "3.00e-04",
+        "tokens/s": "51.1k (6.39k/device)",
+        "mfu": "47.7%",
+        "mem": "31.0 GiB",
+        "step": "612 ms",
+    }
     assert timing_line(record) == "data 2 ms, fwd+bwd 540 ms, optimizer 60 ms; checkpoint stall 23.3 s"
 
 
 def test_out_of_memory_line_names_step_layout_and_planner_advice(tmp_path):
-    cfg = parse_config({"model_shape": "8b", "datasets": [{"path": "x.jsonl"}], "sequence_len": 8192,
-                        "micro_batch_size": 4, "dp_shard_size": 8})
+    cfg = parse_config(
+        {
+            "model_shape": "8b",
+            "datasets": [{"path": "x.jsonl"}],
+            "sequence_len": 8192,
+            "micro_batch_size": 4,
+            "dp_shard_size": 8,
+        }
+    )
     config = model_config_for(base_model=None, model_shape="8b", overrides={})
-    line = oom_message(step=12, rank=3, cfg=cfg, model_config=config, layout=Layout(dp_shard=8), used_gib=78.9,
-                       total_gib=79.6, snapshot=Path("/o/logs/memory-snapshot-rank3.pickle"))
+    line = oom_message(
+        step=12,
+        rank=3,
+        cfg=cfg,
+        model_config=config,
+        layout=Layout(dp_shard=8),
+        used_gib=78.9,
+        total_gib=79.6,
+        snapshot=Path("/o/logs/memory-snapshot-rank3.pickle"),
+    )
     assert "\n" not in line
-    assert line.startswith("step 12: CUDA out of memory on rank 3 (78.9 of 79.6 GiB in use) with dp_replicate 1 x "
-                           "dp_shard 8 x cp 1 x tp 1, micro_batch_size 4, sequence_len 8192, "
-                           "activation_checkpointing none. The planner suggests dp_replicate ")
+    assert line.startswith(
+        "step 12: CUDA out of memory on rank 3 (78.9 of 79.6 GiB in use) with dp_replicate 1 x "
+        "dp_shard 8 x cp 1 x tp 1, micro_batch_size 4, sequence_len 8192, "
+        "activation_checkpointing none. The planner suggests dp_replicate "
+    )
     assert "activation_checkpointing=" in line and "set activation_checkpointing: full" in line
     assert line.endswith("; memory snapshot: /o/logs/memory-snapshot-rank3.pickle")

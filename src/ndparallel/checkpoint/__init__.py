@@ -24,7 +24,18 @@ from ndparallel.checkpoint.training import (
 )
 
 __all__ = [
-    "Checkpointer", "Restored", "load_tensors", "open_checkpoint", "ModelState", "OptimizerState",
-    "DataPosition", "TrainState", "checkpoints_dir", "find_resume", "has_checkpoints", "load", "save",
+    "Checkpointer",
+    "Restored",
+    "load_tensors",
+    "open_checkpoint",
+    "ModelState",
+    "OptimizerState",
+    "DataPosition",
+    "TrainState",
+    "checkpoints_dir",
+    "find_resume",
+    "has_checkpoints",
+    "load",
+    "save",
     "trainer_checkpointer",
 ]

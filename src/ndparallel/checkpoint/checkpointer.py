@@ -50,18 +50,25 @@ from ndparallel.errors import CheckpointError
 class _InFlight:
     step: int
     name: str
-    upload: Any                     # Future of the background write
-    staging: Any = None             # Future of the copy to host memory (None: already copied)
+    upload: Any  # Future of the background write
+    staging: Any = None  # Future of the copy to host memory (None: already copied)
     published: threading.Event = field(default_factory=threading.Event)
-    error: str | None = None        # set by the main rank's publication
+    error: str | None = None  # set by the main rank's publication
     hooks: list = field(default_factory=list)
 
 
 class Checkpointer:
     """Checkpoints of named objects under ``root`` (see the module docstring). A collective object."""
 
-    def __init__(self, root: str | Path, *, keep: int | None = None, async_save: bool = False, rng: bool = True,
-                 timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        keep: int | None = None,
+        async_save: bool = False,
+        rng: bool = True,
+        timeout_s: float = 600.0,
+    ) -> None:
         self.root = Path(root)
         self.keep, self.async_save, self.rng = keep, async_save, rng
         self._distributed = dist.is_available() and dist.is_initialized()
@@ -69,8 +76,9 @@ class Checkpointer:
         self.world_size = dist.get_world_size() if self._distributed else 1
         # Checkpoint collectives get their own gloo group: background writes must not share a communicator
         # with training's collectives, and gloo moves the small planning messages on the host.
-        self._group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-                       if self._distributed else None)
+        self._group = (
+            dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if self._distributed else None
+        )
         self._stager = None
         self._in_flight: _InFlight | None = None
         self.last_publish_s: float | None = None
@@ -93,8 +101,14 @@ class Checkpointer:
         return store.latest(self.root)
 
     # -- save ------------------------------------------------------------------------------------
-    def save(self, step: int, states: dict[str, Any], *, meta: dict | None = None,
-             extra_files: Callable[[Path], None] | None = None) -> Path:
+    def save(
+        self,
+        step: int,
+        states: dict[str, Any],
+        *,
+        meta: dict | None = None,
+        extra_files: Callable[[Path], None] | None = None,
+    ) -> Path:
         """Checkpoint ``states`` as of ``step``; returns the directory it is (or will be) published as.
 
         ``meta``: JSON-able facts stored in ``index.json`` (read back by ``load``); ``extra_files(dir)``:
@@ -115,13 +129,24 @@ class Checkpointer:
             skeletons[key], found = codec.split_state(key, obj.state_dict())
             tensors.update(found)
         per_rank = self._differing(skeletons)
-        rank_file = {"format": store.FORMAT_VERSION, "rank": self.rank, "world_size": self.world_size,
-                     "rng": codec.rng_state() if self.rng else None, "states": skeletons}
+        rank_file = {
+            "format": store.FORMAT_VERSION,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "rng": codec.rng_state() if self.rng else None,
+            "states": skeletons,
+        }
         store.write_atomic(partial / "ranks" / f"rank-{self.rank}.json", json.dumps(rank_file))
         if self.is_main and extra_files is not None:
             extra_files(partial)
-        index = {"format": store.FORMAT_VERSION, "step": int(step), "world_size": self.world_size,
-                 "states": list(adapted), "per_rank": per_rank, "meta": meta or {}}
+        index = {
+            "format": store.FORMAT_VERSION,
+            "step": int(step),
+            "world_size": self.world_size,
+            "states": list(adapted),
+            "per_rank": per_rank,
+            "meta": meta or {},
+        }
         writer = dcp.FileSystemWriter(str(partial / "tensors"))
         if self.async_save:
             self._save_in_background(step, name, partial, index, tensors, writer, optimizers_of(adapted))
@@ -144,8 +169,9 @@ class Checkpointer:
             error = loading.describe(exc)
         self._raise_if_any_failed(error, name)
 
-    def _save_in_background(self, step: int, name: str, partial: Path, index: dict, tensors: dict, writer,
-                            optimizers: list) -> None:
+    def _save_in_background(
+        self, step: int, name: str, partial: Path, index: dict, tensors: dict, writer, optimizers: list
+    ) -> None:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         if self._stager is not None and not _compat.dcp_stager_reusable():
@@ -153,10 +179,18 @@ class Checkpointer:
             self._stager = None
         if self._stager is None:  # kept across saves: its host buffers (pinned on CUDA) are reused
             cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                        use_async_staging=True, use_non_blocking_copy=cuda))
-        response = dcp.async_save(tensors, storage_writer=writer, process_group=self._group,
-                                  async_stager=self._stager, no_dist=not self._distributed)
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
+                )
+            )
+        response = dcp.async_save(
+            tensors,
+            storage_writer=writer,
+            process_group=self._group,
+            async_stager=self._stager,
+            no_dist=not self._distributed,
+        )
         staging = getattr(response, "staging_completion", None)
         upload = getattr(response, "upload_completion", response)
         flight = _InFlight(step=step, name=name, upload=upload, staging=staging)
@@ -237,8 +271,15 @@ class Checkpointer:
                 raise CheckpointError(f"no checkpoint to resume from: {str(self.root / 'latest')!r} does not exist")
         else:
             target = Path(path)
-        return loading.load(target, adapt(states), rank=self.rank, world_size=self.world_size, rng=self.rng,
-                            process_group=self._group, distributed=self._distributed)
+        return loading.load(
+            target,
+            adapt(states),
+            rank=self.rank,
+            world_size=self.world_size,
+            rng=self.rng,
+            process_group=self._group,
+            distributed=self._distributed,
+        )
 
     # -- small collectives on the checkpoint group -----------------------------------------------
     def _barrier(self) -> None:
@@ -254,7 +295,7 @@ class Checkpointer:
         sums.append(zlib.crc32(json.dumps(names).encode()))  # the same states on every rank
         both = torch.tensor(sums + [-s for s in sums], dtype=torch.int64)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._group)
-        high, low = both[: len(sums)], -both[len(sums):]
+        high, low = both[: len(sums)], -both[len(sums) :]
         if high[-1] != low[-1]:
             raise CheckpointError("the ranks saved different sets of states; every rank must pass the same names")
         return [n for n, h, lo in zip(names, high.tolist(), low.tolist()) if h != lo]
@@ -266,5 +307,7 @@ class Checkpointer:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
             failed = bool(flag.item())
         if failed:
-            raise CheckpointError(f"saving the checkpoint {name} failed: {error or 'on another rank'}; the previous "
-                                  f"checkpoint and 'latest' are unchanged")
+            raise CheckpointError(
+                f"saving the checkpoint {name} failed: {error or 'on another rank'}; the previous "
+                f"checkpoint and 'latest' are unchanged"
+            )

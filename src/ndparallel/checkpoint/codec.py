@@ -37,8 +37,10 @@ def split_state(prefix: str, value: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     def encode(item: Any, path: str) -> Any:
         if isinstance(item, torch.Tensor):
             if path in tensors:
-                raise CheckpointError(f"two tensors of the state {prefix!r} would be stored as {path!r}; rename one "
-                                      f"of the state dict keys")
+                raise CheckpointError(
+                    f"two tensors of the state {prefix!r} would be stored as {path!r}; rename one "
+                    f"of the state dict keys"
+                )
             tensors[path] = item
             return {TAG: "tensor", "key": path}
         if isinstance(item, Mapping):
@@ -61,8 +63,10 @@ def _plain(item: Any, path: str) -> Any:
         return int(item)
     if isinstance(item, numbers.Real):
         return float(item)
-    raise CheckpointError(f"{path} is a {type(item).__name__}, which a checkpoint does not store: state_dict values "
-                          f"must be tensors, numbers, strings, None, or lists, tuples and dicts of them")
+    raise CheckpointError(
+        f"{path} is a {type(item).__name__}, which a checkpoint does not store: state_dict values "
+        f"must be tensors, numbers, strings, None, or lists, tuples and dicts of them"
+    )
 
 
 def join_state(skeleton: Any, tensors: Mapping[str, torch.Tensor], *, where: str) -> Any:
@@ -82,8 +86,11 @@ def join_state(skeleton: Any, tensors: Mapping[str, torch.Tensor], *, where: str
             return tensors[item["key"]]
         if kind == "tuple" and isinstance(item.get("items"), list):
             return tuple(decode(v) for v in item["items"])
-        if kind == "dict" and isinstance(item.get("items"), list) and all(
-                isinstance(p, list) and len(p) == 2 for p in item["items"]):
+        if (
+            kind == "dict"
+            and isinstance(item.get("items"), list)
+            and all(isinstance(p, list) and len(p) == 2 for p in item["items"])
+        ):
             return {_hashable(k, where): decode(v) for k, v in item["items"]}
         raise CheckpointError(f"{where} holds an entry {str(item)[:80]!r} that ndparallel does not write")
 
@@ -127,8 +134,10 @@ def set_rng_state(states: Any, *, where: str) -> None:
     if not isinstance(states, dict) or not all(isinstance(v, str) for v in states.values()):
         raise CheckpointError(f"{where}: the random generator states are not in the format ndparallel writes")
     try:
-        decoded = {k: torch.frombuffer(bytearray(base64.b64decode(v, validate=True)), dtype=torch.uint8)
-                   for k, v in states.items()}
+        decoded = {
+            k: torch.frombuffer(bytearray(base64.b64decode(v, validate=True)), dtype=torch.uint8)
+            for k, v in states.items()
+        }
         if "cpu" in decoded:
             torch.set_rng_state(decoded["cpu"])
         if "cuda" in decoded and torch.cuda.is_available():
@@ -144,8 +153,10 @@ def read_json(path: Path) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"{str(path)!r} is missing; the checkpoint is incomplete") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{str(path)!r} is not readable JSON ({type(exc).__name__}: {exc}); the file is "
-                              f"damaged or was not written by ndparallel") from None
+        raise CheckpointError(
+            f"{str(path)!r} is not readable JSON ({type(exc).__name__}: {exc}); the file is "
+            f"damaged or was not written by ndparallel"
+        ) from None
     if not isinstance(value, dict):
         raise CheckpointError(f"{str(path)!r} holds a JSON {type(value).__name__}, not the object ndparallel writes")
     return value

@@ -73,12 +73,16 @@ def check_tree(root: Path) -> None:
                 except (OSError, RuntimeError):  # dangling, or a loop
                     target = Path(os.readlink(path))
                 if not target.is_relative_to(top):
-                    raise CheckpointError(f"{str(path)!r} is a symbolic link to {str(target)!r}, outside the "
-                                          f"checkpoint; it was not read. Copy the file into the checkpoint instead")
+                    raise CheckpointError(
+                        f"{str(path)!r} is a symbolic link to {str(target)!r}, outside the "
+                        f"checkpoint; it was not read. Copy the file into the checkpoint instead"
+                    )
             mode = path.stat().st_mode if path.exists() else 0
             if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-                raise CheckpointError(f"{str(path)!r} is not a regular file or directory (a dangling link, FIFO or "
-                                      f"device); a checkpoint holds only files")
+                raise CheckpointError(
+                    f"{str(path)!r} is not a regular file or directory (a dangling link, FIFO or "
+                    f"device); a checkpoint holds only files"
+                )
 
 
 def read_index(tensors_dir: Path) -> Metadata:
@@ -94,12 +98,15 @@ def read_index(tensors_dir: Path) -> Metadata:
                 raise _Refused(f"the pickle opcode {opcode.name}")
         index = _IndexUnpickler(io.BytesIO(data)).load()
     except _Refused as exc:
-        raise CheckpointError(f"{str(path)!r} references {exc}, which a checkpoint index never does; it was not "
-                              f"loaded. Use a checkpoint written by ndparallel") from None
+        raise CheckpointError(
+            f"{str(path)!r} references {exc}, which a checkpoint index never does; it was not "
+            f"loaded. Use a checkpoint written by ndparallel"
+        ) from None
     except Exception as exc:  # truncated or not a pickle: name what failed
-        raise CheckpointError(f"{str(path)!r} is not a readable checkpoint index ({type(exc).__name__}: "
-                              f"{_one_line(exc)}); the file is damaged or not from torch.distributed.checkpoint"
-                              ) from None
+        raise CheckpointError(
+            f"{str(path)!r} is not a readable checkpoint index ({type(exc).__name__}: "
+            f"{_one_line(exc)}); the file is damaged or not from torch.distributed.checkpoint"
+        ) from None
     _check_index(index, tensors_dir)
     return index
 
@@ -119,11 +126,14 @@ def _check_index(index: object, tensors_dir: Path) -> None:
     for where, info in (index.storage_data or {}).items():
         name = getattr(info, "relative_path", None)
         if not isinstance(name, str) or not _SHARD_NAME.fullmatch(name):
-            raise bad(f"the item {getattr(where, 'fqn', where)!r} points at {name!r}, not a shard file in the "
-                      f"checkpoint")
+            raise bad(
+                f"the item {getattr(where, 'fqn', where)!r} points at {name!r}, not a shard file in the checkpoint"
+            )
         if getattr(info, "transform_descriptors", None):
-            raise bad(f"the item {where.fqn!r} is stored with transforms {info.transform_descriptors}, which "
-                      f"ndparallel never writes")
+            raise bad(
+                f"the item {where.fqn!r} is stored with transforms {info.transform_descriptors}, which "
+                f"ndparallel never writes"
+            )
         if name not in sizes:
             shard = tensors_dir / name
             if not shard.is_file():
@@ -133,9 +143,11 @@ def _check_index(index: object, tensors_dir: Path) -> None:
         if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset and 0 <= length):
             raise bad(f"the item {where.fqn!r} has offset {offset!r} and length {length!r}")
         if offset + length > sizes[name]:
-            raise CheckpointError(f"the shard file {str(tensors_dir / name)!r} is truncated: it has {sizes[name]} "
-                                  f"bytes, the item {where.fqn!r} ends at byte {offset + length}; the save was cut "
-                                  f"short or the file was damaged, resume from another checkpoint")
+            raise CheckpointError(
+                f"the shard file {str(tensors_dir / name)!r} is truncated: it has {sizes[name]} "
+                f"bytes, the item {where.fqn!r} ends at byte {offset + length}; the save was cut "
+                f"short or the file was damaged, resume from another checkpoint"
+            )
 
 
 class GuardedReader(dcp.FileSystemReader):
@@ -159,16 +171,20 @@ class TensorsOnlyPlanner(dcp.DefaultLoadPlanner):
     """The default load planner, except that a pickled (non-tensor) item is refused instead of unpickled."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        raise CheckpointError(f"the checkpoint stores {read_item.dest_index.fqn!r} as a pickled object; ndparallel "
-                              f"stores only tensors there and does not unpickle it")
+        raise CheckpointError(
+            f"the checkpoint stores {read_item.dest_index.fqn!r} as a pickled object; ndparallel "
+            f"stores only tensors there and does not unpickle it"
+        )
 
 
 def refuse_pickled_items(index: Metadata, keys) -> None:
     """Name the first wanted key that the index declares as a pickled object (before any read)."""
     for key in keys:
         if isinstance(index.state_dict_metadata.get(key), BytesStorageMetadata):
-            raise CheckpointError(f"the checkpoint stores {key!r} as a pickled object; ndparallel stores only "
-                                  f"tensors in the shard files and does not unpickle it")
+            raise CheckpointError(
+                f"the checkpoint stores {key!r} as a pickled object; ndparallel stores only "
+                f"tensors in the shard files and does not unpickle it"
+            )
 
 
 def _one_line(exc: BaseException) -> str:

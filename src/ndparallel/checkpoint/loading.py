@@ -32,28 +32,37 @@ def open_checkpoint(path: Path) -> dict:
     """Check a checkpoint directory and return its index (``index.json``); nothing else is read."""
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"{str(path)!r} is not a directory; give a checkpoint directory (.../checkpoints/"
-                              f"step-N) or 'latest'")
+        raise CheckpointError(
+            f"{str(path)!r} is not a directory; give a checkpoint directory (.../checkpoints/step-N) or 'latest'"
+        )
     if path.name.startswith(store.PARTIAL_PREFIX):
-        raise CheckpointError(f"{str(path)!r} is an interrupted save and cannot be resumed; use the previous "
-                              f"checkpoint")
+        raise CheckpointError(
+            f"{str(path)!r} is an interrupted save and cannot be resumed; use the previous checkpoint"
+        )
     guard.check_tree(path)
     if not (path / "index.json").is_file() and (path / "trainer_state.json").is_file():
-        raise CheckpointError(f"{str(path)!r} was written by an earlier ndparallel (format 1, which stored optimizer "
-                              f"settings as pickles); this version reads format {store.FORMAT_VERSION} only. Export "
-                              f"it with the version that wrote it, or train again")
+        raise CheckpointError(
+            f"{str(path)!r} was written by an earlier ndparallel (format 1, which stored optimizer "
+            f"settings as pickles); this version reads format {store.FORMAT_VERSION} only. Export "
+            f"it with the version that wrote it, or train again"
+        )
     for required in ("COMPLETE", "index.json", "tensors/.metadata"):
         if not (path / required).is_file():
-            raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {required} is missing; resume from an "
-                                  f"earlier checkpoint")
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} is incomplete: {required} is missing; resume from an earlier checkpoint"
+            )
     index = codec.read_json(path / "index.json")
     if index.get("format") != store.FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {str(path)!r} has format {index.get('format')!r}; this version reads "
-                              f"format {store.FORMAT_VERSION}")
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} has format {index.get('format')!r}; this version reads "
+            f"format {store.FORMAT_VERSION}"
+        )
     for key, kind in (("step", int), ("world_size", int), ("states", list), ("per_rank", list), ("meta", dict)):
         if not isinstance(index.get(key), kind):
-            raise CheckpointError(f"{str(path / 'index.json')!r} has no valid {key!r}; the file is damaged or was "
-                                  f"not written by ndparallel")
+            raise CheckpointError(
+                f"{str(path / 'index.json')!r} has no valid {key!r}; the file is damaged or was "
+                f"not written by ndparallel"
+            )
     guard.read_index(path / "tensors")  # refused here, before a caller builds anything
     return index
 
@@ -67,20 +76,24 @@ class Restored:
     meta: dict = field(default_factory=dict)
 
 
-def load(path: Path, states: dict[str, Any], *, rank: int, world_size: int, rng: bool, process_group,
-         distributed: bool) -> Restored:
+def load(
+    path: Path, states: dict[str, Any], *, rank: int, world_size: int, rng: bool, process_group, distributed: bool
+) -> Restored:
     """Restore adapted ``states`` (see ``states.adapt``) from checkpoint ``path``."""
     index = open_checkpoint(path)
     missing = [name for name in states if name not in index["states"]]
     if missing:
-        raise CheckpointError(f"checkpoint {str(path)!r} holds {index['states']}, not {missing}; load the states it "
-                              f"holds")
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} holds {index['states']}, not {missing}; load the states it holds"
+        )
     same_world = index["world_size"] == world_size
     per_rank = [name for name in states if name in index["per_rank"]]
     if per_rank and not same_world:
-        raise CheckpointError(f"{per_rank} differed between the {index['world_size']} ranks that saved "
-                              f"{str(path)!r}, so they resume only on {index['world_size']} ranks (this run has "
-                              f"{world_size})")
+        raise CheckpointError(
+            f"{per_rank} differed between the {index['world_size']} ranks that saved "
+            f"{str(path)!r}, so they resume only on {index['world_size']} ranks (this run has "
+            f"{world_size})"
+        )
     rank_path = path / "ranks" / f"rank-{rank if same_world else 0}.json"
     saved = codec.read_json(rank_path)
     skeletons = saved.get("states")
@@ -105,28 +118,39 @@ def _targets(states: dict[str, Any], skeletons: dict, tensor_index: Metadata, pa
     wanted_set = set(wanted)
     extra = [k for k in current if k not in wanted_set]
     if extra:
-        raise CheckpointError(f"checkpoint {str(path)!r} has no tensor {extra[0]!r} ({len(extra)} missing in all); "
-                              f"it was saved from another model or setup (adapters, tied weights?)")
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} has no tensor {extra[0]!r} ({len(extra)} missing in all); "
+            f"it was saved from another model or setup (adapters, tied weights?)"
+        )
     targets = {}
     for key in wanted:
         guard.refuse_pickled_items(tensor_index, [key])
         entry = tensor_index.state_dict_metadata.get(key)
         if not isinstance(entry, TensorStorageMetadata):
-            raise CheckpointError(f"checkpoint {str(path)!r}: the shard index has no tensor {key!r}; the checkpoint "
-                                  f"is incomplete")
+            raise CheckpointError(
+                f"checkpoint {str(path)!r}: the shard index has no tensor {key!r}; the checkpoint is incomplete"
+            )
         if key in current:
             shape = tuple(current[key].shape)  # a DTensor's shape is its global shape
             if shape != tuple(entry.size):
-                raise CheckpointError(f"checkpoint {str(path)!r}: {key!r} has shape {tuple(entry.size)} there and "
-                                      f"{shape} here; it was saved from another model shape")
+                raise CheckpointError(
+                    f"checkpoint {str(path)!r}: {key!r} has shape {tuple(entry.size)} there and "
+                    f"{shape} here; it was saved from another model shape"
+                )
             targets[key] = current[key]
         else:  # state an object creates lazily (not there yet): read it whole
             targets[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
     return targets
 
 
-def load_tensors(path: Path, targets: dict[str, torch.Tensor], *, tensor_index: Metadata | None = None,
-                 process_group=None, distributed: bool = True) -> None:
+def load_tensors(
+    path: Path,
+    targets: dict[str, torch.Tensor],
+    *,
+    tensor_index: Metadata | None = None,
+    process_group=None,
+    distributed: bool = True,
+) -> None:
     """Fill ``targets`` (key -> tensor or DTensor, in place) from checkpoint ``path``'s shards.
 
     Usable on its own (export reads a model this way in one process with ``distributed=False``).
@@ -136,8 +160,13 @@ def load_tensors(path: Path, targets: dict[str, torch.Tensor], *, tensor_index: 
     try:
         with warnings.catch_warnings():  # "loading in a single process" is the intent when not distributed
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(targets, storage_reader=guard.GuardedReader(Path(path) / "tensors", tensor_index),
-                     planner=guard.TensorsOnlyPlanner(), process_group=process_group, no_dist=not distributed)
+            dcp.load(
+                targets,
+                storage_reader=guard.GuardedReader(Path(path) / "tensors", tensor_index),
+                planner=guard.TensorsOnlyPlanner(),
+                process_group=process_group,
+                no_dist=not distributed,
+            )
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as exc:
@@ -161,6 +190,7 @@ def _cause(exc: BaseException) -> str:
     detail = text[0][:300] if text else ""
     if "Weights only load failed" in str(exc):
         named = re.search(r"GLOBAL ([\w.]+)", str(exc))
-        detail = ("a tensor item is not a plain tensor; PyTorch's weights_only loader refused it"
-                  + (f" (it references {named.group(1)})" if named else ""))
+        detail = "a tensor item is not a plain tensor; PyTorch's weights_only loader refused it" + (
+            f" (it references {named.group(1)})" if named else ""
+        )
     return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__

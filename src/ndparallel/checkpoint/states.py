@@ -75,8 +75,10 @@ class _DictState:
 def adapt(states: dict[str, Any]) -> dict[str, Any]:
     """Each named object as something with ``state_dict`` / ``load_state_dict``."""
     if not isinstance(states, dict) or not states or not all(isinstance(k, str) and k for k in states):
-        raise CheckpointError("the training state must be a non-empty dict of named objects, e.g. {'model': model, "
-                              "'optimizer': optimizer}")
+        raise CheckpointError(
+            "the training state must be a non-empty dict of named objects, e.g. {'model': model, "
+            "'optimizer': optimizer}"
+        )
     models = [v for v in states.values() if isinstance(v, nn.Module)]
     adapted = {}
     for name, obj in states.items():
@@ -84,17 +86,21 @@ def adapt(states: dict[str, Any]) -> dict[str, Any]:
             adapted[name] = ModelState(obj)
         elif isinstance(obj, torch.optim.Optimizer):
             if len(models) != 1:
-                raise CheckpointError(f"the optimizer {name!r} needs its model: the state holds {len(models)} "
-                                      f"nn.Module objects; give OptimizerState(model, optimizer) instead")
+                raise CheckpointError(
+                    f"the optimizer {name!r} needs its model: the state holds {len(models)} "
+                    f"nn.Module objects; give OptimizerState(model, optimizer) instead"
+                )
             adapted[name] = OptimizerState(models[0], obj)
         elif isinstance(obj, dict):
             adapted[name] = _DictState(obj)
         elif callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
             adapted[name] = obj
         else:
-            raise CheckpointError(f"{name!r} is a {type(obj).__name__}, which cannot be checkpointed: give an "
-                                  f"nn.Module, an optimizer, a dict, or an object with state_dict() and "
-                                  f"load_state_dict()")
+            raise CheckpointError(
+                f"{name!r} is a {type(obj).__name__}, which cannot be checkpointed: give an "
+                f"nn.Module, an optimizer, a dict, or an object with state_dict() and "
+                f"load_state_dict()"
+            )
     return adapted
 
 

@@ -59,12 +59,16 @@ def latest(root: Path) -> Path | None:
         raise CheckpointError(f"{str(marker)!r} is not a plain file; ndparallel writes the name of a checkpoint in it")
     name = marker.read_text(encoding="utf-8", errors="replace").strip()
     if not NAME.fullmatch(name):
-        raise CheckpointError(f"{str(marker)!r} names {name[:80]!r}, which is not a checkpoint of this directory "
-                              f"(step-N); point it at one, or give the checkpoint directory itself")
+        raise CheckpointError(
+            f"{str(marker)!r} names {name[:80]!r}, which is not a checkpoint of this directory "
+            f"(step-N); point it at one, or give the checkpoint directory itself"
+        )
     target = root / name
     if not target.is_dir():
-        raise CheckpointError(f"{str(marker)!r} points at {name!r}, which does not exist; set resume_from_checkpoint "
-                              f"to an existing checkpoint directory")
+        raise CheckpointError(
+            f"{str(marker)!r} points at {name!r}, which does not exist; set resume_from_checkpoint "
+            f"to an existing checkpoint directory"
+        )
     return target
 
 

@@ -23,8 +23,16 @@ from ndparallel.checkpoint.loading import open_checkpoint
 from ndparallel.errors import CheckpointError
 from ndparallel.topology import Topology
 
-_SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-               "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
+_SHAPE_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "tie_word_embeddings",
+)
 
 
 @dataclass
@@ -56,10 +64,12 @@ class DataPosition:
         if rows_before and rows_before != rows_now:
             done_rows = state["batches_done_in_epoch"] * rows_before
             if done_rows % rows_now:
-                raise CheckpointError(f"the checkpoint consumed {done_rows} rows of its epoch, which is not a whole "
-                                      f"number of the new global micro-batch ({rows_now} rows); choose "
-                                      f"micro_batch_size so that micro_batch_size x data-parallel ranks divides "
-                                      f"{done_rows}")
+                raise CheckpointError(
+                    f"the checkpoint consumed {done_rows} rows of its epoch, which is not a whole "
+                    f"number of the new global micro-batch ({rows_now} rows); choose "
+                    f"micro_batch_size so that micro_batch_size x data-parallel ranks divides "
+                    f"{done_rows}"
+                )
             state["batches_done_in_epoch"] = done_rows // rows_now
         self.order.load_state_dict(state)
 
@@ -83,13 +93,17 @@ def find_resume(output_dir: Path, request: str | None) -> Path | None:
         root = checkpoints_dir(output_dir)
         target = store.latest(root)
         if target is None:
-            raise CheckpointError(f"resume_from_checkpoint: latest, but {str(root / 'latest')!r} does not exist (no "
-                                  f"complete checkpoint in {str(root)!r}); remove the setting to start from scratch")
+            raise CheckpointError(
+                f"resume_from_checkpoint: latest, but {str(root / 'latest')!r} does not exist (no "
+                f"complete checkpoint in {str(root)!r}); remove the setting to start from scratch"
+            )
     else:
         target = Path(request)
         if not target.is_dir():
-            raise CheckpointError(f"resume_from_checkpoint {request!r} is not a directory; give a checkpoint "
-                                  f"directory (output_dir/checkpoints/step-N) or 'latest'")
+            raise CheckpointError(
+                f"resume_from_checkpoint {request!r} is not a directory; give a checkpoint "
+                f"directory (output_dir/checkpoints/step-N) or 'latest'"
+            )
     open_checkpoint(target)
     return target
 
@@ -99,17 +113,34 @@ def trainer_checkpointer(output_dir: Path, *, keep: int | None, async_save: bool
 
 
 def _states(model, optimizer, scheduler, order, state: TrainState) -> dict[str, Any]:
-    return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "data": DataPosition(order),
-            "progress": state}
+    return {
+        "model": model,
+        "optimizer": optimizer,
+        "scheduler": scheduler,
+        "data": DataPosition(order),
+        "progress": state,
+    }
 
 
-def save(checkpointer: Checkpointer, *, state: TrainState, model, optimizer, scheduler, order,
-         topology: Topology, config, tokenizer=None, extra: dict | None = None) -> Path:
+def save(
+    checkpointer: Checkpointer,
+    *,
+    state: TrainState,
+    model,
+    optimizer,
+    scheduler,
+    order,
+    topology: Topology,
+    config,
+    tokenizer=None,
+    extra: dict | None = None,
+) -> Path:
     """Checkpoint the trainer at ``state.step`` (a collective; asynchronous if the checkpointer is)."""
     layout = topology.layout
-    meta = {"layout": {"dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "cp": layout.cp,
-                       "tp": layout.tp},
-            "model_shape": _shape_of(model.config)}
+    meta = {
+        "layout": {"dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "cp": layout.cp, "tp": layout.tp},
+        "model_shape": _shape_of(model.config),
+    }
 
     def write_files(directory: Path) -> None:
         store.write_atomic(directory / "config.yaml", yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
@@ -119,8 +150,9 @@ def save(checkpointer: Checkpointer, *, state: TrainState, model, optimizer, sch
         if tokenizer is not None:
             tokenizer.save_pretrained(directory / "tokenizer")
 
-    return checkpointer.save(state.step, _states(model, optimizer, scheduler, order, state), meta=meta,
-                             extra_files=write_files)
+    return checkpointer.save(
+        state.step, _states(model, optimizer, scheduler, order, state), meta=meta, extra_files=write_files
+    )
 
 
 def load(checkpointer: Checkpointer, path: Path, *, model, optimizer, scheduler, order) -> TrainState:
@@ -129,8 +161,10 @@ def load(checkpointer: Checkpointer, path: Path, *, model, optimizer, scheduler,
     current = _shape_of(model.config)
     diffs = [f"{k}: checkpoint {saved.get(k)} vs model {current[k]}" for k in _SHAPE_KEYS if saved.get(k) != current[k]]
     if diffs:
-        raise CheckpointError(f"checkpoint {str(path)!r} is of another model shape ({'; '.join(diffs)}); "
-                              f"resume with the config it was saved with")
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is of another model shape ({'; '.join(diffs)}); "
+            f"resume with the config it was saved with"
+        )
     state = TrainState()
     checkpointer.load(_states(model, optimizer, scheduler, order, state), path)
     return state

@@ -59,18 +59,39 @@ def build_rows(
     out. ``eval_fraction`` of the examples (a fraction below 1, or a number of examples; at least one), chosen
     by a shuffle seeded with ``seed``, become the evaluation split before packing; ``eval_packing`` (default:
     ``packing``) says whether its rows are packed. ``token_budget``: stop reading the datasets (in order) once
-    this many tokens are tokenized (a pretraining corpus read only as far as the steps need). A tokenizer without a pad token gets eos as pad token
-    (``ensure_pad_token``): pad positions are masked, so the id does not matter.
+    this many tokens are tokenized (a pretraining corpus read only as far as the steps need). A tokenizer
+    without a pad token gets eos as pad token (``ensure_pad_token``): pad positions are masked, so the id does
+    not matter.
     """
     long_rows = long_rows or ("split" if packing else "error")
     eval_packing = packing if eval_packing is None else eval_packing
-    specs, directory, inputs = _cache_location(specs, tokenizer, seq_len, packing, cache_dir, long_rows,
-                                               eval_fraction, seed, min_len, eval_packing, token_budget)
+    specs, directory, inputs = _cache_location(
+        specs,
+        tokenizer,
+        seq_len,
+        packing,
+        cache_dir,
+        long_rows,
+        eval_fraction,
+        seed,
+        min_len,
+        eval_packing,
+        token_budget,
+    )
     cached = load_splits(directory)
     if cached is None:
-        splits = _build(specs, tokenizer, seq_len=seq_len, packing=packing, long_rows=long_rows,
-                        eval_fraction=eval_fraction, seed=seed, min_len=min_len, eval_packing=eval_packing,
-                        token_budget=token_budget)
+        splits = _build(
+            specs,
+            tokenizer,
+            seq_len=seq_len,
+            packing=packing,
+            long_rows=long_rows,
+            eval_fraction=eval_fraction,
+            seed=seed,
+            min_len=min_len,
+            eval_packing=eval_packing,
+            token_budget=token_budget,
+        )
         save_splits(directory, splits, {"inputs": inputs})
         cached = load_splits(directory)
         if cached is None:
@@ -103,9 +124,17 @@ def build_rows_distributed(
     when it is on local disk. If the main process fails it still reaches the barrier (so nobody hangs) and
     re-raises; the others then report that the cache is missing.
     """
-    options = dict(seq_len=seq_len, packing=packing, cache_dir=cache_dir, long_rows=long_rows,
-                   eval_fraction=eval_fraction, seed=seed, min_len=min_len, eval_packing=eval_packing,
-                   token_budget=token_budget)
+    options = dict(
+        seq_len=seq_len,
+        packing=packing,
+        cache_dir=cache_dir,
+        long_rows=long_rows,
+        eval_fraction=eval_fraction,
+        seed=seed,
+        min_len=min_len,
+        eval_packing=eval_packing,
+        token_budget=token_budget,
+    )
     if is_main:
         try:
             result = build_rows(specs, tokenizer, **options)
@@ -115,8 +144,19 @@ def build_rows_distributed(
     barrier()
     long_rows = long_rows or ("split" if packing else "error")
     eval_packing = packing if eval_packing is None else eval_packing
-    _, directory, _ = _cache_location(specs, tokenizer, seq_len, packing, cache_dir, long_rows, eval_fraction, seed,
-                                      min_len, eval_packing, token_budget)
+    _, directory, _ = _cache_location(
+        specs,
+        tokenizer,
+        seq_len,
+        packing,
+        cache_dir,
+        long_rows,
+        eval_fraction,
+        seed,
+        min_len,
+        eval_packing,
+        token_budget,
+    )
     cached = load_splits(directory)
     if cached is None:
         raise DataError(
@@ -126,18 +166,34 @@ def build_rows_distributed(
     return cached["train"], cached.get("eval")
 
 
-def _cache_location(specs, tokenizer, seq_len, packing, cache_dir, long_rows, eval_fraction, seed, min_len,
-                    eval_packing, token_budget=None):
+def _cache_location(
+    specs,
+    tokenizer,
+    seq_len,
+    packing,
+    cache_dir,
+    long_rows,
+    eval_fraction,
+    seed,
+    min_len,
+    eval_packing,
+    token_budget=None,
+):
     """Checked specs, the cache directory of these inputs, and the inputs themselves (for the manifest)."""
     specs = [spec if isinstance(spec, DatasetSpec) else DatasetSpec.from_dict(spec) for spec in specs]
     if not specs:
         raise DataError("datasets: is empty; list at least one dataset with path: and type:")
     if long_rows not in LONG_ROWS_POLICIES:
         raise DataError(f"long_rows={long_rows!r} is not a policy; use one of {', '.join(LONG_ROWS_POLICIES)}")
-    if not isinstance(eval_fraction, (int, float)) or eval_fraction < 0 or (eval_fraction >= 1 and
-                                                                             eval_fraction != int(eval_fraction)):
-        raise DataError(f"val_set_size={eval_fraction!r} must be a fraction in [0, 1) or a whole number of examples; "
-                        f"e.g. 0.05 keeps 5% for evaluation")
+    if (
+        not isinstance(eval_fraction, (int, float))
+        or eval_fraction < 0
+        or (eval_fraction >= 1 and eval_fraction != int(eval_fraction))
+    ):
+        raise DataError(
+            f"val_set_size={eval_fraction!r} must be a fraction in [0, 1) or a whole number of examples; "
+            f"e.g. 0.05 keeps 5% for evaluation"
+        )
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
         raise DataError(f"sequence_len={seq_len!r} must be a whole number >= 1; fix sequence_len")
     ensure_pad_token(tokenizer)  # before the identity is taken: it includes the pad id
@@ -145,15 +201,23 @@ def _cache_location(specs, tokenizer, seq_len, packing, cache_dir, long_rows, ev
         "format_version": FORMAT_VERSION,
         "sources": [source_identity(spec) for spec in specs],
         "tokenizer": tokenizer_identity(tokenizer),
-        "options": dict(seq_len=seq_len, packing=bool(packing), long_rows=long_rows,
-                        eval_fraction=float(eval_fraction), seed=int(seed), min_len=int(min_len),
-                        eval_packing=bool(eval_packing), token_budget=token_budget),
+        "options": dict(
+            seq_len=seq_len,
+            packing=bool(packing),
+            long_rows=long_rows,
+            eval_fraction=float(eval_fraction),
+            seed=int(seed),
+            min_len=int(min_len),
+            eval_packing=bool(eval_packing),
+            token_budget=token_budget,
+        ),
     }
     return specs, Path(cache_dir).expanduser() / cache_key(inputs), inputs
 
 
-def _build(specs, tokenizer, *, seq_len, packing, long_rows, eval_fraction, seed, min_len, eval_packing,
-           token_budget=None) -> dict[str, Rows]:
+def _build(
+    specs, tokenizer, *, seq_len, packing, long_rows, eval_fraction, seed, min_len, eval_packing, token_budget=None
+) -> dict[str, Rows]:
     """Tokenize all datasets in order (up to ``token_budget`` tokens), fit their lengths, split, then pack or
     pad each split."""
     pad_id = ensure_pad_token(tokenizer)
@@ -169,8 +233,10 @@ def _build(specs, tokenizer, *, seq_len, packing, long_rows, eval_fraction, seed
             break
     examples = fit_long_rows(examples, seq_len, long_rows, min_len=min_len)
     if not len(examples):
-        raise DataError(f"no example of {min_len} to sequence_len={seq_len} tokens is left (long_rows={long_rows}); "
-                        f"raise sequence_len, or set long_rows (excess_length_strategy) to truncate or split")
+        raise DataError(
+            f"no example of {min_len} to sequence_len={seq_len} tokens is left (long_rows={long_rows}); "
+            f"raise sequence_len, or set long_rows (excess_length_strategy) to truncate or split"
+        )
     train, evaluation = split_examples(examples, eval_fraction, seed)
     splits = {"train": (pack_examples if packing else pad_examples)(train, seq_len, pad_id)}
     if evaluation is not None:

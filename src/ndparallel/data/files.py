@@ -31,7 +31,7 @@ PARQUET_BATCH_ROWS = 1024
 def resolve_data_path(path: str) -> str:
     """``stdlib:PATTERN`` -> a glob inside this Python's standard library directory (the built-in corpus)."""
     if path.startswith(STDLIB_PREFIX):
-        return str(Path(sysconfig.get_paths()["stdlib"]) / (path[len(STDLIB_PREFIX):] or "*.py"))
+        return str(Path(sysconfig.get_paths()["stdlib"]) / (path[len(STDLIB_PREFIX) :] or "*.py"))
     return path
 
 
@@ -53,8 +53,7 @@ def resolve_files(spec: DatasetSpec) -> list[Path]:
     path = Path(pattern).expanduser()
     if not path.exists():
         raise DataError(
-            f"dataset {spec.label}: path={pattern!r} does not exist (relative paths start at {os.getcwd()}); "
-            f"fix path:"
+            f"dataset {spec.label}: path={pattern!r} does not exist (relative paths start at {os.getcwd()}); fix path:"
         )
     if path.is_file():
         return [path]
@@ -187,9 +186,7 @@ def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
         content = json.loads(text)
     except json.JSONDecodeError as error:
         if text.lstrip().startswith("["):
-            raise DataError(
-                f"{path}: not valid JSON ({error.msg}, line {error.lineno}); fix the file"
-            ) from None
+            raise DataError(f"{path}: not valid JSON ({error.msg}, line {error.lineno}); fix the file") from None
         yield from _iter_json_lines(path, text)  # several values: JSON lines
         return
     records = content if isinstance(content, list) else [content]

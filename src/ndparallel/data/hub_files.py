@@ -40,8 +40,9 @@ def hub_files(spec: DatasetSpec) -> list[Path]:
     """The local files (in the hub cache) of ``spec``'s hub dataset, for its split, in a stable order."""
     from ndparallel.hub import dataset_dir
 
-    root = dataset_dir(spec.path, revision=spec.revision, patterns=snapshot_patterns(spec),
-                       setting=f"datasets path {spec.path}")
+    root = dataset_dir(
+        spec.path, revision=spec.revision, patterns=snapshot_patterns(spec), setting=f"datasets path {spec.path}"
+    )
     files = sorted(p for p in root.rglob("*") if p.is_file() and is_data_file(p))
     relative = {p: p.relative_to(root).as_posix() for p in files}
     if spec.data_files:
@@ -50,8 +51,9 @@ def hub_files(spec: DatasetSpec) -> list[Path]:
     else:
         chosen, where = _split_files(spec, root, files, relative)
     if not chosen:
-        raise DataError(f"dataset {spec.label}: no data file of the hub dataset matches {where}; fix data_files: or "
-                        f"split:")
+        raise DataError(
+            f"dataset {spec.label}: no data file of the hub dataset matches {where}; fix data_files: or split:"
+        )
     return chosen
 
 
@@ -68,8 +70,9 @@ def _split_files(spec: DatasetSpec, root: Path, files: list[Path], relative: dic
         for name in names:
             patterns = config.get(name)
             if patterns is None:
-                raise DataError(f"dataset {spec.label}: its card lists splits {', '.join(config)}, not {name!r}; "
-                                f"fix split:")
+                raise DataError(
+                    f"dataset {spec.label}: its card lists splits {', '.join(config)}, not {name!r}; fix split:"
+                )
             chosen += [p for p in files if _matches(relative[p], tuple(patterns)) and p not in chosen]
         return chosen, f"split {spec.split or 'train'}"
     if spec.name:
@@ -107,8 +110,9 @@ def _card_configs(root: Path) -> dict[str, dict[str, list[str]]]:
         if not isinstance(entry, dict):
             continue
         files = entry.get("data_files")
-        if isinstance(files, (str, list)) and all(isinstance(f, str) for f in ([files] if isinstance(files, str)
-                                                                               else files)):
+        if isinstance(files, (str, list)) and all(
+            isinstance(f, str) for f in ([files] if isinstance(files, str) else files)
+        ):
             splits = {"train": [files] if isinstance(files, str) else list(files)}
         else:
             splits = {}
@@ -122,6 +126,8 @@ def _card_configs(root: Path) -> dict[str, dict[str, list[str]]]:
 def _pick_config(spec: DatasetSpec, configured: dict[str, dict[str, list[str]]]) -> dict[str, list[str]]:
     name = spec.name or ("default" if "default" in configured or len(configured) != 1 else next(iter(configured)))
     if name not in configured:
-        raise DataError(f"dataset {spec.label}: no configuration {name!r} in its card (configs: "
-                        f"{', '.join(configured)}); set name: to one of them")
+        raise DataError(
+            f"dataset {spec.label}: no configuration {name!r} in its card (configs: "
+            f"{', '.join(configured)}); set name: to one of them"
+        )
     return configured[name]

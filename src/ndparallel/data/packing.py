@@ -45,8 +45,13 @@ def pack_examples(examples: Sequence[Example], seq_len: int, pad_id: int) -> Row
     for row, used in enumerate(filled):
         rows.position_ids[row, used:] = np.arange(seq_len - used, dtype=np.int32)
     if len(rows):
-        logger.info("packed %d documents into %d rows of %d tokens: %.1f%% real tokens",
-                    len(examples), len(rows), seq_len, 100 * rows.efficiency)
+        logger.info(
+            "packed %d documents into %d rows of %d tokens: %.1f%% real tokens",
+            len(examples),
+            len(rows),
+            seq_len,
+            100 * rows.efficiency,
+        )
     return rows
 
 

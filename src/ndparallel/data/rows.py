@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ndparallel.loss import IGNORE_INDEX
+
 COLUMNS = ("input_ids", "labels", "position_ids", "attention_mask")
 
 
@@ -54,7 +56,7 @@ class Rows:
     @property
     def num_target_tokens(self) -> int:
         """Tokens with a label (before ``prepare_batch`` shifts labels and masks document ends)."""
-        return int((self.labels != -100).sum(dtype=np.int64))
+        return int((self.labels != IGNORE_INDEX).sum(dtype=np.int64))
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         """One row: four (seq_len,) int64 tensors."""

@@ -21,7 +21,13 @@ from ndparallel.data.spec import ALIASES, DATASET_TYPES, DatasetSpec
 from ndparallel.errors import DataError
 
 __all__ = [
-    "ALIASES", "DATASET_TYPES", "ChatRecord", "DatasetSpec", "InstructionRecord", "Record", "TextRecord",
+    "ALIASES",
+    "DATASET_TYPES",
+    "ChatRecord",
+    "DatasetSpec",
+    "InstructionRecord",
+    "Record",
+    "TextRecord",
     "read_records",
 ]
 
@@ -69,8 +75,10 @@ def read_records(spec: DatasetSpec) -> Iterator[Record]:
         count += 1
         yield record
     if count == 0:
-        raise DataError(f"dataset {spec.label}: {spec.path} holds no records (for split={spec.split!r}); fix path: "
-                        f"or split:, or add data")
+        raise DataError(
+            f"dataset {spec.label}: {spec.path} holds no records (for split={spec.split!r}); fix path: "
+            f"or split:, or add data"
+        )
 
 
 def _all_records(spec: DatasetSpec, files: list) -> Iterator[Record]:
@@ -109,8 +117,7 @@ def _bound(text: str | None, total: int | None, default: int | None) -> float:
 
 def _normalise(row: Any, where: str, spec: DatasetSpec) -> Record | None:
     if not isinstance(row, dict):
-        raise DataError(f"{where}: a record must be a JSON object / table row, found {_kind(row)}; "
-                        f"fix the file")
+        raise DataError(f"{where}: a record must be a JSON object / table row, found {_kind(row)}; fix the file")
     if spec.kind == "completion":
         field = spec.field or "text"
         return TextRecord(_string(row, field, where, "set field: to the column holding the text"), where)
@@ -170,19 +177,22 @@ def _role_names(spec: DatasetSpec) -> dict[str, str]:
     return names
 
 
-def _message(turn: Any, number: int, key: str, where: str, spec: DatasetSpec, roles: dict[str, str]
-             ) -> dict[str, str]:
+def _message(turn: Any, number: int, key: str, where: str, spec: DatasetSpec, roles: dict[str, str]) -> dict[str, str]:
     place = f"{where}: message {number} of '{key}'"
     role_key, content_key = spec.role_key, spec.content_key
     if isinstance(turn, dict) and (role_key or content_key):
         role_key, content_key = role_key or "role", content_key or "content"
         if role_key not in turn or content_key not in turn:
-            raise DataError(f"{place}: no {role_key!r} / {content_key!r} keys (found {_describe(turn)}); fix "
-                            f"message_property_mappings")
+            raise DataError(
+                f"{place}: no {role_key!r} / {content_key!r} keys (found {_describe(turn)}); fix "
+                f"message_property_mappings"
+            )
         role, content = roles.get(turn[role_key], turn[role_key]), turn[content_key]
     elif isinstance(turn, dict) and "role" in turn:
-        role, content = roles.get(turn.get("role"), turn.get("role")) if spec.roles else turn.get("role"), \
-            turn.get("content")
+        role, content = (
+            roles.get(turn.get("role"), turn.get("role")) if spec.roles else turn.get("role"),
+            turn.get("content"),
+        )
     elif isinstance(turn, dict) and "from" in turn:
         speaker = turn.get("from")
         if speaker not in SHAREGPT_ROLES:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import re
 import dataclasses
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -60,8 +60,10 @@ class DatasetSpec:
         for text in (self.split or "train").split("+"):
             match = SPLIT_PART.match(text)
             if match is None:
-                raise DataError(f"dataset {self.label}: split={self.split!r} is not a split name with an optional "
-                                f"slice, e.g. train, train[:10%], train[100:200]; fix split:")
+                raise DataError(
+                    f"dataset {self.label}: split={self.split!r} is not a split name with an optional "
+                    f"slice, e.g. train, train[:10%], train[100:200]; fix split:"
+                )
             parts.append(match.groups())
         return parts
 
@@ -94,8 +96,10 @@ class DatasetSpec:
             )
         missing = [key for key in ("path", "type") if key not in settings]
         if missing:
-            raise DataError(f"dataset {settings.get('path', '?')}: missing {' and '.join(missing)}; every dataset "
-                            f"entry needs path: and type:")
+            raise DataError(
+                f"dataset {settings.get('path', '?')}: missing {' and '.join(missing)}; every dataset "
+                f"entry needs path: and type:"
+            )
         for key in ("data_files", "roles_to_train"):
             if isinstance(settings.get(key), str):
                 settings = {**settings, key: (settings[key],)}

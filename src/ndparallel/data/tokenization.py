@@ -107,7 +107,10 @@ class RecordTokenizer:
     def _render(self, messages: list[dict[str, str]], record: ChatRecord, *, generation_prompt: bool) -> list[int]:
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=generation_prompt, chat_template=self.template,
+                messages,
+                tokenize=False,
+                add_generation_prompt=generation_prompt,
+                chat_template=self.template,
                 **self.template_kwargs,
             )
         except jinja2.TemplateError as error:
@@ -128,21 +131,23 @@ class RecordTokenizer:
                 f"the tokens of the earlier ones), so assistant turns cannot be found; use a chat_template whose "
                 f"turns only append text"
             )
-        added = rendering[len(ids):]
+        added = rendering[len(ids) :]
         ids.extend(added)
         labels.extend(added if trained else [IGNORE_INDEX] * len(added))
 
 
-def tokenize_records(records: Iterable[Record], tokenizer: PreTrainedTokenizerBase,
-                     spec: DatasetSpec | None = None) -> Iterator[Example]:
+def tokenize_records(
+    records: Iterable[Record], tokenizer: PreTrainedTokenizerBase, spec: DatasetSpec | None = None
+) -> Iterator[Example]:
     """One example per record, in order (``spec``: the dataset's chat and training options)."""
     encode = RecordTokenizer(tokenizer, spec)
     for record in records:
         yield encode(record)
 
 
-def fit_long_rows(examples: Sequence[Example], seq_len: int, policy: str = "error", *, min_len: int = 1
-                  ) -> ExampleStore:
+def fit_long_rows(
+    examples: Sequence[Example], seq_len: int, policy: str = "error", *, min_len: int = 1
+) -> ExampleStore:
     """Examples of ``min_len`` to ``seq_len`` tokens: shorter ones are left out, longer ones handled by ``policy``.
 
     ``error`` (default) refuses longer examples, ``truncate`` keeps their first ``seq_len`` tokens, ``drop``
@@ -161,9 +166,16 @@ def fit_long_rows(examples: Sequence[Example], seq_len: int, policy: str = "erro
         )
     short = sum(1 for n in lengths if n < min_len)
     if too_long or short:
-        logger.info("long_rows=%s: %s %d of %d examples longer than sequence_len=%d; %d shorter than %d left out",
-                    policy, {"truncate": "truncated", "split": "split"}.get(policy, "dropped"), len(too_long),
-                    len(lengths), seq_len, short, min_len)
+        logger.info(
+            "long_rows=%s: %s %d of %d examples longer than sequence_len=%d; %d shorter than %d left out",
+            policy,
+            {"truncate": "truncated", "split": "split"}.get(policy, "dropped"),
+            len(too_long),
+            len(lengths),
+            seq_len,
+            short,
+            min_len,
+        )
     return ExampleStore.from_examples(_fitted(examples, lengths, seq_len, policy, min_len))
 
 
@@ -175,4 +187,4 @@ def _fitted(examples, lengths, seq_len: int, policy: str, min_len: int):
             yield Example(example.input_ids[:seq_len], example.labels[:seq_len])
             continue
         for start in range(0, length, seq_len):  # split
-            yield Example(example.input_ids[start:start + seq_len], example.labels[start:start + seq_len])
+            yield Example(example.input_ids[start : start + seq_len], example.labels[start : start + seq_len])

@@ -89,8 +89,13 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def load_tokenizer(name_or_path: str | Path | None, *, revision: str | None = None, tokenizer_type: str | None = None,
-                   trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    name_or_path: str | Path | None,
+    *,
+    revision: str | None = None,
+    tokenizer_type: str | None = None,
+    trust_remote_code: bool = False,
+) -> PreTrainedTokenizerBase:
     """The tokenizer named by the ``tokenizer_config`` (or ``base_model``) setting.
 
     ``None`` or ``"byte"`` gives :func:`byte_tokenizer`; anything else is a local directory or a hub id whose
@@ -104,8 +109,13 @@ def load_tokenizer(name_or_path: str | Path | None, *, revision: str | None = No
     if name_or_path is None or str(name_or_path) == BYTE_TOKENIZER_NAME:
         return byte_tokenizer()
     try:
-        path = model_dir(str(name_or_path), revision=revision, weights=False, trust_remote_code=trust_remote_code,
-                         setting="tokenizer_config (or base_model)")
+        path = model_dir(
+            str(name_or_path),
+            revision=revision,
+            weights=False,
+            trust_remote_code=trust_remote_code,
+            setting="tokenizer_config (or base_model)",
+        )
     except NdParallelError as error:
         raise DataError(str(error)) from None
     if not path.is_dir():
@@ -134,13 +144,16 @@ def _tokenizer_class(name: str | None):
 
     loader = getattr(transformers, name, None) if name.endswith(("Tokenizer", "TokenizerFast")) else None
     if loader is None or not hasattr(loader, "from_pretrained"):
-        raise DataError(f"tokenizer_type {name!r} is not a transformers tokenizer class; use AutoTokenizer or a "
-                        f"class such as PreTrainedTokenizerFast, LlamaTokenizerFast")
+        raise DataError(
+            f"tokenizer_type {name!r} is not a transformers tokenizer class; use AutoTokenizer or a "
+            f"class such as PreTrainedTokenizerFast, LlamaTokenizerFast"
+        )
     return loader
 
 
-def add_config_tokens(tokenizer: PreTrainedTokenizerBase, special_tokens: dict[str, Any] | None,
-                      tokens: list[str] | None) -> list[str]:
+def add_config_tokens(
+    tokenizer: PreTrainedTokenizerBase, special_tokens: dict[str, Any] | None, tokens: list[str] | None
+) -> list[str]:
     """Axolotl's ``special_tokens`` and ``tokens``: set bos/eos/pad/unk, add the others; returns the tokens that
     were new to the vocabulary (the model's embeddings must grow by that many)."""
     before = set(tokenizer.get_vocab())
@@ -149,8 +162,9 @@ def add_config_tokens(tokenizer: PreTrainedTokenizerBase, special_tokens: dict[s
     for key, token in specials.items():
         tokenizer.add_special_tokens({key: AddedToken(token, rstrip=False, lstrip=False, normalized=False)})
     if extra:  # special: never split, as Axolotl's additional_special_tokens
-        tokenizer.add_tokens([AddedToken(t, rstrip=False, lstrip=False, normalized=False) for t in extra],
-                             special_tokens=True)
+        tokenizer.add_tokens(
+            [AddedToken(t, rstrip=False, lstrip=False, normalized=False) for t in extra], special_tokens=True
+        )
     if tokens:
         tokenizer.add_tokens([AddedToken(t, rstrip=False, lstrip=False, normalized=False) for t in tokens])
     vocab = tokenizer.get_vocab()

@@ -33,16 +33,24 @@ from ndparallel.parallel.single_rank import reallocate
 from ndparallel.vocab import grow_rows
 
 
-def model_config_for(*, base_model: str | None, model_shape: str | None, overrides: dict[str, Any],
-                     max_position_embeddings: int | None = None, revision: str | None = None,
-                     trust_remote_code: bool = False) -> PretrainedConfig:
+def model_config_for(
+    *,
+    base_model: str | None,
+    model_shape: str | None,
+    overrides: dict[str, Any],
+    max_position_embeddings: int | None = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+) -> PretrainedConfig:
     """The transformers config of the model to train (no weights are read). ``base_model`` is a local
     directory or a hub id (``ndparallel.hub``: its config is fetched into the hub cache when missing)."""
     if base_model is not None:
         path = hub.model_dir(base_model, revision=revision, weights=False, trust_remote_code=trust_remote_code)
         if not path.is_dir():
-            raise ModelError(f"base_model {base_model!r} is not a directory; give a local Hugging Face model directory "
-                             f"(config.json + *.safetensors) or a hub id, or use model_shape for random init")
+            raise ModelError(
+                f"base_model {base_model!r} is not a directory; give a local Hugging Face model directory "
+                f"(config.json + *.safetensors) or a hub id, or use model_shape for random init"
+            )
         if not (path / "config.json").is_file():
             raise ModelError(f"base_model {base_model!r} has no config.json; it must be a Hugging Face model directory")
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -58,8 +66,10 @@ def model_config_for(*, base_model: str | None, model_shape: str | None, overrid
         # Built from the overrides, so fields derived from them follow (Gemma's layer_types from
         # num_hidden_layers); set afterwards they would keep the defaults' length.
         if kind not in CONFIG_MAPPING:
-            raise ModelError(f"model_config_overrides.model_type {kind!r} is not a model type transformers "
-                             f"{transformers.__version__} knows (e.g. llama, qwen3, gemma2)")
+            raise ModelError(
+                f"model_config_overrides.model_type {kind!r} is not a model type transformers "
+                f"{transformers.__version__} knows (e.g. llama, qwen3, gemma2)"
+            )
         try:
             config = AutoConfig.for_model(kind, **{k: v for k, v in overrides.items() if k != "model_type"})
         except Exception as exc:  # transformers' config validation (its exception types vary across versions)
@@ -89,8 +99,15 @@ def attention_for(config: PretrainedConfig) -> str:
     return "sdpa" if sdpa else "eager"
 
 
-def materialize(model: nn.Module, device: torch.device, *, weights_dir: str | None, seed: int,
-                offload_params: bool = False, vocab_from: int | None = None) -> None:
+def materialize(
+    model: nn.Module,
+    device: torch.device,
+    *,
+    weights_dir: str | None,
+    seed: int,
+    offload_params: bool = False,
+    vocab_from: int | None = None,
+) -> None:
     """Give a parallelized meta model real storage and fill this rank's shards.
 
     ``weights_dir``: read this rank's slice of each tensor from its safetensors file; else a per-name seeded
@@ -115,8 +132,10 @@ def materialize(model: nn.Module, device: torch.device, *, weights_dir: str | No
                     # The vocabulary grew for added tokens: read the rows there are, add the new ones (vocab.py).
                     full = grow_rows(reader.get(key), tuple(param.shape), vocab_from)
                     if tuple(full.shape) != tuple(param.shape):
-                        raise ModelError(f"{key}: the weights in {weights_dir!r} have shape {tuple(full.shape)} but "
-                                         f"the model expects {tuple(param.shape)}; config.json and the weights disagree")
+                        raise ModelError(
+                            f"{key}: the weights in {weights_dir!r} have shape {tuple(full.shape)} but "
+                            f"the model expects {tuple(param.shape)}; config.json and the weights disagree"
+                        )
                     _copy_shard(param, full)
                 else:
                     reader.read_into(key, param)
@@ -130,8 +149,10 @@ def materialize(model: nn.Module, device: torch.device, *, weights_dir: str | No
                 if name not in params and key in reader.files:
                     _copy_shard(value, reader.get(key))
     if reader is not None:
-        tied = model.get_output_embeddings() is not None and \
-            model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        tied = (
+            model.get_output_embeddings() is not None
+            and model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        )
         reader.check_all_used(ignore={"lm_head.weight"} if tied else set())
 
 
@@ -199,7 +220,9 @@ def restore_buffers(model: nn.Module, device: torch.device) -> None:
         # Modules that keep no config of their own (DeepSeek-V3's router) are built from the model's.
         config = getattr(module, "config", None) or getattr(model, "config", None)
         if config is None:
-            raise ModelError(f"cannot rebuild the buffers {sorted(local)} of {type(module).__name__} after meta-device init")
+            raise ModelError(
+                f"cannot rebuild the buffers {sorted(local)} of {type(module).__name__} after meta-device init"
+            )
         with torch.device(device):
             fresh = type(module)(config)
         for buffer_name, value in fresh.named_buffers(recurse=False):
@@ -218,8 +241,10 @@ class _SafetensorsReader:
         else:
             files = sorted(path.glob("*.safetensors"))
             if not files:
-                raise ModelError(f"base_model {directory!r} has a config but no *.safetensors weights; add the weights, "
-                                 f"or use model_shape / model_config_overrides for random init")
+                raise ModelError(
+                    f"base_model {directory!r} has a config but no *.safetensors weights; add the weights, "
+                    f"or use model_shape / model_config_overrides for random init"
+                )
             self.files = {}
             for file in files:
                 with safe_open(file, framework="pt") as f:
@@ -238,14 +263,18 @@ class _SafetensorsReader:
             stacked = hub_expert_tensor(key, self.files.__contains__, self.get)
             if stacked is not None:
                 return stacked
-            raise ModelError(f"base_model {self.directory!r}: no weight named {key!r} in its safetensors files "
-                             f"(is it a checkpoint of another architecture?)")
+            raise ModelError(
+                f"base_model {self.directory!r}: no weight named {key!r} in its safetensors files "
+                f"(is it a checkpoint of another architecture?)"
+            )
         self.used.add(key)
         try:
             with safe_open(self.files[key], framework="pt") as f:
                 return f.get_tensor(key)
         except Exception as exc:  # a truncated or corrupted file
-            raise ModelError(f"cannot read {key!r} from {str(self.files[key])!r}: {exc}; the file may be truncated") from None
+            raise ModelError(
+                f"cannot read {key!r} from {str(self.files[key])!r}: {exc}; the file may be truncated"
+            ) from None
 
     def read_into(self, key: str, param: torch.Tensor) -> None:
         """Fill this rank's part of ``param`` from the weight ``key``: only that slice is read from disk, cast
@@ -260,8 +289,10 @@ class _SafetensorsReader:
                 stored = f.get_slice(key)
                 shape = tuple(stored.get_shape())
                 if shape != tuple(param.shape):
-                    raise ModelError(f"{key}: the weights in {self.directory!r} have shape {shape} but the model "
-                                     f"expects {tuple(param.shape)}; config.json and the weights disagree")
+                    raise ModelError(
+                        f"{key}: the weights in {self.directory!r} have shape {shape} but the model "
+                        f"expects {tuple(param.shape)}; config.json and the weights disagree"
+                    )
                 if box is None:  # a placement whose local part is not one box: read it whole, slice in memory
                     _copy_shard(param, stored[:])
                     return
@@ -269,11 +300,15 @@ class _SafetensorsReader:
         except ModelError:
             raise
         except Exception as exc:  # a truncated or corrupted file
-            raise ModelError(f"cannot read {key!r} from {str(self.files[key])!r}: {exc}; the file may be truncated") from None
+            raise ModelError(
+                f"cannot read {key!r} from {str(self.files[key])!r}: {exc}; the file may be truncated"
+            ) from None
         local.copy_(part.to(local.dtype))
 
     def check_all_used(self, *, ignore: set[str]) -> None:
         unused = sorted(set(self.files) - self.used - ignore)
         if unused:
-            raise ModelError(f"base_model {self.directory!r} holds weights the model does not have: {unused[:5]}"
-                             f"{' ...' if len(unused) > 5 else ''}; is config.json the right architecture?")
+            raise ModelError(
+                f"base_model {self.directory!r} holds weights the model does not have: {unused[:5]}"
+                f"{' ...' if len(unused) > 5 else ''}; is config.json the right architecture?"
+            )

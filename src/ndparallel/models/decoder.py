@@ -62,8 +62,9 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
         )
     first = layers[0]
     if _first_attr(first, _ATTENTIONS) is None:
-        raise ModelError(f"{arch}: layer 0 has no attention module ({', '.join(_ATTENTIONS)}); ndparallel trains "
-                         f"attention decoders")
+        raise ModelError(
+            f"{arch}: layer 0 has no attention module ({', '.join(_ATTENTIONS)}); ndparallel trains attention decoders"
+        )
     layer_plan = layer_tp_plan(config)
     for path in layer_plan:
         if _get(first, path) is None:
@@ -71,18 +72,28 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
                 raise ModelError(
                     f"{arch} does not have the decoder shape ndparallel parallelizes (its layers are not built like "
                     f"Llama's: no {path!r}, and transformers ships no tensor-parallel plan for it); supported "
-                    f"families are listed in the README's model table")
+                    f"families are listed in the README's model table"
+                )
             raise ModelError(f"{arch}: the tensor-parallel plan names {path!r}, which layer 0 does not have")
     hidden = embed.weight.shape[1]
     residual_norms = [
-        name for name, child in first.named_children()
+        name
+        for name, child in first.named_children()
         if _is_norm(child) and getattr(child, "weight", None) is not None and child.weight.shape == (hidden,)
     ]
     gathered = sorted({path.split(".")[0] for path, style in layer_plan.items() if style in _GATHERING_STYLES})
     return DecoderParts(
-        model=model, base=base, layers=layers, embed=embed, final_norm=final_norm, lm_head=lm_head,
-        tied=lm_head.weight is embed.weight, layer_plan=layer_plan, residual_norms=residual_norms,
-        gathered_inputs=gathered, own_attention=model_attention_reason(config),
+        model=model,
+        base=base,
+        layers=layers,
+        embed=embed,
+        final_norm=final_norm,
+        lm_head=lm_head,
+        tied=lm_head.weight is embed.weight,
+        layer_plan=layer_plan,
+        residual_norms=residual_norms,
+        gathered_inputs=gathered,
+        own_attention=model_attention_reason(config),
     )
 
 

@@ -54,8 +54,12 @@ _OWN_PLANS = {
 # OLMo 2/3: q_norm/k_norm are RMSNorms over all heads at once (weight (heads * head_dim,)); transformers
 # therefore gathers q/k/v. Split heads and a cross-rank norm do the same arithmetic with attention split.
 _OLMO_ATTENTION = {
-    "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
-    "self_attn.o_proj": "rowwise", "self_attn.q_norm": "feature_norm", "self_attn.k_norm": "feature_norm",
+    "self_attn.q_proj": "colwise",
+    "self_attn.k_proj": "colwise",
+    "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+    "self_attn.q_norm": "feature_norm",
+    "self_attn.k_norm": "feature_norm",
 }
 _PLAN_CHANGES = {"olmo2": _OLMO_ATTENTION, "olmo3": _OLMO_ATTENTION}
 
@@ -66,10 +70,12 @@ _NOT_DECODERS = {
     "mamba": "Mamba is a state-space model without attention",
     "mamba2": "Mamba-2 is a state-space model without attention",
     "gemma3": "this Gemma 3 config is the multimodal model (vision tower + language model); "
-              "use a text-only config (model_type gemma3_text)",
+    "use a text-only config (model_type gemma3_text)",
 }
-_STATE_SPACE_WHY = ("ndparallel trains attention decoders (packed documents would leak recurrent state into each "
-                    "other, and context/tensor parallelism have no plan for the mixer)")
+_STATE_SPACE_WHY = (
+    "ndparallel trains attention decoders (packed documents would leak recurrent state into each "
+    "other, and context/tensor parallelism have no plan for the mixer)"
+)
 
 
 def family_problems(config: Any, *, tp: int, cp: int) -> list[str]:
@@ -77,19 +83,25 @@ def family_problems(config: Any, *, tp: int, cp: int) -> list[str]:
     kind = getattr(config, "model_type", "?")
     if kind in _NOT_DECODERS:
         why = _NOT_DECODERS[kind]
-        return [f"model_type {kind!r} is not supported: {why}; "
-                + (_STATE_SPACE_WHY if "state-space" in why else "it is refused on every layout")]
+        return [
+            f"model_type {kind!r} is not supported: {why}; "
+            + (_STATE_SPACE_WHY if "state-space" in why else "it is refused on every layout")
+        ]
     problems = []
     if kind == "falcon" and getattr(config, "alibi", False):
-        problems.append("Falcon with alibi=True (Falcon-RW) is not supported: its position biases come from the "
-                        "attention mask, not the position ids, so packed documents would see wrong distances")
+        problems.append(
+            "Falcon with alibi=True (Falcon-RW) is not supported: its position biases come from the "
+            "attention mask, not the position ids, so packed documents would see wrong distances"
+        )
     reason = model_attention_reason(config)
     if cp > 1 and reason:
         problems.append(f"cp_size={cp} cannot split this model's attention: {reason}; set cp_size=1")
     vocab = getattr(config, "vocab_size", None)
     if tp > 1 and vocab is not None and math.ceil(vocab / tp) * (tp - 1) >= vocab:
-        problems.append(f"tp_size={tp} leaves the last tensor-parallel rank no vocabulary rows "
-                        f"(vocab_size={vocab}); use a smaller tp_size")
+        problems.append(
+            f"tp_size={tp} leaves the last tensor-parallel rank no vocabulary rows "
+            f"(vocab_size={vocab}); use a smaller tp_size"
+        )
     return problems
 
 
@@ -109,8 +121,10 @@ def model_attention_reason(config: Any) -> str | None:
     """
     if needs_eager_attention(config):
         softcap = config.attn_logit_softcapping
-        return (f"attention-logit soft-capping (attn_logit_softcapping={softcap}) runs in transformers' eager "
-                f"attention, which ndparallel's context-parallel kernels do not implement")
+        return (
+            f"attention-logit soft-capping (attn_logit_softcapping={softcap}) runs in transformers' eager "
+            f"attention, which ndparallel's context-parallel kernels do not implement"
+        )
     if getattr(config, "model_type", None) == "falcon":
         return "Falcon calls scaled_dot_product_attention itself rather than through transformers' attention interface"
     return None
@@ -118,9 +132,13 @@ def model_attention_reason(config: Any) -> str | None:
 
 # Used when a config carries no plan but its layers look like Llama's (decoder.py checks the paths exist).
 _LLAMA_LIKE_PLAN = {
-    "layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
-    "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
-    "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise",
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
 }
 
 
@@ -139,9 +157,11 @@ def layer_tp_plan(config: Any) -> dict[str, str]:
             continue
         ours = _TRANSFORMERS_STYLES.get(style)
         if ours is None:
-            raise ModelError(f"{kind}: tensor parallelism does not support transformers' plan entry {pattern!r}: "
-                             f"{style!r}; set tp_size=1 for this model (FSDP and CP still apply)")
-        plan[pattern[len("layers.*."):]] = ours
+            raise ModelError(
+                f"{kind}: tensor parallelism does not support transformers' plan entry {pattern!r}: "
+                f"{style!r}; set tp_size=1 for this model (FSDP and CP still apply)"
+            )
+        plan[pattern[len("layers.*.") :]] = ours
     plan.update(_PLAN_CHANGES.get(kind, {}))
     if kind == "cohere" and getattr(config, "use_qk_norm", False):
         plan.update({"self_attn.q_norm": "head_norm", "self_attn.k_norm": "head_norm"})

@@ -68,8 +68,11 @@ def moe_facts(config: Any) -> MoeFacts | None:
     declared = hasattr(type(config), "router_aux_loss_coef")
     coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if declared else 0.0
     enabled = bool(getattr(config, "output_router_logits", False))
-    return MoeFacts(num_experts=num_experts_of(config), top_k=int(config.num_experts_per_tok),
-                    aux_loss_coef=coef if enabled else 0.0)
+    return MoeFacts(
+        num_experts=num_experts_of(config),
+        top_k=int(config.num_experts_per_tok),
+        aux_loss_coef=coef if enabled else 0.0,
+    )
 
 
 def has_attention_sinks(config: Any) -> bool:
@@ -90,24 +93,32 @@ def moe_problems(config: Any, *, tp: int, cp: int, ep: int) -> Iterator[str]:
     kind = getattr(config, "model_type", "this model")
     if not is_moe_config(config):
         if ep > 1:
-            yield (f"expert_parallel_size={ep} needs a mixture-of-experts model, but {kind} has no experts; "
-                   f"set expert_parallel_size=1")
+            yield (
+                f"expert_parallel_size={ep} needs a mixture-of-experts model, but {kind} has no experts; "
+                f"set expert_parallel_size=1"
+            )
         return
     experts = num_experts_of(config)
     if experts % ep:
         divisors = [d for d in range(1, experts + 1) if experts % d == 0]
-        yield (f"expert_parallel_size={ep} does not divide the model's {experts} experts; choose expert_parallel_size "
-               f"from {divisors}")
+        yield (
+            f"expert_parallel_size={ep} does not divide the model's {experts} experts; choose expert_parallel_size "
+            f"from {divisors}"
+        )
     if tp > 1:
         source = _ATTENTION_PLANS.get(kind) or getattr(config, "base_model_tp_plan", None) or {}
         attention = {k: v for k, v in source.items() if k.startswith(_ATTENTION_PREFIX)}
         odd = sorted({v for v in attention.values() if v not in _SUPPORTED_ATTENTION_STYLES})
         if not attention:
-            yield (f"tp_size={tp}: {kind}'s attention has no tensor-parallel plan in transformers; set tp_size=1 "
-                   f"(FSDP, context and expert parallelism apply)")
+            yield (
+                f"tp_size={tp}: {kind}'s attention has no tensor-parallel plan in transformers; set tp_size=1 "
+                f"(FSDP, context and expert parallelism apply)"
+            )
         elif odd:
-            yield (f"tp_size={tp}: {kind}'s attention plan uses {odd}, which ndparallel's tensor parallelism does not "
-                   f"implement; set tp_size=1 (FSDP, context and expert parallelism apply)")
+            yield (
+                f"tp_size={tp}: {kind}'s attention plan uses {odd}, which ndparallel's tensor parallelism does not "
+                f"implement; set tp_size=1 (FSDP, context and expert parallelism apply)"
+            )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -175,10 +186,16 @@ def moe_shape(config: Any) -> MoeShape | None:
     elif getattr(config, "n_shared_experts", None):  # DeepSeek
         shared = 3 * h * inter * config.n_shared_experts
     moe = len(moe_layer_indices(config))
-    return MoeShape(moe_layers=moe, dense_layers=config.num_hidden_layers - moe, num_experts=experts,
-                    top_k=int(config.num_experts_per_tok), expert_params=3 * h * inter + biases, shared_params=shared,
-                    router_params=h * experts + (experts if getattr(config, "model_type", None) == "gpt_oss" else 0),
-                    dense_mlp_params=3 * h * config.intermediate_size)
+    return MoeShape(
+        moe_layers=moe,
+        dense_layers=config.num_hidden_layers - moe,
+        num_experts=experts,
+        top_k=int(config.num_experts_per_tok),
+        expert_params=3 * h * inter + biases,
+        shared_params=shared,
+        router_params=h * experts + (experts if getattr(config, "model_type", None) == "gpt_oss" else 0),
+        dense_mlp_params=3 * h * config.intermediate_size,
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -198,8 +215,11 @@ class MoeBlock:
 def experts_module(module: nn.Module) -> bool:
     """A transformers experts module: 3-D expert weights and the experts-interface attributes."""
     weights = [getattr(module, name, None) for name in EXPERT_WEIGHTS]
-    return (hasattr(module, "has_gate") and hasattr(module, "num_experts")
-            and any(isinstance(w, nn.Parameter) and w.dim() == 3 for w in weights))
+    return (
+        hasattr(module, "has_gate")
+        and hasattr(module, "num_experts")
+        and any(isinstance(w, nn.Parameter) and w.dim() == 3 for w in weights)
+    )
 
 
 def moe_blocks(layers: nn.ModuleList) -> list[MoeBlock]:

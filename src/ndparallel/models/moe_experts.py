@@ -43,8 +43,9 @@ def adapted_weight(experts: nn.Module, name: str) -> torch.Tensor:
     return weight + delta.to(weight.dtype)
 
 
-def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counts: torch.Tensor,
-                    transposed: bool) -> torch.Tensor:
+def _grouped_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counts: torch.Tensor, transposed: bool
+) -> torch.Tensor:
     """x (N, in) grouped by expert, counts[e] rows each -> (N, out). weight (E, out, in), or (E, in, out) when
     ``transposed``; bias (E, out)."""
     w = weight if transposed else weight.transpose(1, 2)  # (E, in, out)
@@ -78,8 +79,9 @@ def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
     return inverse
 
 
-def combine(expert_out: torch.Tensor, order: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype
-            ) -> torch.Tensor:
+def combine(
+    expert_out: torch.Tensor, order: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """Rows in expert order (T*k, H) -> each token's weighted sum over its k experts (T, H)."""
     tokens, k = top_k_weights.shape
     per_choice = expert_out.index_select(0, inverse_permutation(order)).view(tokens, k, -1)

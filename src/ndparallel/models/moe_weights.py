@@ -33,9 +33,11 @@ def hub_expert_tensor(key: str, has: Callable[[str], bool], read: Callable[[str]
     if router and has(f"{router['layer']}.block_sparse_moe.gate.weight"):
         return read(f"{router['layer']}.block_sparse_moe.gate.weight")
     if has(f"{key}_blocks"):  # gpt-oss as published: MXFP4 blocks and scales
-        raise ModelError(f"the checkpoint holds {key} quantized (MXFP4 {key}_blocks / _scales); ndparallel trains from "
-                         f"unquantized weights: load it once with transformers' Mxfp4Config(dequantize=True) and "
-                         f"save_pretrained the result, then use that directory")
+        raise ModelError(
+            f"the checkpoint holds {key} quantized (MXFP4 {key}_blocks / _scales); ndparallel trains from "
+            f"unquantized weights: load it once with transformers' Mxfp4Config(dequantize=True) and "
+            f"save_pretrained the result, then use that directory"
+        )
     match = _STACKED.match(key)
     if match is None:
         return None
@@ -47,8 +49,12 @@ def hub_expert_tensor(key: str, has: Callable[[str], bool], read: Callable[[str]
         experts = _count(prefix, down, has)
         if name == "down_proj":
             return torch.stack([read(f"{prefix}.{e}.{down}.weight") for e in range(experts)])
-        return torch.stack([torch.cat([read(f"{prefix}.{e}.{gate}.weight"), read(f"{prefix}.{e}.{up}.weight")])
-                            for e in range(experts)])
+        return torch.stack(
+            [
+                torch.cat([read(f"{prefix}.{e}.{gate}.weight"), read(f"{prefix}.{e}.{up}.weight")])
+                for e in range(experts)
+            ]
+        )
     return None
 
 

@@ -13,22 +13,69 @@ _LLAMA3 = dict(num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0)
 
 PRESETS: dict[str, dict[str, Any]] = {
     # The test suite's model (tests/scenarios.py): small enough to run and measure on a CPU.
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-                 num_key_value_heads=8, vocab_size=256),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        vocab_size=256,
+    ),
     # For the built-in byte tokenizer (258 tokens and chat markers, padded to a multiple of 64).
-    "byte-tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=8,
-                      num_key_value_heads=4, vocab_size=320),
+    "byte-tiny": dict(
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=320,
+    ),
     # Llama-3.2-1B / 3B (tied embeddings), Llama-3.1-8B / 70B / 405B.
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               head_dim=64, tie_word_embeddings=True, **_LLAMA3),
-    "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
-               head_dim=128, tie_word_embeddings=True, **_LLAMA3),
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-               head_dim=128, tie_word_embeddings=False, **_LLAMA3),
-    "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                head_dim=128, tie_word_embeddings=False, **_LLAMA3),
-    "405b": dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126, num_attention_heads=128,
-                 head_dim=128, tie_word_embeddings=False, **_LLAMA3),
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        head_dim=64,
+        tie_word_embeddings=True,
+        **_LLAMA3,
+    ),
+    "3b": dict(
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        head_dim=128,
+        tie_word_embeddings=True,
+        **_LLAMA3,
+    ),
+    "8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        head_dim=128,
+        tie_word_embeddings=False,
+        **_LLAMA3,
+    ),
+    "70b": dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        head_dim=128,
+        tie_word_embeddings=False,
+        **_LLAMA3,
+    ),
+    "405b": dict(
+        hidden_size=16384,
+        intermediate_size=53248,
+        num_hidden_layers=126,
+        num_attention_heads=128,
+        head_dim=128,
+        tie_word_embeddings=False,
+        **_LLAMA3,
+    ),
 }
 
 FAMILY_PREFIX = "llama-"
@@ -39,8 +86,8 @@ def canonical_name(name: str) -> str | None:
     text = name.strip().lower()
     if text in PRESETS:
         return text
-    if text.startswith(FAMILY_PREFIX) and text[len(FAMILY_PREFIX):] in PRESETS:
-        return text[len(FAMILY_PREFIX):]
+    if text.startswith(FAMILY_PREFIX) and text[len(FAMILY_PREFIX) :] in PRESETS:
+        return text[len(FAMILY_PREFIX) :]
     return None
 
 

@@ -99,9 +99,9 @@ def block_pieces(docs: Documents, q: Side, k: Side, window: int | None) -> Piece
     q_start, q_end = start.clamp(min=q.lo), end.clamp(max=q.hi)
     k_start, k_end = start.clamp(min=k.lo), end.clamp(max=k.hi)
     if window is not None:
-        k_start = torch.maximum(k_start, q_start - window + 1)     # keys the first query can still see
+        k_start = torch.maximum(k_start, q_start - window + 1)  # keys the first query can still see
         if not causal:
-            q_end = torch.minimum(q_end, k_end - 1 + window)      # queries that still see the last key
+            q_end = torch.minimum(q_end, k_end - 1 + window)  # queries that still see the last key
     keep = (q_end > q_start) & (k_end > k_start)
     row, q_start, q_end, k_start, k_end = (t[keep] for t in (row, q_start, q_end, k_start, k_end))
     if window is None:
@@ -112,8 +112,13 @@ def block_pieces(docs: Documents, q: Side, k: Side, window: int | None) -> Piece
         # Key j is visible to query i iff j - i >= (Lk - Lq) - left, i.e. key position > query position - W.
         left = k_end - q_end + window - 1
         left = left.masked_fill((q_end - 1) - k_start < window, UNBOUNDED)  # the band covers the rectangle
-    return Pieces(q_row=q.offset(row, q_start), q_len=q_end - q_start, k_row=k.offset(row, k_start),
-                  k_len=k_end - k_start, window_left=left)
+    return Pieces(
+        q_row=q.offset(row, q_start),
+        q_len=q_end - q_start,
+        k_row=k.offset(row, k_start),
+        k_len=k_end - k_start,
+        window_left=left,
+    )
 
 
 @dataclass
@@ -173,15 +178,22 @@ def make_call(p: Pieces, *, causal: bool, window_left: int, num_keys: int, devic
     cu_q = torch.cat([zero, torch.cumsum(q_lens[used], 0)]).to(torch.int32)
     cu_k = torch.cat([zero, torch.cumsum(k_lens[used], 0)]).to(torch.int32)
     unread = _unread_keys(p, num_keys)
-    pieces = Pieces(q_row=_exclusive_cumsum(p.q_len), q_len=p.q_len, k_row=p.k_row, k_len=p.k_len,
-                    window_left=p.window_left)
+    pieces = Pieces(
+        q_row=_exclusive_cumsum(p.q_len), q_len=p.q_len, k_row=p.k_row, k_len=p.k_len, window_left=p.window_left
+    )
     q_rows = _query_rows(p)
     return VarlenCall(
-        causal=causal, window_left=window_left,
+        causal=causal,
+        window_left=window_left,
         q_rows=q_rows if isinstance(q_rows, slice) else q_rows.to(device, non_blocking=True),
-        num_q=int(p.q_len.sum()), cu_q=cu_q.to(device), cu_k=cu_k.to(device),
-        max_q=int(p.q_len.max()), max_k=int(p.k_len.max()),
-        unread_keys=unread.to(device) if unread.numel() else None, num_keys=num_keys, pieces=pieces,
+        num_q=int(p.q_len.sum()),
+        cu_q=cu_q.to(device),
+        cu_k=cu_k.to(device),
+        max_q=int(p.q_len.max()),
+        max_k=int(p.k_len.max()),
+        unread_keys=unread.to(device) if unread.numel() else None,
+        num_keys=num_keys,
+        pieces=pieces,
     )
 
 
@@ -189,8 +201,11 @@ def make_calls(p: Pieces, *, causal: bool, num_keys: int, device: torch.device) 
     """One call per distinct window (a kernel call takes one window); none when there are no pieces."""
     calls = []
     for left in torch.unique(p.window_left).tolist():
-        calls.append(make_call(p.select(p.window_left == left), causal=causal, window_left=left,
-                               num_keys=num_keys, device=device))
+        calls.append(
+            make_call(
+                p.select(p.window_left == left), causal=causal, window_left=left, num_keys=num_keys, device=device
+            )
+        )
     return calls
 
 

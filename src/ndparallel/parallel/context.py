@@ -58,8 +58,12 @@ class CPSetup:
     @classmethod
     def from_topology(cls, topology: Topology) -> "CPSetup":
         layout = topology.layout
-        return cls(cp_size=layout.cp, cp_rank=topology.cp_rank, method=layout.cp_comm_strategy,
-                   cp_group=topology.cp.get_group() if layout.cp > 1 else None)
+        return cls(
+            cp_size=layout.cp,
+            cp_rank=topology.cp_rank,
+            method=layout.cp_comm_strategy,
+            cp_group=topology.cp.get_group() if layout.cp > 1 else None,
+        )
 
 
 @dataclass(frozen=True)
@@ -112,8 +116,9 @@ class AttentionContext:
 def build_attention_context(segment_ids: torch.Tensor, topology: Topology) -> AttentionContext:
     """``segment_ids`` (B, S) of the whole rows (any device; decisions are made on the host)."""
     host = segment_ids.cpu()
-    return AttentionContext(segment_ids_host=host, single_segment=single_segment(host),
-                            setup=CPSetup.from_topology(topology))
+    return AttentionContext(
+        segment_ids_host=host, single_segment=single_segment(host), setup=CPSetup.from_topology(topology)
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -137,17 +142,22 @@ def ndparallel_attention(
     segments_host = kwargs.pop(SEGMENTS_HOST_KWARG, None)
     single = kwargs.pop(SINGLE_KWARG, None)
     if kwargs.get("softcap") is not None:
-        raise ModelError(f"attention logit soft-capping (attn_logit_softcapping={kwargs['softcap']}) is not "
-                         f"supported by ndparallel's fused attention kernels; use a model config without it")
+        raise ModelError(
+            f"attention logit soft-capping (attn_logit_softcapping={kwargs['softcap']}) is not "
+            f"supported by ndparallel's fused attention kernels; use a model config without it"
+        )
     if segments_host is None and setup.cp_size > 1:
-        raise ConfigError("the model is context-parallel: call it with the inputs of ndparallel.prepare_batch "
-                          "(batch.model_inputs()), which carry this rank's sequence chunks and their segments")
+        raise ConfigError(
+            "the model is context-parallel: call it with the inputs of ndparallel.prepare_batch "
+            "(batch.model_inputs()), which carry this rank's sequence chunks and their segments"
+        )
     if single is None:  # not ndparallel's batch: a plain call
         if attention_mask is not None or query.shape[2] != key.shape[2]:
             # The caller's own padding mask, or decoding with a KV cache: exactly transformers' SDPA path
             # (with the mask transformers built for it).
-            return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling,
-                                                   dropout=dropout, **kwargs)
+            return ALL_ATTENTION_FUNCTIONS["sdpa"](
+                module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+            )
         segments_host = _segments_of_plain_call(kwargs.get("position_ids"), query)  # host work: plain calls only
         single = single_segment(segments_host)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -157,8 +167,8 @@ def ndparallel_attention(
         # One document per row, no padding: plain causal attention (cuDNN / flash kernels). A prepared batch
         # says so in a flag, so nothing here touches the host and the layer stays one compiled graph.
         out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, is_causal=True, dropout_p=dropout, scale=scale,
-            enable_gqa=key.shape[1] != query.shape[1])
+            query, key, value, is_causal=True, dropout_p=dropout, scale=scale, enable_gqa=key.shape[1] != query.shape[1]
+        )
         return out.transpose(1, 2), None
     if dropout:
         raise ConfigError(

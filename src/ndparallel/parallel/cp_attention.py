@@ -63,9 +63,11 @@ def _local_plan(ctx, window, device):
     seq = ctx.seq_len
     whole = Side(lo=0, hi=seq, stride=seq, base=0)
     keys = ctx.batch_size * seq
-    return cached_plan(ctx.segment_ids_host, ("local", window, device),
-                       lambda docs: make_calls(block_pieces(docs, whole, whole, window), causal=True,
-                                               num_keys=keys, device=device))
+    return cached_plan(
+        ctx.segment_ids_host,
+        ("local", window, device),
+        lambda docs: make_calls(block_pieces(docs, whole, whole, window), causal=True, num_keys=keys, device=device),
+    )
 
 
 def _query_side(ctx, slot: int, chunk: int) -> Side:
@@ -75,13 +77,15 @@ def _query_side(ctx, slot: int, chunk: int) -> Side:
 
 def _allgather_plan(ctx, window, device):
     """Per local query chunk: one causal call against its prefix in the gathered, row-ordered k/v."""
+
     def build(docs):
         calls = []
         for slot, chunk in enumerate(chunk_ids(ctx.cp_rank, ctx.cp_size)):
             q = _query_side(ctx, slot, chunk)
             prefix = Side(lo=0, hi=q.hi, stride=ctx.seq_len, base=0)
-            calls += make_calls(block_pieces(docs, q, prefix, window), causal=True,
-                                num_keys=ctx.batch_size * ctx.seq_len, device=device)
+            calls += make_calls(
+                block_pieces(docs, q, prefix, window), causal=True, num_keys=ctx.batch_size * ctx.seq_len, device=device
+            )
         return calls
 
     return cached_plan(ctx.segment_ids_host, ("allgather", ctx.cp_size, ctx.cp_rank, window, device), build)
@@ -89,6 +93,7 @@ def _allgather_plan(ctx, window, device):
 
 def _ring_plan(ctx, window, device):
     """For ring step s (holding the two chunks of cp rank ``cp_rank - s``): its calls."""
+
     def build(docs):
         plan = []
         for step in range(ctx.cp_size):
@@ -98,9 +103,13 @@ def _ring_plan(ctx, window, device):
                 for k_slot, k_chunk in enumerate(chunk_ids(source, ctx.cp_size)):
                     if k_chunk <= q_chunk:
                         calls += make_calls(
-                            block_pieces(docs, _query_side(ctx, q_slot, q_chunk), _query_side(ctx, k_slot, k_chunk),
-                                         window),
-                            causal=k_chunk == q_chunk, num_keys=ctx.batch_size * 2 * ctx.chunk_len, device=device)
+                            block_pieces(
+                                docs, _query_side(ctx, q_slot, q_chunk), _query_side(ctx, k_slot, k_chunk), window
+                            ),
+                            causal=k_chunk == q_chunk,
+                            num_keys=ctx.batch_size * 2 * ctx.chunk_len,
+                            device=device,
+                        )
             plan.append(calls)
         return plan
 
@@ -121,10 +130,10 @@ def _new_accumulator(q):
 def _merge(acc_out, acc_lse, rows, out, lse) -> None:
     """Fold one call's (out, lse) into the running (out, lse) of ``rows``, by log-sum-exp."""
     o = acc_out[rows] if isinstance(rows, slice) else acc_out.index_select(0, rows)
-    l = acc_lse[rows] if isinstance(rows, slice) else acc_lse.index_select(0, rows)
-    new = torch.logaddexp(l, lse)
+    old_lse = acc_lse[rows] if isinstance(rows, slice) else acc_lse.index_select(0, rows)
+    new = torch.logaddexp(old_lse, lse)
     safe = new.masked_fill(torch.isinf(new), 0.0)
-    merged = o * torch.exp(l - safe).unsqueeze(-1) + out.float() * torch.exp(lse - safe).unsqueeze(-1)
+    merged = o * torch.exp(old_lse - safe).unsqueeze(-1) + out.float() * torch.exp(lse - safe).unsqueeze(-1)
     if isinstance(rows, slice):
         acc_out[rows], acc_lse[rows] = merged, new
     else:
@@ -149,8 +158,16 @@ def _backward_calls(grad_out, q, k, v, out, lse, calls, scale, dq, dk, dv) -> No
     """Accumulate every call's gradients (float32) into dq (query rows) and dk/dv (key rows)."""
     for call in calls:
         rows = call.q_rows
-        g_dq, g_dk, g_dv = call_backward(select_rows(grad_out, rows), select_rows(q, rows), k, v,
-                                         select_rows(out, rows), select_rows(lse, rows), call, scale)
+        g_dq, g_dk, g_dv = call_backward(
+            select_rows(grad_out, rows),
+            select_rows(q, rows),
+            k,
+            v,
+            select_rows(out, rows),
+            select_rows(lse, rows),
+            call,
+            scale,
+        )
         _add_rows(dq, rows, g_dq.float())
         dk += g_dk
         dv += g_dv
@@ -207,8 +224,7 @@ class _LocalAttention(torch.autograd.Function):
             dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
             dv = torch.zeros_like(dk)
             _backward_calls(grad_out, q, k, v, out, lse, fctx.calls, fctx.scale, dq, dk, dv)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None,
-                _sink_grad(grad_out, out, lse, sinks))
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, _sink_grad(grad_out, out, lse, sinks))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -257,8 +273,7 @@ class _AllGatherAttention(torch.autograd.Function):
         mine = dkv.new_empty((b * local_len, 2 * hkv, d))
         dist.reduce_scatter_tensor(mine, dkv.contiguous(), group=ctx.cp_group)
         dk, dv = mine.split(hkv, dim=1)
-        return (dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), None, None, None,
-                _sink_grad(grad_out, out, lse, sinks))
+        return (dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), None, None, None, _sink_grad(grad_out, out, lse, sinks))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -322,8 +337,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = kv_pending[1]
         _wait(dkv_pending[0])  # the last hop brings our own block's gradient home
         dk, dv = dkv_pending[1].split(hkv, dim=1)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None,
-                _sink_grad(grad_out, out, lse, sinks))
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, _sink_grad(grad_out, out, lse, sinks))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -353,7 +367,7 @@ def _heads_to_sequence(x, ctx, order):
     b, h, local_len, d = x.shape
     cp = ctx.cp_size
     x = x.reshape(b, cp, h // cp, local_len, d).transpose(0, 1)
-    x = _AllToAll.apply(x, ctx.cp_group)                       # (cp_src, B, h/cp, L, D)
+    x = _AllToAll.apply(x, ctx.cp_group)  # (cp_src, B, h/cp, L, D)
     x = x.permute(1, 0, 3, 2, 4).reshape(b, cp * local_len, h // cp, d)
     return x.index_select(1, order).reshape(-1, h // cp, d)
 
@@ -363,8 +377,8 @@ def _sequence_to_heads(x, ctx, inverse_order, batch):
     _, hg, d = x.shape
     cp = ctx.cp_size
     x = x.view(batch, -1, hg, d).index_select(1, inverse_order)
-    x = x.view(batch, cp, -1, hg, d).transpose(0, 1)           # (destination rank, B, L, h/cp, D)
-    x = _AllToAll.apply(x, ctx.cp_group)                       # (head group, B, L, h/cp, D)
+    x = x.view(batch, cp, -1, hg, d).transpose(0, 1)  # (destination rank, B, L, h/cp, D)
+    x = _AllToAll.apply(x, ctx.cp_group)  # (head group, B, L, h/cp, D)
     return x.permute(1, 2, 0, 3, 4).reshape(batch, x.shape[2], cp * hg, d)
 
 
@@ -377,7 +391,7 @@ def _ulysses_attention(q, k, v, ctx, scale, window, sinks):
     qs, ks, vs = (_heads_to_sequence(t, ctx, order) for t in (q, k, v))
     if sinks is not None:  # this rank's head group
         group = heads // ctx.cp_size
-        sinks = sinks[ctx.cp_rank * group:(ctx.cp_rank + 1) * group]
+        sinks = sinks[ctx.cp_rank * group : (ctx.cp_rank + 1) * group]
     calls = _local_plan(ctx, window, q.device)
     out = _LocalAttention.apply(qs, ks, vs, calls, scale, sinks)
     return _sequence_to_heads(out, ctx, torch.argsort(order), batch)

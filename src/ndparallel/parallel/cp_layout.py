@@ -72,4 +72,6 @@ def segment_ids_from(position_ids: torch.Tensor, padding: torch.Tensor | None) -
 
 def single_segment(segment_ids_host: torch.Tensor) -> bool:
     """Every row is one document with no padding (plain causal attention is exact)."""
-    return bool((segment_ids_host == segment_ids_host[:, :1]).all()) and bool((segment_ids_host[:, 0] != PAD_SEGMENT).all())
+    return bool((segment_ids_host == segment_ids_host[:, :1]).all()) and bool(
+        (segment_ids_host[:, 0] != PAD_SEGMENT).all()
+    )

@@ -65,13 +65,20 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         back = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), output_split_sizes=ctx.send, input_split_sizes=ctx.recv,
-                               group=ctx.group)
+        dist.all_to_all_single(
+            back, grad.contiguous(), output_split_sizes=ctx.send, input_split_sizes=ctx.recv, group=ctx.group
+        )
         return back, None, None, None
 
 
-def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                    top_k_weights: torch.Tensor, *, setup: ExpertSetup) -> torch.Tensor:
+def experts_forward(
+    experts: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    setup: ExpertSetup,
+) -> torch.Tensor:
     """transformers' experts signature: hidden (T, H), top_k_index / top_k_weights (T, k) -> (T, H)."""
     k = top_k_index.shape[-1]
     order = sort_by_expert(top_k_index)
@@ -87,8 +94,7 @@ def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index
 
 
 @torch.compiler.disable  # outside compiled graphs: collectives, a host sync and data-dependent sizes
-def _exchange_and_run(experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor, setup: ExpertSetup
-                      ) -> torch.Tensor:
+def _exchange_and_run(experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor, setup: ExpertSetup) -> torch.Tensor:
     ep, local_experts = setup.ep_size, setup.num_experts // setup.ep_size
     received = torch.empty_like(counts)  # [source rank][local expert]: rows each peer sends to my experts
     dist.all_to_all_single(received, counts, group=setup.ep_group)

@@ -63,10 +63,14 @@ class Fp8Spec:
 
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
-            raise ConfigError(f"fp8_recipe={self.recipe!r} is not a torchao float8 recipe; use one of {', '.join(RECIPES)}")
+            raise ConfigError(
+                f"fp8_recipe={self.recipe!r} is not a torchao float8 recipe; use one of {', '.join(RECIPES)}"
+            )
         if self.min_features < 16:
-            raise ConfigError(f"fp8_min_features={self.min_features} must be >= 16 (FP8 matrix products need "
-                              f"dimensions that are multiples of 16)")
+            raise ConfigError(
+                f"fp8_min_features={self.min_features} must be >= 16 (FP8 matrix products need "
+                f"dimensions that are multiples of 16)"
+            )
 
 
 def check_fp8_supported(device: torch.device, spec: Fp8Spec) -> None:
@@ -74,17 +78,22 @@ def check_fp8_supported(device: torch.device, spec: Fp8Spec) -> None:
     try:
         import torchao.float8  # noqa: F401
     except ImportError:
-        raise ConfigError("fp8: true needs torchao; install it with pip install 'ndparallel[fp8]' (or set fp8: "
-                          "false)") from None
+        raise ConfigError(
+            "fp8: true needs torchao; install it with pip install 'ndparallel[fp8]' (or set fp8: false)"
+        ) from None
     if spec.emulate:
         return
     if device.type != "cuda":
-        raise ConfigError(f"fp8: true needs an NVIDIA GPU with FP8 tensor cores (compute capability >= 8.9), but this "
-                          f"run is on {device.type}; set fp8: false")
+        raise ConfigError(
+            f"fp8: true needs an NVIDIA GPU with FP8 tensor cores (compute capability >= 8.9), but this "
+            f"run is on {device.type}; set fp8: false"
+        )
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
-        raise ConfigError(f"fp8: true needs compute capability >= 8.9 (Ada, Hopper or newer), but "
-                          f"{torch.cuda.get_device_name(device)} has {major}.{minor}; set fp8: false")
+        raise ConfigError(
+            f"fp8: true needs compute capability >= 8.9 (Ada, Hopper or newer), but "
+            f"{torch.cuda.get_device_name(device)} has {major}.{minor}; set fp8: false"
+        )
 
 
 def fp8_linear_names(parts: DecoderParts, spec: Fp8Spec) -> list[str]:
@@ -120,13 +129,16 @@ def convert_to_fp8(parts: DecoderParts, spec: Fp8Spec, *, fsdp_size: int) -> lis
     if all_gather is None:
         all_gather = spec.recipe == "tensorwise" and fsdp_size > 1
     if all_gather and spec.recipe != "tensorwise":
-        raise ConfigError(f"fp8_enable_fsdp_float8_all_gather works with fp8_recipe: tensorwise only (not "
-                          f"{spec.recipe!r}); set it to false or use the tensorwise recipe")
+        raise ConfigError(
+            f"fp8_enable_fsdp_float8_all_gather works with fp8_recipe: tensorwise only (not "
+            f"{spec.recipe!r}); set it to false or use the tensorwise recipe"
+        )
     config = Float8LinearConfig.from_recipe_name(spec.recipe)
     config = _with(config, enable_fsdp_float8_all_gather=bool(all_gather and fsdp_size > 1), emulate=spec.emulate)
     names = {id(m): _compat.canonical_name(n) for n, m in parts.model.named_modules()}
-    convert_to_float8_training(parts.model, config=config,
-                               module_filter_fn=lambda module, _fqn: names.get(id(module)) in chosen)
+    convert_to_float8_training(
+        parts.model, config=config, module_filter_fn=lambda module, _fqn: names.get(id(module)) in chosen
+    )
     return sorted(chosen)
 
 
@@ -148,8 +160,10 @@ def tp_style_classes(module: nn.Module) -> tuple[type, type]:
     if not is_float8_linear(module):
         return ColwiseParallel, RowwiseParallel
     if module.config.cast_config_input.scaling_granularity.value != "tensorwise":
-        raise ConfigError("fp8 with tensor parallelism needs fp8_recipe: tensorwise (torchao's float8 tensor-parallel "
-                          "styles assume one scale per tensor); use it, or tp_size: 1")
+        raise ConfigError(
+            "fp8 with tensor parallelism needs fp8_recipe: tensorwise (torchao's float8 tensor-parallel "
+            "styles assume one scale per tensor); use it, or tp_size: 1"
+        )
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
     return Float8ColwiseParallel, Float8RowwiseParallel
@@ -160,8 +174,12 @@ def fp8_post_step_hook(model: nn.Module):
     all-reduce for all of them), or None when no weight is all-gathered in float8."""
     from torch.distributed.tensor import DTensor
 
-    uses = any(is_float8_linear(m) and isinstance(m.weight, DTensor)
-               and type(m.weight.to_local()).__name__ == "WeightWithDynamicFloat8CastTensor" for m in model.modules())
+    uses = any(
+        is_float8_linear(m)
+        and isinstance(m.weight, DTensor)
+        and type(m.weight.to_local()).__name__ == "WeightWithDynamicFloat8CastTensor"
+        for m in model.modules()
+    )
     if not uses:
         return None
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp

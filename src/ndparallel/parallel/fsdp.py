@@ -46,15 +46,23 @@ def apply_fsdp(
 
     for module, mesh in inner_units:
         # A partial-reshard rank count belongs to the layers' mesh; these units reshard fully (or not at all).
-        fully_shard(module, mesh=mesh, mp_policy=mp, offload_policy=offload,
-                    reshard_after_forward=reshard_after_forward is not False and mesh.size() > 1)
+        fully_shard(
+            module,
+            mesh=mesh,
+            mp_policy=mp,
+            offload_policy=offload,
+            reshard_after_forward=reshard_after_forward is not False and mesh.size() > 1,
+        )
     groups = wrap_units(list(parts.layers), wrap)
     for i, group in enumerate(groups):
         # The last unit runs first in backward: keeping it gathered saves one all-gather. The others keep
         # the setting as given (an int N means: sharded over N ranks between forward and backward).
         last = i == len(groups) - 1
-        fully_shard(group[0] if len(group) == 1 else group, reshard_after_forward=False if last else reshard_after_forward,
-                    **common)
+        fully_shard(
+            group[0] if len(group) == 1 else group,
+            reshard_after_forward=False if last else reshard_after_forward,
+            **common,
+        )
     if groups and not parts.tied:
         # Embedding and head in units of their own, so a large vocabulary is not held gathered all step.
         fully_shard(parts.embed, reshard_after_forward=reshard_after_forward, **common)
@@ -71,11 +79,15 @@ def _check_reshard(reshard_after_forward: bool | int, *, shard_size: int, parts:
         return
     if any(isinstance(p, DTensor) for p in parts.model.parameters()):
         # FSDP2 cannot reshard a tensor-parallel (DTensor) parameter to a smaller group after forward.
-        raise ConfigError(f"reshard_after_forward={reshard_after_forward} (a number of ranks) cannot be combined with "
-                          f"tensor_parallel_size > 1; use true or false")
+        raise ConfigError(
+            f"reshard_after_forward={reshard_after_forward} (a number of ranks) cannot be combined with "
+            f"tensor_parallel_size > 1; use true or false"
+        )
     if not (1 < reshard_after_forward < shard_size and shard_size % reshard_after_forward == 0):
-        raise ConfigError(f"reshard_after_forward={reshard_after_forward} must be a divisor of the FSDP shard size "
-                          f"{shard_size} other than 1 and {shard_size} (or true/false)")
+        raise ConfigError(
+            f"reshard_after_forward={reshard_after_forward} must be a divisor of the FSDP shard size "
+            f"{shard_size} other than 1 and {shard_size} (or true/false)"
+        )
 
 
 def wrap_units(layers: list[torch.nn.Module], wrap: str | int) -> list[list[torch.nn.Module]]:

@@ -93,8 +93,9 @@ class SingleRankParams:
         base = self.master_flat.data_ptr()
         size = self.master_flat.element_size()
         return all(slot.master.data_ptr() == base + slot.offset * size for slot in self.slots) and (
-            self.swapped_in or all(getattr(module, name) is slot.master
-                                   for slot in self.slots for module, name in slot.owners))
+            self.swapped_in
+            or all(getattr(module, name) is slot.master for slot in self.slots for module, name in slot.owners)
+        )
 
     def allocate(self, *, keep_values: bool) -> None:
         """Give every master a view of a new flat buffer on its device (values copied if ``keep_values``)."""
@@ -108,7 +109,7 @@ class SingleRankParams:
             offset += _aligned(slot.numel)
         master_flat = torch.zeros(offset, dtype=dtype, device=device)
         for slot in self.slots:
-            view = master_flat[slot.offset:slot.offset + slot.numel].view(slot.master.shape)
+            view = master_flat[slot.offset : slot.offset + slot.numel].view(slot.master.shape)
             if keep_values:
                 view.copy_(slot.master.detach())
             slot.master.data = view  # same Parameter object: optimizers built before keep working
@@ -123,7 +124,7 @@ class SingleRankParams:
         self._make_compute_copies()
 
     def _grad_view(self, slot: Slot) -> torch.Tensor:
-        return self.grad_flat[slot.offset:slot.offset + slot.numel].view(slot.master.shape)
+        return self.grad_flat[slot.offset : slot.offset + slot.numel].view(slot.master.shape)
 
     def _make_compute_copies(self) -> None:
         for handle in self._grad_hooks:
@@ -133,11 +134,13 @@ class SingleRankParams:
             self.compute_flat = None
             for slot in self.slots:
                 if slot.master.requires_grad:
-                    self._grad_hooks.append(slot.master.register_post_accumulate_grad_hook(self._master_grad_hook(slot)))
+                    self._grad_hooks.append(
+                        slot.master.register_post_accumulate_grad_hook(self._master_grad_hook(slot))
+                    )
             return
         self.compute_flat = self.master_flat.to(self.compute_dtype)
         for slot in self.slots:
-            view = self.compute_flat[slot.offset:slot.offset + slot.numel].view(slot.master.shape)
+            view = self.compute_flat[slot.offset : slot.offset + slot.numel].view(slot.master.shape)
             slot.compute = nn.Parameter(view, requires_grad=slot.master.requires_grad)
             slot.cast_version = _compat.tensor_version(slot.master)
             if slot.master.requires_grad:

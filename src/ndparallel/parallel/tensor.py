@@ -50,7 +50,8 @@ def apply_tensor_parallel(parts: DecoderParts, tp_mesh: DeviceMesh) -> None:
     if tp_mesh.size() == 1:
         return
     parallelize_module(
-        parts.embed, tp_mesh,
+        parts.embed,
+        tp_mesh,
         RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
     )
     for layer in parts.layers:
@@ -62,7 +63,8 @@ def apply_tensor_parallel(parts: DecoderParts, tp_mesh: DeviceMesh) -> None:
     parallelize_module(parts.final_norm, tp_mesh, SequenceParallel())
     head_colwise, _ = tp_style_classes(parts.lm_head)
     parallelize_module(
-        parts.lm_head, tp_mesh,
+        parts.lm_head,
+        tp_mesh,
         head_colwise(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=True),
     )
     if parts.tied:
@@ -80,8 +82,11 @@ def _style(name: str, module: nn.Module) -> ParallelStyle:
         return colwise(output_layouts=Replicate())
     if name in ("rowwise", "rowwise_split"):
         # rowwise_split gets the whole feature dim (Replicate) and keeps its slice; rowwise gets the slice.
-        return rowwise(input_layouts=Replicate() if name == "rowwise_split" else Shard(-1),
-                       output_layouts=Shard(1), use_local_output=False)
+        return rowwise(
+            input_layouts=Replicate() if name == "rowwise_split" else Shard(-1),
+            output_layouts=Shard(1),
+            use_local_output=False,
+        )
     if name == "qk_norm":  # input (B, S, heads/t, head_dim), heads split over tp
         return SequenceParallel(sequence_dim=2, use_local_output=True)
     if name == "head_norm":  # weight (heads, head_dim), input (B, S, heads/t, head_dim)

@@ -29,8 +29,17 @@ def call_forward(q, k, v, call: VarlenCall, scale: float) -> tuple[torch.Tensor,
     """(out, lse) of the call's query rows; ``q`` holds exactly those rows."""
     if _compat.flash_varlen_supported(q):
         out, lse = _compat.varlen_attention_forward(
-            q, k, v, call.cu_q, call.cu_k, call.max_q, call.max_k, causal=call.causal,
-            window_left=call.window_left, scale=scale)
+            q,
+            k,
+            v,
+            call.cu_q,
+            call.cu_k,
+            call.max_q,
+            call.max_k,
+            causal=call.causal,
+            window_left=call.window_left,
+            scale=scale,
+        )
         return out, lse.t()
     return _dense_forward(q, k, v, call, scale)
 
@@ -39,8 +48,20 @@ def call_backward(grad_out, q, k, v, out, lse, call: VarlenCall, scale: float):
     """(dq, dk, dv) given the MERGED ``out`` and ``lse`` of the call's rows; dk/dv over all key rows."""
     if _compat.flash_varlen_supported(q):
         dq, dk, dv = _compat.varlen_attention_backward(
-            grad_out.contiguous(), q, k, v, out.contiguous(), lse.t().contiguous(), call.cu_q, call.cu_k,
-            call.max_q, call.max_k, causal=call.causal, window_left=call.window_left, scale=scale)
+            grad_out.contiguous(),
+            q,
+            k,
+            v,
+            out.contiguous(),
+            lse.t().contiguous(),
+            call.cu_q,
+            call.cu_k,
+            call.max_q,
+            call.max_k,
+            causal=call.causal,
+            window_left=call.window_left,
+            scale=scale,
+        )
         if call.unread_keys is not None:  # the kernel need not write the rows of filler sequences
             dk.index_fill_(0, call.unread_keys, 0.0)
             dv.index_fill_(0, call.unread_keys, 0.0)
@@ -81,8 +102,14 @@ def _buckets(call: VarlenCall, device: torch.device) -> list[dict]:
         mask = None
         if not square_causal:
             mask = _visibility(q_len, k_len, p.window_left[sel], lq, lk, causal=call.causal).to(device)
-        buckets.append({"q": q_index.to(device), "k": k_index.to(device), "mask": mask,
-                        "q_real": (q_index < call.num_q).flatten().to(device)})
+        buckets.append(
+            {
+                "q": q_index.to(device),
+                "k": k_index.to(device),
+                "mask": mask,
+                "q_real": (q_index < call.num_q).flatten().to(device),
+            }
+        )
     call.cache[("dense", device)] = buckets
     return buckets
 
@@ -91,13 +118,13 @@ def _visibility(q_len, k_len, left, lq: int, lk: int, *, causal: bool) -> torch.
     """(P, 1, lq, lk) bool: the call's visibility rule per piece; padded query rows see key 0 only."""
     i = torch.arange(lq)[None, :, None]
     j = torch.arange(lk)[None, None, :]
-    diag = (k_len - q_len)[:, :, None]                       # bottom-right alignment
+    diag = (k_len - q_len)[:, :, None]  # bottom-right alignment
     visible = (i < q_len[:, :, None]) & (j < k_len[:, :, None])
     if causal:
         visible &= j - i <= diag
     bounded = (left != UNBOUNDED)[:, None, None]
     visible &= ~bounded | (j - i >= diag - left[:, None, None])
-    visible |= (i >= q_len[:, :, None]) & (j == 0)            # keeps padded rows finite; never read
+    visible |= (i >= q_len[:, :, None]) & (j == 0)  # keeps padded rows finite; never read
     return visible[:, None]
 
 
@@ -119,13 +146,18 @@ def _dense_forward(q, k, v, call: VarlenCall, scale: float):
     out = q.new_empty(q.shape)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     for bucket in _buckets(call, q.device):
-        o, l = _compat.attention_forward_with_lse(
-            _padded(q, bucket["q"], heads), _padded(k, bucket["k"], heads), _padded(v, bucket["k"], heads),
-            bias=_bias(bucket["mask"], q.dtype), is_causal=bucket["mask"] is None, scale=scale)
+        o, part_lse = _compat.attention_forward_with_lse(
+            _padded(q, bucket["q"], heads),
+            _padded(k, bucket["k"], heads),
+            _padded(v, bucket["k"], heads),
+            bias=_bias(bucket["mask"], q.dtype),
+            is_causal=bucket["mask"] is None,
+            scale=scale,
+        )
         real = bucket["q_real"]
         rows = bucket["q"].flatten()[real]
         out.index_copy_(0, rows, o.transpose(1, 2).reshape(-1, heads, d)[real].to(out.dtype))
-        lse.index_copy_(0, rows, l.transpose(1, 2).reshape(-1, heads)[real].float())
+        lse.index_copy_(0, rows, part_lse.transpose(1, 2).reshape(-1, heads)[real].float())
     return out, lse
 
 
@@ -139,9 +171,16 @@ def _dense_backward(grad_out, q, k, v, out, lse, call: VarlenCall, scale: float)
     for bucket in _buckets(call, q.device):
         qi, ki = bucket["q"], bucket["k"]
         g_dq, g_dk, g_dv = _compat.attention_backward(
-            _padded(grad_out.to(q.dtype), qi, heads), _padded(q, qi, heads), _padded(k, ki, heads),
-            _padded(v, ki, heads), _padded(out.to(q.dtype), qi, heads), lse_padded[qi].transpose(1, 2).contiguous(),
-            bias=_bias(bucket["mask"], q.dtype), is_causal=bucket["mask"] is None, scale=scale)
+            _padded(grad_out.to(q.dtype), qi, heads),
+            _padded(q, qi, heads),
+            _padded(k, ki, heads),
+            _padded(v, ki, heads),
+            _padded(out.to(q.dtype), qi, heads),
+            lse_padded[qi].transpose(1, 2).contiguous(),
+            bias=_bias(bucket["mask"], q.dtype),
+            is_causal=bucket["mask"] is None,
+            scale=scale,
+        )
         real = bucket["q_real"]
         dq.index_copy_(0, qi.flatten()[real], g_dq.transpose(1, 2).reshape(-1, heads, d)[real].float())
         group = heads // kv_heads  # GQA: sum the expanded heads back onto their key/value head

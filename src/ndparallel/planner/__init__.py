@@ -37,8 +37,24 @@ from ndparallel.planner.shapes import PRESETS, ModelShape, load_model_shape
 from ndparallel.planner.workload import Workload
 
 __all__ = [
-    "ActivationBytes", "activation_bytes", "valid_layouts",
-    "add_plan_arguments", "run_plan", "AxisComm", "comm_per_step", "PlanRow", "Cluster", "MemoryEstimate",
-    "estimate_memory", "LayoutChoice", "best_layout", "plan", "format_table", "to_json", "PRESETS", "ModelShape",
-    "load_model_shape", "Workload",
+    "ActivationBytes",
+    "activation_bytes",
+    "valid_layouts",
+    "add_plan_arguments",
+    "run_plan",
+    "AxisComm",
+    "comm_per_step",
+    "PlanRow",
+    "Cluster",
+    "MemoryEstimate",
+    "estimate_memory",
+    "LayoutChoice",
+    "best_layout",
+    "plan",
+    "format_table",
+    "to_json",
+    "PRESETS",
+    "ModelShape",
+    "load_model_shape",
+    "Workload",
 ]

@@ -120,8 +120,9 @@ def attention_none(m: ModelShape, layout: Layout, seq: int, b: int, e: int) -> f
     return b * s * (e * (3 * q + 2 * kv_width_alltoall(m, layout)) + 4 * n) / t + 16 * seq
 
 
-def layer_none(m: ModelShape, layout: Layout, seq: int, b: int, e: int, lora_rank: int | None = None,
-               compiled: bool = False) -> float:
+def layer_none(
+    m: ModelShape, layout: Layout, seq: int, b: int, e: int, lora_rank: int | None = None, compiled: bool = False
+) -> float:
     """Bytes one decoder layer keeps for backward without checkpointing (LoRA: frozen base, 7 adapters)."""
     t, s = layout.tp, seq // layout.cp
     frozen = bool(lora_rank)
@@ -140,7 +141,7 @@ def layer_selective(m: ModelShape, layout: Layout, seq: int, b: int, e: int) -> 
     kernel = (e * m.q_dim + 4 * m.heads) / t
     if c > 1 and layout.cp_comm_strategy == "ring":
         kernel *= c + 0.5  # 2cp+1 cached blocks of s/2 tokens
-    per_token = (e * h / t + e * (m.q_dim + 2 * m.kv_dim) / t + 2 * e * h + 2 * e * m.intermediate / t + kernel)
+    per_token = e * h / t + e * (m.q_dim + 2 * m.kv_dim) / t + 2 * e * h + 2 * e * m.intermediate / t + kernel
     return b * s * per_token
 
 
@@ -149,8 +150,16 @@ def layer_full(m: ModelShape, layout: Layout, seq: int, b: int, e: int) -> float
     return b * (seq // layout.cp) * e * m.hidden / layout.tp
 
 
-def activation_bytes(m: ModelShape, layout: Layout, seq: int, b: int, mode: str, e: int = 2,
-                     lora_rank: int | None = None, compiled: bool = False) -> ActivationBytes:
+def activation_bytes(
+    m: ModelShape,
+    layout: Layout,
+    seq: int,
+    b: int,
+    mode: str,
+    e: int = 2,
+    lora_rank: int | None = None,
+    compiled: bool = False,
+) -> ActivationBytes:
     """Activation memory of one rank for a micro-batch of ``b`` rows of ``seq`` tokens (compiled layers:
     ``compiled``)."""
     t, s = layout.tp, seq // layout.cp
@@ -172,8 +181,14 @@ def activation_bytes(m: ModelShape, layout: Layout, seq: int, b: int, mode: str,
     layers = m.layers * per_layer
     if lora_rank and mode == "none":
         layers -= b * s * (4 * m.hidden + 4) / t  # the first layer's input norm: nothing needs a gradient
-    return ActivationBytes(per_layer=per_layer, layers=layers, embedding=embedding, head=head,
-                           loss_saved=loss_saved, layer_recompute=recompute)
+    return ActivationBytes(
+        per_layer=per_layer,
+        layers=layers,
+        embedding=embedding,
+        head=head,
+        loss_saved=loss_saved,
+        layer_recompute=recompute,
+    )
 
 
 def loss_peak(m: ModelShape, layout: Layout, seq: int, b: int, e: int, compiled: bool = False) -> float:

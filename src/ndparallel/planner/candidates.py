@@ -43,12 +43,11 @@ def layout_problems(layout: Layout, model: ModelShape, seq_len: int) -> list[str
     return problems
 
 
-def valid_layouts(model: ModelShape, world: int, seq_len: int,
-                  cp_methods: Sequence[str] = CP_METHODS) -> list[Layout]:
+def valid_layouts(model: ModelShape, world: int, seq_len: int, cp_methods: Sequence[str] = CP_METHODS) -> list[Layout]:
     """Every valid layout of ``world`` ranks, in enumeration order."""
     out = []
     for r, s, c, t in factorizations(world):
-        for method in (cp_methods if c > 1 else ("allgather",)):
+        for method in cp_methods if c > 1 else ("allgather",):
             layout = Layout(dp_replicate=r, dp_shard=s, cp=c, tp=t, cp_comm_strategy=method)
             if not layout_problems(layout, model, seq_len):
                 out.append(layout)
@@ -68,8 +67,9 @@ class Knobs:
     workload.py."""
 
 
-def knob_choices(rows_per_rank: int, micro_batch_sizes: Sequence[int], ac_modes: Sequence[str],
-                 gradient_sync_modes: Sequence[str]) -> list[Knobs]:
+def knob_choices(
+    rows_per_rank: int, micro_batch_sizes: Sequence[int], ac_modes: Sequence[str], gradient_sync_modes: Sequence[str]
+) -> list[Knobs]:
     """Micro-batch sizes that divide a data rank's rows, each with every AC mode and sync policy (one
     policy without accumulation, where they do the same)."""
     out = []

@@ -18,13 +18,13 @@ import sys
 
 from ndparallel.errors import ConfigError
 from ndparallel.layout import AXES, CP_METHODS
+from ndparallel.models import presets
 from ndparallel.planner.gpus import DEFAULT_GPU, GPUS, gpu_preset
 from ndparallel.planner.hardware import Cluster
 from ndparallel.planner.plan import plan
 from ndparallel.planner.report import format_table, header, to_json
 from ndparallel.planner.shapes import load_model_shape
 from ndparallel.planner.workload import GRAD_SYNC, PRECISIONS, Workload
-from ndparallel.models import presets
 
 DEFAULT_BATCH_TOKENS = 1 << 20
 
@@ -58,14 +58,24 @@ def _methods(text: str) -> tuple[str, ...]:
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the planner's options to ``parser`` (a subcommand's parser) and return it."""
-    parser.add_argument("--model", required=True,
-                        help=f"preset ({presets.choices()}), a local model directory or config.json, or inline "
-                             f"JSON such as '{{\"hidden_size\": 4096, ...}}'")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help=f"preset ({presets.choices()}), a local model directory or config.json, or inline "
+        f"JSON such as '{{\"hidden_size\": 4096, ...}}'",
+    )
     hw = parser.add_argument_group("machines")
-    hw.add_argument("--gpu", choices=tuple(GPUS), default=None,
-                    help=f"GPU preset: memory, peak FLOP/s, HBM, NVLink and network speeds (default {DEFAULT_GPU})")
-    hw.add_argument("--measure", action="store_true",
-                    help="time this machine's GPU on the model's kernels first (seconds; cached per machine)")
+    hw.add_argument(
+        "--gpu",
+        choices=tuple(GPUS),
+        default=None,
+        help=f"GPU preset: memory, peak FLOP/s, HBM, NVLink and network speeds (default {DEFAULT_GPU})",
+    )
+    hw.add_argument(
+        "--measure",
+        action="store_true",
+        help="time this machine's GPU on the model's kernels first (seconds; cached per machine)",
+    )
     hw.add_argument("--remeasure", action="store_true", help="like --measure, ignoring the cache")
     hw.add_argument("--nodes", type=int, default=1)
     hw.add_argument("--gpus-per-node", type=int, default=8)
@@ -73,23 +83,39 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     hw.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per GPU (overrides the preset)")
     hw.add_argument("--hbm-gbps", type=float, help="device memory GB/s (overrides the preset)")
     hw.add_argument("--intra-node-gbps", type=float, help="GPU-to-GPU GB/s per direction inside a node (NVLink)")
-    hw.add_argument("--inter-node-gbps", type=float,
-                    help="network GB/s per GPU per direction; one 400 Gb/s NIC per GPU = 50")
+    hw.add_argument(
+        "--inter-node-gbps", type=float, help="network GB/s per GPU per direction; one 400 Gb/s NIC per GPU = 50"
+    )
     hw.add_argument("--headroom", type=float, default=Cluster.headroom, help="usable fraction of memory (0.9)")
     work = parser.add_argument_group("training step")
     work.add_argument("--seq-len", type=int, required=True, help="tokens per row")
     batch = work.add_mutually_exclusive_group()
     batch.add_argument("--global-batch", type=int, help="rows per optimizer step")
-    batch.add_argument("--global-batch-tokens", type=int,
-                       help=f"tokens per optimizer step (default {DEFAULT_BATCH_TOKENS} when no batch is given)")
-    work.add_argument("--micro-batch-sizes", type=_int_list, default=(1, 2, 4, 8),
-                      help="rows per forward to consider, comma-separated (default 1,2,4,8); the rest of a data "
-                           "rank's rows are gradient accumulation")
-    work.add_argument("--gradient-sync", choices=GRAD_SYNC, default="auto",
-                      help="with accumulation, the trainer's gradient_sync: every_micro_batch (reduce-scatter each; "
-                           "the default), last_micro_batch (full fp32 gradients kept until the last), auto (both)")
-    work.add_argument("--precision", choices=PRECISIONS, default="bf16",
-                      help="bf16: bf16 compute, fp32 master weights/gradients/AdamW (default); fp32")
+    batch.add_argument(
+        "--global-batch-tokens",
+        type=int,
+        help=f"tokens per optimizer step (default {DEFAULT_BATCH_TOKENS} when no batch is given)",
+    )
+    work.add_argument(
+        "--micro-batch-sizes",
+        type=_int_list,
+        default=(1, 2, 4, 8),
+        help="rows per forward to consider, comma-separated (default 1,2,4,8); the rest of a data "
+        "rank's rows are gradient accumulation",
+    )
+    work.add_argument(
+        "--gradient-sync",
+        choices=GRAD_SYNC,
+        default="auto",
+        help="with accumulation, the trainer's gradient_sync: every_micro_batch (reduce-scatter each; "
+        "the default), last_micro_batch (full fp32 gradients kept until the last), auto (both)",
+    )
+    work.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="bf16",
+        help="bf16: bf16 compute, fp32 master weights/gradients/AdamW (default); fp32",
+    )
     work.add_argument("--compile", action="store_true", help="torch.compile each layer and the loss")
     work.add_argument("--fp8", action="store_true", help="float8 matmuls in the decoder layers (tensorwise)")
     work.add_argument("--doc-len", type=int, help="packed rows of documents this long (attention per document)")
@@ -97,8 +123,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     work.add_argument("--lora-rank", type=int, default=None, help="plan LoRA fine-tuning of rank r (frozen base)")
     lay = parser.add_argument_group("layouts")
     lay.add_argument("--layout", type=_layout, help="evaluate only this layout: dp_replicate,dp_shard,cp,tp")
-    lay.add_argument("--cp-methods", type=_methods, default=CP_METHODS,
-                     help="CP methods to consider (default allgather,ring,alltoall)")
+    lay.add_argument(
+        "--cp-methods",
+        type=_methods,
+        default=CP_METHODS,
+        help="CP methods to consider (default allgather,ring,alltoall)",
+    )
     parser.add_argument("--top", type=int, default=10, help="rows to print")
     parser.add_argument("--json", action="store_true", help="print every row as JSON instead of the table")
     return parser
@@ -112,13 +142,25 @@ def cluster_from_args(args: argparse.Namespace, model, workload: Workload) -> Cl
         from ndparallel.planner.probe import measure
 
         micro = max(workload.micro_batch_sizes)
-        gpu, efficiency = measure(model, tokens=micro * workload.seq_len, fp8=workload.fp8, device="cuda",
-                                  refresh=args.remeasure)
+        gpu, efficiency = measure(
+            model, tokens=micro * workload.seq_len, fp8=workload.fp8, device="cuda", refresh=args.remeasure
+        )
         measured = True
-    gpu = gpu.with_overrides(memory_gib=args.memory_gib, bf16_tflops=args.peak_tflops, hbm_gbps=args.hbm_gbps,
-                             intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps)
-    return Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu=gpu, efficiency=efficiency,
-                   measured=measured, headroom=args.headroom)
+    gpu = gpu.with_overrides(
+        memory_gib=args.memory_gib,
+        bf16_tflops=args.peak_tflops,
+        hbm_gbps=args.hbm_gbps,
+        intra_node_gbps=args.intra_node_gbps,
+        inter_node_gbps=args.inter_node_gbps,
+    )
+    return Cluster(
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        gpu=gpu,
+        efficiency=efficiency,
+        measured=measured,
+        headroom=args.headroom,
+    )
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -127,17 +169,28 @@ def run_plan(args: argparse.Namespace) -> int:
         model = load_model_shape(args.model)
         if args.global_batch is None and args.global_batch_tokens is None:
             args.global_batch_tokens = DEFAULT_BATCH_TOKENS
-        workload = Workload(seq_len=args.seq_len, global_batch_rows=args.global_batch,
-                            global_batch_tokens=args.global_batch_tokens, micro_batch_sizes=args.micro_batch_sizes,
-                            precision=args.precision, activation_checkpointing=args.activation_checkpointing,
-                            lora_rank=args.lora_rank, cp_methods=args.cp_methods, gradient_sync=args.gradient_sync,
-                            compile=args.compile, fp8=args.fp8, doc_len=args.doc_len)
+        workload = Workload(
+            seq_len=args.seq_len,
+            global_batch_rows=args.global_batch,
+            global_batch_tokens=args.global_batch_tokens,
+            micro_batch_sizes=args.micro_batch_sizes,
+            precision=args.precision,
+            activation_checkpointing=args.activation_checkpointing,
+            lora_rank=args.lora_rank,
+            cp_methods=args.cp_methods,
+            gradient_sync=args.gradient_sync,
+            compile=args.compile,
+            fp8=args.fp8,
+            doc_len=args.doc_len,
+        )
         cluster = cluster_from_args(args, model, workload)
         constraints = dict(zip(AXES, args.layout)) if args.layout else None
         if args.layout and math.prod(args.layout) != cluster.world_size:
-            raise ConfigError(f"--layout {','.join(map(str, args.layout))} uses {math.prod(args.layout)} GPUs but "
-                              f"the cluster has {cluster.world_size} (--nodes {args.nodes} x --gpus-per-node "
-                              f"{args.gpus_per_node}); make the product match")
+            raise ConfigError(
+                f"--layout {','.join(map(str, args.layout))} uses {math.prod(args.layout)} GPUs but "
+                f"the cluster has {cluster.world_size} (--nodes {args.nodes} x --gpus-per-node "
+                f"{args.gpus_per_node}); make the product match"
+            )
         rows = plan(model, cluster, workload, constraints=constraints)
     except ConfigError as exc:
         print(f"ndparallel plan: {exc}", file=sys.stderr)

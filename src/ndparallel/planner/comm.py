@@ -176,9 +176,17 @@ AXIS_TRAFFIC: dict[str, Callable[[ModelShape, Layout, StepShape], Traffic | None
 }
 
 
-def comm_per_step(model: ModelShape, layout: Layout, workload: Workload, cluster: Cluster, *, micro_batch: int,
-                  accumulation: int, activation_checkpointing: str,
-                  gradient_sync: str = "every_micro_batch") -> dict[str, AxisComm]:
+def comm_per_step(
+    model: ModelShape,
+    layout: Layout,
+    workload: Workload,
+    cluster: Cluster,
+    *,
+    micro_batch: int,
+    accumulation: int,
+    activation_checkpointing: str,
+    gradient_sync: str = "every_micro_batch",
+) -> dict[str, AxisComm]:
     """Per-axis traffic of one optimizer step; axes of size 1 are left out."""
     step = StepShape(workload, micro_batch, accumulation, activation_checkpointing, gradient_sync)
     placement = group_placement(layout, cluster.gpus_per_node)
@@ -192,7 +200,15 @@ def comm_per_step(model: ModelShape, layout: Layout, workload: Workload, cluster
         bandwidth, latency = cluster.link(crosses, per_node, got.pattern, size)
         every_s = accumulation * (got.every_bytes / bandwidth + got.every_calls * latency)
         last_s = got.last_bytes / bandwidth + got.last_calls * latency
-        out[axis] = AxisComm(axis, accumulation * got.every_bytes + got.last_bytes,
-                             accumulation * got.every_calls + got.last_calls, crosses, every_s + last_s, last_s,
-                             per_node, got.pattern, size)
+        out[axis] = AxisComm(
+            axis,
+            accumulation * got.every_bytes + got.last_bytes,
+            accumulation * got.every_calls + got.last_calls,
+            crosses,
+            every_s + last_s,
+            last_s,
+            per_node,
+            got.pattern,
+            size,
+        )
     return out

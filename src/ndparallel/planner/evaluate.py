@@ -40,8 +40,13 @@ class PlanRow:
     def to_dict(self) -> dict[str, Any]:
         lay = self.layout
         return {
-            "layout": {"dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "cp": lay.cp, "tp": lay.tp,
-                       "cp_comm_strategy": lay.cp_comm_strategy},
+            "layout": {
+                "dp_replicate": lay.dp_replicate,
+                "dp_shard": lay.dp_shard,
+                "cp": lay.cp,
+                "tp": lay.tp,
+                "cp_comm_strategy": lay.cp_comm_strategy,
+            },
             "micro_batch": self.micro_batch,
             "accumulation": self.accumulation,
             "activation_checkpointing": self.activation_checkpointing,
@@ -64,30 +69,67 @@ class PlanRow:
         mem = {k: v for k, v in d["memory_bytes"].items() if k not in ("allocated", "total")}
         return cls(
             layout=Layout(**d["layout"]),
-            micro_batch=d["micro_batch"], accumulation=d["accumulation"],
-            activation_checkpointing=d["activation_checkpointing"], gradient_sync=d["gradient_sync"],
+            micro_batch=d["micro_batch"],
+            accumulation=d["accumulation"],
+            activation_checkpointing=d["activation_checkpointing"],
+            gradient_sync=d["gradient_sync"],
             memory=MemoryEstimate(**mem),
             comm={axis: AxisComm(**c) for axis, c in d["comm"].items()},
             time=StepTime(parts=dict(d["parts_s"]), exposed_comm_s=dict(d["exposed_comm_s"])),
-            tokens_per_s_per_gpu=d["tokens_per_s_per_gpu"], fits=d["fits"], feasible=d["feasible"],
+            tokens_per_s_per_gpu=d["tokens_per_s_per_gpu"],
+            fits=d["fits"],
+            feasible=d["feasible"],
             reasons=list(d["reasons"]),
         )
 
 
-def evaluate(model: ModelShape, layout: Layout, workload: Workload, cluster: Cluster, knobs: Knobs,
-             *, feasible: bool = True) -> PlanRow:
+def evaluate(
+    model: ModelShape, layout: Layout, workload: Workload, cluster: Cluster, knobs: Knobs, *, feasible: bool = True
+) -> PlanRow:
     """Estimate one candidate (no reasons yet)."""
     mode = knobs.activation_checkpointing
-    memory = estimate_memory(model, layout, workload, micro_batch=knobs.micro_batch, activation_checkpointing=mode,
-                             accumulation=knobs.accumulation, gradient_sync=knobs.gradient_sync, cluster=cluster)
-    comm = comm_per_step(model, layout, workload, cluster, micro_batch=knobs.micro_batch,
-                         accumulation=knobs.accumulation, activation_checkpointing=mode,
-                         gradient_sync=knobs.gradient_sync)
-    time = step_time(model, layout, workload, cluster, comm, micro_batch=knobs.micro_batch,
-                     accumulation=knobs.accumulation, activation_checkpointing=mode, gradient_sync=knobs.gradient_sync)
+    memory = estimate_memory(
+        model,
+        layout,
+        workload,
+        micro_batch=knobs.micro_batch,
+        activation_checkpointing=mode,
+        accumulation=knobs.accumulation,
+        gradient_sync=knobs.gradient_sync,
+        cluster=cluster,
+    )
+    comm = comm_per_step(
+        model,
+        layout,
+        workload,
+        cluster,
+        micro_batch=knobs.micro_batch,
+        accumulation=knobs.accumulation,
+        activation_checkpointing=mode,
+        gradient_sync=knobs.gradient_sync,
+    )
+    time = step_time(
+        model,
+        layout,
+        workload,
+        cluster,
+        comm,
+        micro_batch=knobs.micro_batch,
+        accumulation=knobs.accumulation,
+        activation_checkpointing=mode,
+        gradient_sync=knobs.gradient_sync,
+    )
     throughput = workload.tokens / time.step_s / layout.world_size
-    return PlanRow(layout=layout, micro_batch=knobs.micro_batch, accumulation=knobs.accumulation,
-                   activation_checkpointing=mode, gradient_sync=knobs.gradient_sync, memory=memory, comm=comm,
-                   time=time,
-                   tokens_per_s_per_gpu=throughput, fits=feasible and memory.total <= cluster.usable_bytes,
-                   feasible=feasible)
+    return PlanRow(
+        layout=layout,
+        micro_batch=knobs.micro_batch,
+        accumulation=knobs.accumulation,
+        activation_checkpointing=mode,
+        gradient_sync=knobs.gradient_sync,
+        memory=memory,
+        comm=comm,
+        time=time,
+        tokens_per_s_per_gpu=throughput,
+        fits=feasible and memory.total <= cluster.usable_bytes,
+        feasible=feasible,
+    )

@@ -53,25 +53,28 @@ class GpuSpec:
         return dataclasses.replace(self, **changed, key=f"{self.key} (modified)")
 
 
-GPUS: dict[str, GpuSpec] = {spec.key: spec for spec in (
-    # NVIDIA H100 SXM5 80GB: 989 TFLOP/s bf16, 1979 fp8, 67 fp32, 3.35 TB/s; NVLink 4 900 GB/s both ways.
-    GpuSpec("h100-sxm", "NVIDIA H100 SXM 80GB", 79.1, 989.0, 1979.0, 67.0, 3350.0, 450.0, 50.0, "hopper"),
-    # NVIDIA H100 PCIe 80GB: 756 bf16, 1513 fp8, 51 fp32, 2.0 TB/s; PCIe Gen5 x16 between cards (~64 GB/s
-    # per direction; NVLink bridges join pairs only, not modelled).
-    GpuSpec("h100-pcie", "NVIDIA H100 PCIe 80GB", 79.1, 756.0, 1513.0, 51.0, 2000.0, 64.0, 25.0, "hopper"),
-    # NVIDIA H200 SXM 141GB: the H100 SXM's compute with 4.8 TB/s HBM3e (torch reports 139.8 GiB).
-    GpuSpec("h200", "NVIDIA H200 SXM 141GB", 139.8, 989.0, 1979.0, 67.0, 4800.0, 450.0, 50.0, "hopper"),
-    # NVIDIA A100 SXM4: 312 bf16, no fp8, 19.5 fp32; NVLink 3 600 GB/s both ways; HDR 200 Gb/s per GPU.
-    GpuSpec("a100-80gb", "NVIDIA A100 SXM 80GB", 79.2, 312.0, None, 19.5, 2039.0, 300.0, 25.0, "ampere"),
-    GpuSpec("a100-40gb", "NVIDIA A100 SXM 40GB", 39.4, 312.0, None, 19.5, 1555.0, 300.0, 25.0, "ampere"),
-    # NVIDIA B200 (HGX, 180 GB): 2250 bf16, 4500 fp8, 8 TB/s; NVLink 5 1.8 TB/s both ways.
-    GpuSpec("b200", "NVIDIA B200 180GB", 178.4, 2250.0, 4500.0, 75.0, 8000.0, 900.0, 50.0, "blackwell"),
-    # NVIDIA L40S 48GB GDDR6: 362 bf16, 733 fp8, 91.6 fp32, 864 GB/s; no NVLink (PCIe Gen4 ~32 GB/s).
-    GpuSpec("l40s", "NVIDIA L40S 48GB", 44.4, 362.0, 733.0, 91.6, 864.0, 32.0, 12.5, "ada"),
-    # AMD Instinct MI300X 192GB: 1307 bf16, 2615 fp8, 163 fp32, 5.3 TB/s; Infinity Fabric, 7 links of 64
-    # GB/s per direction to the other 7 GPUs (448 GB/s when a collective spans all 8; less for fewer).
-    GpuSpec("mi300x", "AMD Instinct MI300X 192GB", 191.5, 1307.0, 2615.0, 163.0, 5300.0, 448.0, 50.0, "cdna3"),
-)}
+GPUS: dict[str, GpuSpec] = {
+    spec.key: spec
+    for spec in (
+        # NVIDIA H100 SXM5 80GB: 989 TFLOP/s bf16, 1979 fp8, 67 fp32, 3.35 TB/s; NVLink 4 900 GB/s both ways.
+        GpuSpec("h100-sxm", "NVIDIA H100 SXM 80GB", 79.1, 989.0, 1979.0, 67.0, 3350.0, 450.0, 50.0, "hopper"),
+        # NVIDIA H100 PCIe 80GB: 756 bf16, 1513 fp8, 51 fp32, 2.0 TB/s; PCIe Gen5 x16 between cards (~64 GB/s
+        # per direction; NVLink bridges join pairs only, not modelled).
+        GpuSpec("h100-pcie", "NVIDIA H100 PCIe 80GB", 79.1, 756.0, 1513.0, 51.0, 2000.0, 64.0, 25.0, "hopper"),
+        # NVIDIA H200 SXM 141GB: the H100 SXM's compute with 4.8 TB/s HBM3e (torch reports 139.8 GiB).
+        GpuSpec("h200", "NVIDIA H200 SXM 141GB", 139.8, 989.0, 1979.0, 67.0, 4800.0, 450.0, 50.0, "hopper"),
+        # NVIDIA A100 SXM4: 312 bf16, no fp8, 19.5 fp32; NVLink 3 600 GB/s both ways; HDR 200 Gb/s per GPU.
+        GpuSpec("a100-80gb", "NVIDIA A100 SXM 80GB", 79.2, 312.0, None, 19.5, 2039.0, 300.0, 25.0, "ampere"),
+        GpuSpec("a100-40gb", "NVIDIA A100 SXM 40GB", 39.4, 312.0, None, 19.5, 1555.0, 300.0, 25.0, "ampere"),
+        # NVIDIA B200 (HGX, 180 GB): 2250 bf16, 4500 fp8, 8 TB/s; NVLink 5 1.8 TB/s both ways.
+        GpuSpec("b200", "NVIDIA B200 180GB", 178.4, 2250.0, 4500.0, 75.0, 8000.0, 900.0, 50.0, "blackwell"),
+        # NVIDIA L40S 48GB GDDR6: 362 bf16, 733 fp8, 91.6 fp32, 864 GB/s; no NVLink (PCIe Gen4 ~32 GB/s).
+        GpuSpec("l40s", "NVIDIA L40S 48GB", 44.4, 362.0, 733.0, 91.6, 864.0, 32.0, 12.5, "ada"),
+        # AMD Instinct MI300X 192GB: 1307 bf16, 2615 fp8, 163 fp32, 5.3 TB/s; Infinity Fabric, 7 links of 64
+        # GB/s per direction to the other 7 GPUs (448 GB/s when a collective spans all 8; less for fewer).
+        GpuSpec("mi300x", "AMD Instinct MI300X 192GB", 191.5, 1307.0, 2615.0, 163.0, 5300.0, 448.0, 50.0, "cdna3"),
+    )
+}
 
 DEFAULT_GPU = "h100-sxm"
 
@@ -88,8 +91,13 @@ def preset_for_device_name(device_name: str, memory_gib: float) -> GpuSpec | Non
     """The preset that matches a device name as CUDA reports it (e.g. 'NVIDIA H200'), memory included."""
     text = device_name.upper()
     candidates = [
-        ("H200", "h200"), ("H100 PCIE", "h100-pcie"), ("H100", "h100-sxm"), ("B200", "b200"),
-        ("L40S", "l40s"), ("MI300X", "mi300x"), ("A100", "a100-80gb" if memory_gib > 50 else "a100-40gb"),
+        ("H200", "h200"),
+        ("H100 PCIE", "h100-pcie"),
+        ("H100", "h100-sxm"),
+        ("B200", "b200"),
+        ("L40S", "l40s"),
+        ("MI300X", "mi300x"),
+        ("A100", "a100-80gb" if memory_gib > 50 else "a100-40gb"),
     ]
     for needle, key in candidates:
         if needle in text:

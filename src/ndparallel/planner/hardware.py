@@ -105,8 +105,9 @@ class Cluster:
             return min(intra, inter / off_node)
         return inter
 
-    def link(self, crosses_nodes: bool, per_node: int = 1, pattern: str = "collective",
-             size: int = 2) -> tuple[float, float]:
+    def link(
+        self, crosses_nodes: bool, per_node: int = 1, pattern: str = "collective", size: int = 2
+    ) -> tuple[float, float]:
         """(bytes/s achieved per GPU, latency of one call in s) for a group's traffic."""
         latency = self.inter_latency_us if crosses_nodes else self.intra_latency_us
         gbps = self.link_gbps(crosses_nodes, per_node, pattern, size)

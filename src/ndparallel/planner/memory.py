@@ -64,7 +64,6 @@ from ndparallel.planner.hardware import GIB, Cluster
 from ndparallel.planner.shapes import ModelShape
 from ndparallel.planner.workload import Workload
 
-
 # cuBLAS and cuBLASLt workspaces (torch allocates them through the caching allocator at the first matmul
 # and keeps them, so torch.cuda.max_memory_allocated counts them). Measured on the H200 (torch 2.11): the
 # first sweep case's memory after init was exactly the fp32 parameters (4.604 GiB for the 1B), every
@@ -93,8 +92,16 @@ class MemoryEstimate:
     @property
     def allocated(self) -> float:
         """Peak of what PyTorch allocates (compare with torch.cuda.max_memory_allocated)."""
-        return (self.master_params + self.working_params + self.grads + self.accumulated_grads + self.optimizer
-                + self.activations + self.transient + self.workspace)
+        return (
+            self.master_params
+            + self.working_params
+            + self.grads
+            + self.accumulated_grads
+            + self.optimizer
+            + self.activations
+            + self.transient
+            + self.workspace
+        )
 
     @property
     def total(self) -> float:
@@ -144,10 +151,17 @@ def cp_buffer_bytes(model: ModelShape, layout: Layout, seq: int, b: int, e: int)
     return 2 * e * b * s * (q + 2 * kv_width_alltoall(model, layout)) / t
 
 
-def memory_moments(model: ModelShape, layout: Layout, workload: Workload, *, micro_batch: int = 1,
-                   activation_checkpointing: str | None = None, accumulation: int = 1,
-                   gradient_sync: str = "every_micro_batch",
-                   cluster: Cluster | None = None) -> dict[str, MemoryEstimate]:
+def memory_moments(
+    model: ModelShape,
+    layout: Layout,
+    workload: Workload,
+    *,
+    micro_batch: int = 1,
+    activation_checkpointing: str | None = None,
+    accumulation: int = 1,
+    gradient_sync: str = "every_micro_batch",
+    cluster: Cluster | None = None,
+) -> dict[str, MemoryEstimate]:
     """Memory of one GPU at each moment of a step that can peak (``MOMENTS``; module docstring)."""
     mode = activation_checkpointing or workload.ac_modes[0]
     cluster = cluster or Cluster()
@@ -190,8 +204,12 @@ def memory_moments(model: ModelShape, layout: Layout, workload: Workload, *, mic
     logits = e * n * v / t
     held_head_grad = e * vocab_tp if model.tied and not rank else 0.0  # lm_head's share of the tied gradient
 
-    layer_backward = (acts.layer_recompute + e * n * (2 * h + 3 * model.intermediate / t) + e * unit_trainable
-                      + cp_buffer_bytes(model, layout, workload.seq_len, b, e))
+    layer_backward = (
+        acts.layer_recompute
+        + e * n * (2 * h + 3 * model.intermediate / t)
+        + e * unit_trainable
+        + cp_buffer_bytes(model, layout, workload.seq_len, b, e)
+    )
     layer_reduce = reduce_bytes(unit_trainable, f) - acts.per_layer - layer_w  # its activations and copy are freed
     head = 2 * logits + (0.0 if rank else e * vocab_tp)
     if head_trainable:  # untied lm_head's unit reduces once the logits' gradient is gone, its copy freed first
@@ -206,28 +224,57 @@ def memory_moments(model: ModelShape, layout: Layout, workload: Workload, *, mic
     rows = {  # moment: (working params, grads, accumulated grads, activations, transient)
         "loss": (w_forward, earlier, acc, kept, loss_peak(model, layout, workload.seq_len, b, e, workload.compile)),
         "head backward": (w_forward, earlier, acc, kept, head),
-        "layer backward": (w_layer, earlier + grads_head, acc, kept,
-                           logits + held_head_grad + max(layer_backward, layer_reduce)),
+        "layer backward": (
+            w_layer,
+            earlier + grads_head,
+            acc,
+            kept,
+            logits + held_head_grad + max(layer_backward, layer_reduce),
+        ),
         "end of backward": (0.0, grads_all if earlier else grads_all - 4 * embed_trainable / f, 0.0, 0.0, end),
         "optimizer step": (0.0, grads_all, 0.0, 0.0, 0.0),
     }
     return {
-        kind: MemoryEstimate(master_params=master, working_params=w, grads=g, accumulated_grads=a,
-                             optimizer=optimizer, activations=k, transient=x, transient_kind=kind,
-                             workspace=GPU_WORKSPACE_BYTES, overhead=cluster.overhead_gib * GIB)
+        kind: MemoryEstimate(
+            master_params=master,
+            working_params=w,
+            grads=g,
+            accumulated_grads=a,
+            optimizer=optimizer,
+            activations=k,
+            transient=x,
+            transient_kind=kind,
+            workspace=GPU_WORKSPACE_BYTES,
+            overhead=cluster.overhead_gib * GIB,
+        )
         for kind, (w, g, a, k, x) in rows.items()
     }
 
 
-def estimate_memory(model: ModelShape, layout: Layout, workload: Workload, *, micro_batch: int = 1,
-                    activation_checkpointing: str | None = None, accumulation: int = 1,
-                    gradient_sync: str = "every_micro_batch", cluster: Cluster | None = None) -> MemoryEstimate:
+def estimate_memory(
+    model: ModelShape,
+    layout: Layout,
+    workload: Workload,
+    *,
+    micro_batch: int = 1,
+    activation_checkpointing: str | None = None,
+    accumulation: int = 1,
+    gradient_sync: str = "every_micro_batch",
+    cluster: Cluster | None = None,
+) -> MemoryEstimate:
     """Peak memory of one GPU training ``model`` on ``layout``: the largest of ``memory_moments``.
 
     ``activation_checkpointing`` defaults to the workload's mode ('none' when the workload says 'auto');
     ``accumulation`` micro-batches per step with ``gradient_sync`` 'last_micro_batch' keep unsharded fp32 gradients.
     """
-    moments = memory_moments(model, layout, workload, micro_batch=micro_batch,
-                             activation_checkpointing=activation_checkpointing, accumulation=accumulation,
-                             gradient_sync=gradient_sync, cluster=cluster)
+    moments = memory_moments(
+        model,
+        layout,
+        workload,
+        micro_batch=micro_batch,
+        activation_checkpointing=activation_checkpointing,
+        accumulation=accumulation,
+        gradient_sync=gradient_sync,
+        cluster=cluster,
+    )
     return max(moments.values(), key=lambda m: m.allocated)

@@ -184,12 +184,24 @@ def loss_s(mb: MicroBatch, rates: Rates) -> float:
 
 def micro_batch_parts(mb: MicroBatch, rates: Rates) -> dict[str, float]:
     """Seconds of one micro-batch's forward and backward on one GPU, by kind (no communication)."""
-    return {"linear": linear_s(mb, rates), "attention": attention_s(mb, rates),
-            "pointwise": pointwise_s(mb, rates), "loss": loss_s(mb, rates)}
+    return {
+        "linear": linear_s(mb, rates),
+        "attention": attention_s(mb, rates),
+        "pointwise": pointwise_s(mb, rates),
+        "loss": loss_s(mb, rates),
+    }
 
 
-def fsdp_copy_s(model: ModelShape, layout: Layout, workload: Workload, rates: Rates, *,
-                gathers: float, reductions: float, accumulations: float = 0) -> float:
+def fsdp_copy_s(
+    model: ModelShape,
+    layout: Layout,
+    workload: Workload,
+    rates: Rates,
+    *,
+    gathers: float,
+    reductions: float,
+    accumulations: float = 0,
+) -> float:
     """FSDP2's copies into and out of its buffers for ``gathers`` all-gathers, ``reductions`` reductions and
     ``accumulations`` unsharded accumulations of every unit (module docstring)."""
     f, t = layout.fsdp_size, layout.tp

@@ -51,8 +51,9 @@ class StepTime:
         return self.compute_s + sum(self.exposed_comm_s.values())
 
 
-def step_flops(model: ModelShape, layout: Layout, workload: Workload,
-               activation_checkpointing: str) -> tuple[float, float]:
+def step_flops(
+    model: ModelShape, layout: Layout, workload: Workload, activation_checkpointing: str
+) -> tuple[float, float]:
     """(all matmul and attention FLOPs, attention FLOPs) of one optimizer step over all GPUs, recomputation
     included: 6 per weight per token (4 under LoRA, + 6 per adapter weight), 2 more with full checkpointing;
     attention 4*d per visible pair and head forward, twice that backward."""
@@ -78,9 +79,18 @@ def _background(comm: dict[str, AxisComm], compute: float, m: int, units: int, o
     return earlier + max(floor_every + last / units, every + last - overlap * compute)
 
 
-def step_time(model: ModelShape, layout: Layout, workload: Workload, cluster: Cluster, comm: dict[str, AxisComm], *,
-              micro_batch: int, accumulation: int, activation_checkpointing: str,
-              gradient_sync: str = "every_micro_batch") -> StepTime:
+def step_time(
+    model: ModelShape,
+    layout: Layout,
+    workload: Workload,
+    cluster: Cluster,
+    comm: dict[str, AxisComm],
+    *,
+    micro_batch: int,
+    accumulation: int,
+    activation_checkpointing: str,
+    gradient_sync: str = "every_micro_batch",
+) -> StepTime:
     """One optimizer step of ``accumulation`` micro-batches of ``micro_batch`` rows on one GPU."""
     rates, m = cluster.rates, accumulation
     mb = MicroBatch(model, layout, workload, micro_batch, activation_checkpointing)
@@ -88,8 +98,15 @@ def step_time(model: ModelShape, layout: Layout, workload: Workload, cluster: Cl
     resharded = layout.dp_replicate * layout.fsdp_size > 1  # parallel/fsdp.py: one rank keeps units gathered
     reductions = m if gradient_sync == "every_micro_batch" else 1
     parts = {kind: m * seconds for kind, seconds in per_mb.items()}
-    parts["fsdp_copies"] = fsdp_copy_s(model, layout, workload, rates, gathers=m * (2 if resharded else 1),
-                                       reductions=reductions, accumulations=m - reductions)
+    parts["fsdp_copies"] = fsdp_copy_s(
+        model,
+        layout,
+        workload,
+        rates,
+        gathers=m * (2 if resharded else 1),
+        reductions=reductions,
+        accumulations=m - reductions,
+    )
     parts["optimizer"] = optimizer_s(model, layout, workload, rates)
     parts = {kind: parts[kind] for kind in KINDS}
 

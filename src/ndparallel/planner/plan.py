@@ -42,8 +42,9 @@ def _order(row: PlanRow) -> tuple:
     return (1 if row.feasible else 2, row.memory.total)
 
 
-def plan(model: ModelShape | str | Any, cluster: Cluster, workload: Workload, *,
-         constraints: dict[str, int] | None = None) -> list[PlanRow]:
+def plan(
+    model: ModelShape | str | Any, cluster: Cluster, workload: Workload, *, constraints: dict[str, int] | None = None
+) -> list[PlanRow]:
     """All valid layouts of ``cluster``'s GPUs, best first, each with its settings, costs and reasons.
 
     ``constraints`` fixes axis sizes, e.g. ``{"tp": 2}``.
@@ -58,13 +59,22 @@ def plan(model: ModelShape | str | Any, cluster: Cluster, workload: Workload, *,
         raise ConfigError(
             f"no layout of {cluster.world_size} GPUs splits {model.name} (heads {model.heads}, kv heads "
             f"{model.kv_heads}) at seq_len={workload.seq_len}"
-            + (f" with {constraints}" if constraints else "") + "; change the sequence length or the GPU count"
+            + (f" with {constraints}" if constraints else "")
+            + "; change the sequence length or the GPU count"
         )
     candidates: dict[Layout, list[PlanRow]] = {}
     for layout in layouts:
         feasible = workload.rows % layout.batch_size == 0
-        knobs = knob_choices(workload.rows // layout.batch_size, workload.micro_batch_sizes, workload.ac_modes,
-                             workload.gradient_sync_modes) if feasible else []
+        knobs = (
+            knob_choices(
+                workload.rows // layout.batch_size,
+                workload.micro_batch_sizes,
+                workload.ac_modes,
+                workload.gradient_sync_modes,
+            )
+            if feasible
+            else []
+        )
         if not knobs:
             feasible = False
             knobs = [Knobs(1, 1, mode, workload.gradient_sync_modes[0]) for mode in workload.ac_modes]
@@ -91,12 +101,25 @@ def local_gpu() -> GpuSpec:
     return GPUS[DEFAULT_GPU]
 
 
-def best_layout(model: ModelShape | str | Any, world_size: int, seq_len: int, *, gpus_per_node: int | None = None,
-                device_memory_gib: float | None = None, gpu: GpuSpec | str | None = None, micro_batch_size: int = 1,
-                global_batch_rows: int | None = None, precision: str = "bf16", activation_checkpointing: str = "auto",
-                lora_rank: int | None = None, compile: bool = False, gradient_sync: str = "every_micro_batch",
-                cp_methods: tuple[str, ...] = CP_METHODS, cp_comm_strategy: str | None = None,
-                constraints: dict[str, int] | None = None) -> LayoutChoice:
+def best_layout(
+    model: ModelShape | str | Any,
+    world_size: int,
+    seq_len: int,
+    *,
+    gpus_per_node: int | None = None,
+    device_memory_gib: float | None = None,
+    gpu: GpuSpec | str | None = None,
+    micro_batch_size: int = 1,
+    global_batch_rows: int | None = None,
+    precision: str = "bf16",
+    activation_checkpointing: str = "auto",
+    lora_rank: int | None = None,
+    compile: bool = False,
+    gradient_sync: str = "every_micro_batch",
+    cp_methods: tuple[str, ...] = CP_METHODS,
+    cp_comm_strategy: str | None = None,
+    constraints: dict[str, int] | None = None,
+) -> LayoutChoice:
     """The layout to train on ``world_size`` GPUs (for ``dp_shard_size: auto``), and a one-line reason.
 
     ``model`` is a ModelShape, a preset name, a config path or a transformers config (what the trainer has).
@@ -116,12 +139,20 @@ def best_layout(model: ModelShape | str | Any, world_size: int, seq_len: int, *,
         raise ConfigError(f"world_size={world_size!r} must be a whole number >= 1")
     per_node = math.gcd(world_size, gpus_per_node or min(world_size, 8))
     spec = gpu_preset(gpu) if isinstance(gpu, str) else (gpu or local_gpu())
-    cluster = Cluster(nodes=world_size // per_node, gpus_per_node=per_node, gpu=spec,
-                      device_memory_gib=device_memory_gib)
-    workload = Workload(seq_len=seq_len, global_batch_rows=global_batch_rows or micro_batch_size * world_size,
-                        micro_batch_sizes=(micro_batch_size,), precision=precision,
-                        activation_checkpointing=activation_checkpointing, lora_rank=lora_rank, cp_methods=cp_methods,
-                        compile=compile, gradient_sync=gradient_sync)
+    cluster = Cluster(
+        nodes=world_size // per_node, gpus_per_node=per_node, gpu=spec, device_memory_gib=device_memory_gib
+    )
+    workload = Workload(
+        seq_len=seq_len,
+        global_batch_rows=global_batch_rows or micro_batch_size * world_size,
+        micro_batch_sizes=(micro_batch_size,),
+        precision=precision,
+        activation_checkpointing=activation_checkpointing,
+        lora_rank=lora_rank,
+        cp_methods=cp_methods,
+        compile=compile,
+        gradient_sync=gradient_sync,
+    )
     rows = plan(model, cluster, workload, constraints=constraints)
     best = rows[0]
     lay = best.layout
@@ -130,10 +161,14 @@ def best_layout(model: ModelShape | str | Any, world_size: int, seq_len: int, *,
         sizes += f" ({lay.cp_comm_strategy})"
     setting = f"activation_checkpointing={best.activation_checkpointing}"
     if best.fits:
-        reason = (f"{sizes}, {setting}: {best.memory.total / GIB:.1f} GiB of {cluster.usable_bytes / GIB:.1f} usable "
-                  f"on {cluster.gpu.name}, ~{best.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, best of {len(rows)} layouts")
+        reason = (
+            f"{sizes}, {setting}: {best.memory.total / GIB:.1f} GiB of {cluster.usable_bytes / GIB:.1f} usable "
+            f"on {cluster.gpu.name}, ~{best.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, best of {len(rows)} layouts"
+        )
     else:
         hint = "" if activation_checkpointing in ("auto", "full") else " or allow activation checkpointing"
-        reason = (f"{sizes}, {setting}: nothing fits in {cluster.gpu.memory_gib:g} GiB; this is the leanest layout "
-                  f"({best.memory.total / GIB:.1f} GiB); use more GPUs or a shorter sequence{hint}")
+        reason = (
+            f"{sizes}, {setting}: nothing fits in {cluster.gpu.memory_gib:g} GiB; this is the leanest layout "
+            f"({best.memory.total / GIB:.1f} GiB); use more GPUs or a shorter sequence{hint}"
+        )
     return LayoutChoice(layout=lay, reason=reason)

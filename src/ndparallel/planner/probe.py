@@ -104,8 +104,11 @@ def time_layer_matmuls(model: ModelShape, tokens: int, device: torch.device, dty
 
 def time_head(model: ModelShape, tokens: int, device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
     flops = seconds = 0.0
-    for shape in ((tokens, model.vocab, model.hidden), (tokens, model.hidden, model.vocab),
-                  (model.hidden, model.vocab, tokens)):
+    for shape in (
+        (tokens, model.vocab, model.hidden),
+        (tokens, model.hidden, model.vocab),
+        (model.hidden, model.vocab, tokens),
+    ):
         flops += 2 * shape[0] * shape[1] * shape[2]
         seconds += _gemm_seconds(*shape, device, dtype)
     return flops, seconds
@@ -124,8 +127,9 @@ def time_fp8(model: ModelShape, tokens: int, device: torch.device) -> tuple[floa
     return 2 * tokens * n * k, seconds
 
 
-def _attention_inputs(model: ModelShape, rows: int, tokens: int, device: torch.device, dtype: torch.dtype,
-                      kv_heads: int):
+def _attention_inputs(
+    model: ModelShape, rows: int, tokens: int, device: torch.device, dtype: torch.dtype, kv_heads: int
+):
     batch = max(1, tokens // rows)
     q = torch.randn(batch, model.heads, rows, model.head_dim, device=device, dtype=dtype, requires_grad=True)
     k = torch.randn(batch, kv_heads, rows, model.head_dim, device=device, dtype=dtype, requires_grad=True)
@@ -134,8 +138,9 @@ def _attention_inputs(model: ModelShape, rows: int, tokens: int, device: torch.d
     return q, k, v, flops
 
 
-def time_sdpa(model: ModelShape, rows: int, tokens: int, device: torch.device,
-              dtype: torch.dtype) -> tuple[float, float, float]:
+def time_sdpa(
+    model: ModelShape, rows: int, tokens: int, device: torch.device, dtype: torch.dtype
+) -> tuple[float, float, float]:
     """(forward FLOPs, forward s, backward s) of causal SDPA as the model calls it (grouped heads)."""
     q, k, v, flops = _attention_inputs(model, rows, tokens, device, dtype, model.kv_heads)
     gqa = model.kv_heads != model.heads
@@ -152,18 +157,19 @@ def time_sdpa(model: ModelShape, rows: int, tokens: int, device: torch.device,
     return flops, fwd, max(_seconds(both, device) - fwd, 1e-9)
 
 
-def time_blocks(model: ModelShape, rows: int, tokens: int, device: torch.device,
-                dtype: torch.dtype) -> tuple[float, float, float]:
+def time_blocks(
+    model: ModelShape, rows: int, tokens: int, device: torch.device, dtype: torch.dtype
+) -> tuple[float, float, float]:
     """The same for the kernel of context-parallel blocks (heads expanded, as the blocks call it)."""
     q, k, v, flops = _attention_inputs(model, rows, tokens, device, dtype, model.heads)
     q, k, v = q.detach(), k.detach(), v.detach()
-    scale = model.head_dim ** -0.5
+    scale = model.head_dim**-0.5
     out, lse = _compat.attention_forward_with_lse(q, k, v, bias=None, is_causal=True, scale=scale)
     grad = torch.randn_like(out)
-    fwd = _seconds(lambda: _compat.attention_forward_with_lse(q, k, v, bias=None, is_causal=True, scale=scale),
-                   device)
-    bwd = _seconds(lambda: _compat.attention_backward(grad, q, k, v, out, lse, bias=None, is_causal=True,
-                                                      scale=scale), device)
+    fwd = _seconds(lambda: _compat.attention_forward_with_lse(q, k, v, bias=None, is_causal=True, scale=scale), device)
+    bwd = _seconds(
+        lambda: _compat.attention_backward(grad, q, k, v, out, lse, bias=None, is_causal=True, scale=scale), device
+    )
     return flops, fwd, bwd
 
 
@@ -206,9 +212,18 @@ def _gpu_spec(device: torch.device, best_bf16: float, best_fp8: float | None, st
         name = props.name
     else:
         memory, name = 0.0, "cpu"
-    return GpuSpec(key="measured", name=name, memory_gib=round(memory, 1) or 1.0, bf16_tflops=best_bf16 / 1e12,
-                   fp8_tflops=best_fp8 / 1e12 if best_fp8 else None, fp32_tflops=best_bf16 / 1e12 / 8,
-                   hbm_gbps=stream_bps / 1e9, intra_node_gbps=450.0, inter_node_gbps=50.0, arch="unknown")
+    return GpuSpec(
+        key="measured",
+        name=name,
+        memory_gib=round(memory, 1) or 1.0,
+        bf16_tflops=best_bf16 / 1e12,
+        fp8_tflops=best_fp8 / 1e12 if best_fp8 else None,
+        fp32_tflops=best_bf16 / 1e12 / 8,
+        hbm_gbps=stream_bps / 1e9,
+        intra_node_gbps=450.0,
+        inter_node_gbps=50.0,
+        arch="unknown",
+    )
 
 
 def _half_rows(rate_long: float, rate_short: float, long: int, short: int) -> float | None:
@@ -219,8 +234,15 @@ def _half_rows(rate_long: float, rate_short: float, long: int, short: int) -> fl
     return long * short * (rate_long - rate_short) / denominator
 
 
-def measure(model: ModelShape, *, tokens: int, fp8: bool = False, device: str | torch.device | None = None,
-            refresh: bool = False, use_cache: bool = True) -> tuple[GpuSpec, Efficiency]:
+def measure(
+    model: ModelShape,
+    *,
+    tokens: int,
+    fp8: bool = False,
+    device: str | torch.device | None = None,
+    refresh: bool = False,
+    use_cache: bool = True,
+) -> tuple[GpuSpec, Efficiency]:
     """This GPU's spec and the efficiencies its kernels reach for ``model`` at ``tokens`` per micro-batch."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -234,8 +256,11 @@ def measure(model: ModelShape, *, tokens: int, fp8: bool = False, device: str | 
         return GpuSpec(**entry["gpu"]), Efficiency.from_dict(entry["efficiency"])
     spec, eff = _measure(model, tokens, fp8, device)
     if use_cache:
-        stored.setdefault(machine, {})[key] = {"gpu": dataclasses.asdict(spec), "efficiency": eff.to_dict(),
-                                               "date": datetime.date.today().isoformat()}
+        stored.setdefault(machine, {})[key] = {
+            "gpu": dataclasses.asdict(spec),
+            "efficiency": eff.to_dict(),
+            "date": datetime.date.today().isoformat(),
+        }
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(stored, indent=1))
     return spec, eff
@@ -271,12 +296,17 @@ def _measure(model: ModelShape, tokens: int, fp8: bool, device: torch.device) ->
         return round(fwd * grow / peak, 4), round(bwd * grow / peak, 4)
 
     eff = dataclasses.replace(
-        H200_EFFICIENCY, matmul=round(matmul_rate / peak, 4),
-        matmul_fp8=round(fp8_rate / (spec.fp8_tflops * 1e12), 4) if fp8_rate and spec.fp8_tflops else
-        H200_EFFICIENCY.matmul_fp8,
-        attention={model.head_dim: fractions("sdpa")}, block_attention={model.head_dim: fractions("blocks")},
-        attention_half_rows=round(half, 1), stream=round(adamw_bytes / adamw_s / (spec.hbm_gbps * 1e9), 4),
-        source=f"measured on {spec.name} ({datetime.date.today().isoformat()}, torch {torch.__version__})")
+        H200_EFFICIENCY,
+        matmul=round(matmul_rate / peak, 4),
+        matmul_fp8=round(fp8_rate / (spec.fp8_tflops * 1e12), 4)
+        if fp8_rate and spec.fp8_tflops
+        else H200_EFFICIENCY.matmul_fp8,
+        attention={model.head_dim: fractions("sdpa")},
+        block_attention={model.head_dim: fractions("blocks")},
+        attention_half_rows=round(half, 1),
+        stream=round(adamw_bytes / adamw_s / (spec.hbm_gbps * 1e9), 4),
+        source=f"measured on {spec.name} ({datetime.date.today().isoformat()}, torch {torch.__version__})",
+    )
     try:
         pointwise = _pointwise_fraction(model, tokens, rows_long, device, dtype, spec, eff, layer_s, rates)
     except (RuntimeError, TypeError, ValueError) as exc:  # a transformers layer that will not run alone here
@@ -284,8 +314,17 @@ def _measure(model: ModelShape, tokens: int, fp8: bool, device: torch.device) ->
     return spec, dataclasses.replace(eff, pointwise_eager=pointwise)
 
 
-def _pointwise_fraction(model: ModelShape, tokens: int, rows: int, device: torch.device, dtype: torch.dtype,
-                        spec: GpuSpec, eff: Efficiency, layer_matmul_s: float, rates: dict) -> float:
+def _pointwise_fraction(
+    model: ModelShape,
+    tokens: int,
+    rows: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    spec: GpuSpec,
+    eff: Efficiency,
+    layer_matmul_s: float,
+    rates: dict,
+) -> float:
     """HBM fraction of the eager elementwise ops: a whole layer's time less its matmuls and attention."""
     batch_tokens = max(1, tokens // rows) * rows
     whole = time_layer(model, batch_tokens, rows, device, dtype)

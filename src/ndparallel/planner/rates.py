@@ -126,8 +126,9 @@ class Rates:
         memory = element * (m * k + k * n) + 2 * m * n  # inputs, and the output in the compute dtype
         return max(compute, self.stream_s(memory))
 
-    def attention_s(self, flops: float, head_dim: int, rows: float, *, backward: bool, fp32: bool = False,
-                    blocks: bool = False) -> float:
+    def attention_s(
+        self, flops: float, head_dim: int, rows: float, *, backward: bool, fp32: bool = False, blocks: bool = False
+    ) -> float:
         """Seconds of flash attention doing ``flops`` (forward count; backward passes 2x) with ``rows`` query
         rows per kernel call; ``blocks``: the kernel of context-parallel blocks."""
         forward, back = self.eff.attention_rates(head_dim, blocks=blocks)

@@ -28,17 +28,25 @@ def fit_reason(row: PlanRow, cluster: Cluster, workload: Workload) -> str:
     if not row.feasible:
         ranks = row.layout.batch_size
         if workload.rows % ranks:
-            return (f"infeasible: the global batch of {workload.rows} rows does not split over "
-                    f"{ranks} data-parallel ranks (dp_replicate x dp_shard)")
+            return (
+                f"infeasible: the global batch of {workload.rows} rows does not split over "
+                f"{ranks} data-parallel ranks (dp_replicate x dp_shard)"
+            )
         sizes = ", ".join(map(str, workload.micro_batch_sizes))
-        return (f"infeasible: no micro-batch size of ({sizes}) divides the {workload.rows // ranks} rows of each "
-                f"data-parallel rank")
+        return (
+            f"infeasible: no micro-batch size of ({sizes}) divides the {workload.rows // ranks} rows of each "
+            f"data-parallel rank"
+        )
     where = f"peak at {mem.transient_kind}"
     if row.fits:
-        return (f"fits: {_gib(mem.total)} of {_gib(usable)} usable ({cluster.headroom:.0%} of "
-                f"{cluster.gpu.memory_gib:g} GiB), {where}")
-    return (f"does not fit: needs {mem.total / GIB:.0f} GiB of {cluster.gpu.memory_gib:g} "
-            f"({_gib(usable)} usable); {mem.summary()}")
+        return (
+            f"fits: {_gib(mem.total)} of {_gib(usable)} usable ({cluster.headroom:.0%} of "
+            f"{cluster.gpu.memory_gib:g} GiB), {where}"
+        )
+    return (
+        f"does not fit: needs {mem.total / GIB:.0f} GiB of {cluster.gpu.memory_gib:g} "
+        f"({_gib(usable)} usable); {mem.summary()}"
+    )
 
 
 def _cp_reason(row: PlanRow, workload: Workload, cluster: Cluster, context: dict) -> str:
@@ -47,13 +55,17 @@ def _cp_reason(row: PlanRow, workload: Workload, cluster: Cluster, context: dict
     held = f"cp {c}: each GPU holds {seq // c} of {seq} tokens"
     leanest, leanest_dp, best = context["leanest_no_cp"], context["leanest_no_cp_no_tp"], context["best_no_cp"]
     if leanest is not None and leanest > usable:
-        return (f"cp needed: at {seq} tokens the leanest layout without cp needs {_gib(leanest)} per GPU "
-                f"({_gib(usable)} usable); {held}")
+        return (
+            f"cp needed: at {seq} tokens the leanest layout without cp needs {_gib(leanest)} per GPU "
+            f"({_gib(usable)} usable); {held}"
+        )
     if leanest_dp is not None and leanest_dp > usable and best is not None:
-        return (f"cp needed unless tp splits the activations: at {seq} tokens data parallelism alone needs "
-                f"{_gib(leanest_dp)} per GPU ({_gib(usable)} usable), and the best layout without cp "
-                f"(tp {best.layout.tp}) makes {best.tokens_per_s_per_gpu:,.0f} tokens/s/GPU against "
-                f"{row.tokens_per_s_per_gpu:,.0f} here; {held}")
+        return (
+            f"cp needed unless tp splits the activations: at {seq} tokens data parallelism alone needs "
+            f"{_gib(leanest_dp)} per GPU ({_gib(usable)} usable), and the best layout without cp "
+            f"(tp {best.layout.tp}) makes {best.tokens_per_s_per_gpu:,.0f} tokens/s/GPU against "
+            f"{row.tokens_per_s_per_gpu:,.0f} here; {held}"
+        )
     return f"{held} (not needed for memory)"
 
 
@@ -66,54 +78,74 @@ def axis_reasons(row: PlanRow, model: ModelShape, cluster: Cluster, workload: Wo
     if t > 1:
         tp = row.comm["tp"]
         if cross["tp"]:
-            out.append(f"tp {t} spans nodes: its per-layer all-gathers and reduce-scatters ({_gb(tp.bytes)}/step) "
-                       f"cross {_link(tp, cluster)}, {tp.seconds:.2f} s exposed")
+            out.append(
+                f"tp {t} spans nodes: its per-layer all-gathers and reduce-scatters ({_gb(tp.bytes)}/step) "
+                f"cross {_link(tp, cluster)}, {tp.seconds:.2f} s exposed"
+            )
         elif multi_node:
             half = max(t // 2, 1)  # the same group split over two nodes
             bandwidth, latency = cluster.link(True, half)
             across = tp.bytes / bandwidth + tp.collectives * latency
-            out.append(f"tp {t} kept inside a node ({cluster.gpus_per_node} GPUs/node): its per-layer collectives "
-                       f"({_gb(tp.bytes)}/step) take {tp.seconds:.2f} s exposed on {_link(tp, cluster)}; split "
-                       f"over two nodes they would take {across:.2f} s on {cluster.link_name(True, half)}")
+            out.append(
+                f"tp {t} kept inside a node ({cluster.gpus_per_node} GPUs/node): its per-layer collectives "
+                f"({_gb(tp.bytes)}/step) take {tp.seconds:.2f} s exposed on {_link(tp, cluster)}; split "
+                f"over two nodes they would take {across:.2f} s on {cluster.link_name(True, half)}"
+            )
         else:
-            out.append(f"tp {t} on {_link(tp, cluster)}: {_gb(tp.bytes)}/step of per-layer collectives, "
-                       f"{tp.seconds:.2f} s exposed")
+            out.append(
+                f"tp {t} on {_link(tp, cluster)}: {_gb(tp.bytes)}/step of per-layer collectives, "
+                f"{tp.seconds:.2f} s exposed"
+            )
     if c > 1:
         out.append(_cp_reason(row, workload, cluster, context))
         cp = row.comm["cp"]
         method = lay.cp_comm_strategy
         if method == "ring":
-            out.append(f"ring cp sends {_gb(cp.bytes)}/step of K/V blocks over {_link(cp, cluster)}, "
-                       f"overlapped with each block's attention ({row.time.exposed_comm_s.get('cp', 0):.2f} s exposed)")
+            out.append(
+                f"ring cp sends {_gb(cp.bytes)}/step of K/V blocks over {_link(cp, cluster)}, "
+                f"overlapped with each block's attention ({row.time.exposed_comm_s.get('cp', 0):.2f} s exposed)"
+            )
         elif method == "allgather":
-            out.append(f"allgather cp: each layer gathers the whole row's K/V ({_gb(cp.bytes)}/step over "
-                       f"{_link(cp, cluster)}, {cp.seconds:.2f} s exposed) and keeps it for backward")
+            out.append(
+                f"allgather cp: each layer gathers the whole row's K/V ({_gb(cp.bytes)}/step over "
+                f"{_link(cp, cluster)}, {cp.seconds:.2f} s exposed) and keeps it for backward"
+            )
         else:
-            out.append(f"alltoall cp: 4 all-to-alls per layer each way ({_gb(cp.bytes)}/step, exposed) over "
-                       f"{_link(cp, cluster)}")
+            out.append(
+                f"alltoall cp: 4 all-to-alls per layer each way ({_gb(cp.bytes)}/step, exposed) over "
+                f"{_link(cp, cluster)}"
+            )
     if r > 1:
         rep = row.comm["dp_replicate"]
         if cross["dp_replicate"]:
-            out.append(f"dp_replicate {r} across nodes: one gradient all-reduce per step, on the last micro-batch, "
-                       f"crosses {_link(rep, cluster)} ({_gb(rep.bytes)}/step, {rep.seconds:.2f} s, overlapped "
-                       f"with that micro-batch's backward)")
+            out.append(
+                f"dp_replicate {r} across nodes: one gradient all-reduce per step, on the last micro-batch, "
+                f"crosses {_link(rep, cluster)} ({_gb(rep.bytes)}/step, {rep.seconds:.2f} s, overlapped "
+                f"with that micro-batch's backward)"
+            )
         else:
-            out.append(f"dp_replicate {r} inside a node: gradient all-reduce {_gb(rep.bytes)}/step on "
-                       f"{_link(rep, cluster)}")
+            out.append(
+                f"dp_replicate {r} inside a node: gradient all-reduce {_gb(rep.bytes)}/step on {_link(rep, cluster)}"
+            )
     if lay.fsdp_size > 1:
         f = row.comm["fsdp"]
         parts = f"dp_shard {s} x cp {c}" if c > 1 else f"dp_shard {s}"
         if cross["fsdp"]:
-            out.append(f"FSDP over {lay.fsdp_size} GPUs ({parts}) spans nodes: weight all-gathers and gradient "
-                       f"reduce-scatters ({_gb(f.bytes)}/step, {f.seconds:.2f} s) cross {_link(f, cluster)}")
+            out.append(
+                f"FSDP over {lay.fsdp_size} GPUs ({parts}) spans nodes: weight all-gathers and gradient "
+                f"reduce-scatters ({_gb(f.bytes)}/step, {f.seconds:.2f} s) cross {_link(f, cluster)}"
+            )
         else:
-            out.append(f"FSDP shards weights, gradients and AdamW states {lay.fsdp_size} ways ({parts}): "
-                       f"{_gb(f.bytes)}/step on {_link(f, cluster)} ({f.seconds:.2f} s, overlapped with compute)")
+            out.append(
+                f"FSDP shards weights, gradients and AdamW states {lay.fsdp_size} ways ({parts}): "
+                f"{_gb(f.bytes)}/step on {_link(f, cluster)} ({f.seconds:.2f} s, overlapped with compute)"
+            )
     return out
 
 
-def knob_reasons(row: PlanRow, siblings: list[PlanRow], cluster: Cluster, model: ModelShape,
-                 workload: Workload) -> list[str]:
+def knob_reasons(
+    row: PlanRow, siblings: list[PlanRow], cluster: Cluster, model: ModelShape, workload: Workload
+) -> list[str]:
     """Why this checkpointing mode and micro-batch, from the other candidates of the same layout."""
     out = []
     mode = row.activation_checkpointing
@@ -122,19 +154,23 @@ def knob_reasons(row: PlanRow, siblings: list[PlanRow], cluster: Cluster, model:
     if mode != "none" and "none" in lighter:
         none = lighter["none"]
         why = "does not fit" if not none.fits else f"is slower ({none.tokens_per_s_per_gpu:,.0f} tokens/s/GPU)"
-        out.append(f"activation checkpointing '{mode}': without it this layout needs {_gib(none.memory.total)} "
-                   f"and {why}")
+        out.append(
+            f"activation checkpointing '{mode}': without it this layout needs {_gib(none.memory.total)} and {why}"
+        )
     elif mode == "none":
         # What forward keeps, whichever moment of the step peaks (the optimizer step holds none).
-        acts = activation_bytes(model, row.layout, workload.seq_len, row.micro_batch, mode, workload.compute_bytes,
-                                workload.lora_rank)
+        acts = activation_bytes(
+            model, row.layout, workload.seq_len, row.micro_batch, mode, workload.compute_bytes, workload.lora_rank
+        )
         out.append(f"no activation checkpointing: activations take {_gib(acts.layers + acts.embedding + acts.head)}")
     text = f"micro-batch {row.micro_batch}"
     if row.accumulation > 1:
         text += f" x {row.accumulation} accumulation steps"
         if row.gradient_sync == "last_micro_batch":
-            text += (f"; gradients reduced on the last micro-batch only, so FSDP keeps "
-                     f"{_gib(row.memory.accumulated_grads)} of unsharded fp32 gradients between micro-batches")
+            text += (
+                f"; gradients reduced on the last micro-batch only, so FSDP keeps "
+                f"{_gib(row.memory.accumulated_grads)} of unsharded fp32 gradients between micro-batches"
+            )
         elif row.layout.fsdp_size > 1:
             text += "; FSDP reduce-scatters every micro-batch and keeps only its fp32 shard"
             if row.layout.dp_replicate > 1:
@@ -152,8 +188,13 @@ def time_reason(row: PlanRow) -> str:
     return text + (f" + exposed comm ({exposed})" if exposed else "") + " s"
 
 
-def add_reasons(rows: list[PlanRow], candidates: dict[Layout, list[PlanRow]], model: ModelShape, cluster: Cluster,
-                workload: Workload) -> None:
+def add_reasons(
+    rows: list[PlanRow],
+    candidates: dict[Layout, list[PlanRow]],
+    model: ModelShape,
+    cluster: Cluster,
+    workload: Workload,
+) -> None:
     """Fill ``row.reasons`` for every row (in place)."""
     # Memory does not depend on whether the batch splits (infeasible layouts are estimated at micro-batch 1).
     no_cp = [x for lay, xs in candidates.items() if lay.cp == 1 for x in xs]

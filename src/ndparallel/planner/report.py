@@ -10,8 +10,22 @@ from ndparallel.planner.hardware import GIB, Cluster
 from ndparallel.planner.shapes import ModelShape
 from ndparallel.planner.workload import Workload
 
-_COLUMNS = ("#", "dp_rep", "dp_shard", "cp", "tp", "cp method", "micro x acc", "AC", "sync", "GiB/GPU", "fits",
-            "step s", "tok/s/GPU", "exposed comm s")
+_COLUMNS = (
+    "#",
+    "dp_rep",
+    "dp_shard",
+    "cp",
+    "tp",
+    "cp method",
+    "micro x acc",
+    "AC",
+    "sync",
+    "GiB/GPU",
+    "fits",
+    "step s",
+    "tok/s/GPU",
+    "exposed comm s",
+)
 
 
 def _cells(i: int, row: PlanRow) -> list[str]:
@@ -19,11 +33,19 @@ def _cells(i: int, row: PlanRow) -> list[str]:
     exposed = sum(row.time.exposed_comm_s.values())
     fits = "yes" if row.fits else ("no" if row.feasible else "batch")
     return [
-        str(i), str(lay.dp_replicate), str(lay.dp_shard), str(lay.cp), str(lay.tp),
+        str(i),
+        str(lay.dp_replicate),
+        str(lay.dp_shard),
+        str(lay.cp),
+        str(lay.tp),
         lay.cp_comm_strategy if lay.cp > 1 else "-",
-        f"{row.micro_batch} x {row.accumulation}", row.activation_checkpointing,
+        f"{row.micro_batch} x {row.accumulation}",
+        row.activation_checkpointing,
         row.gradient_sync.split("_")[0] if row.accumulation > 1 else "-",  # every / last
-        f"{row.memory.total / GIB:.1f}", fits, f"{row.step_s:.2f}", f"{row.tokens_per_s_per_gpu:,.0f}",
+        f"{row.memory.total / GIB:.1f}",
+        fits,
+        f"{row.step_s:.2f}",
+        f"{row.tokens_per_s_per_gpu:,.0f}",
         f"{exposed:.2f}",
     ]
 
@@ -31,20 +53,22 @@ def _cells(i: int, row: PlanRow) -> list[str]:
 def header(model: ModelShape, cluster: Cluster, workload: Workload, *, gpu_given: bool = True) -> str:
     """What was planned for, and where the speeds come from (and what is assumed)."""
     gpu = cluster.gpu
-    options = [workload.precision] + [name for name, on in (("compile", workload.compile), ("fp8", workload.fp8))
-                                      if on]
+    options = [workload.precision] + [name for name, on in (("compile", workload.compile), ("fp8", workload.fp8)) if on]
     if workload.lora_rank:
         options.append(f"LoRA r={workload.lora_rank}")
     if workload.doc_len:
         options.append(f"packed documents of {workload.doc_len} tokens")
-    lines = [f"{model.name}: {model.params / 1e9:.2f}B parameters on {cluster.nodes} x {cluster.gpus_per_node} "
-             f"{gpu.name} ({gpu.memory_gib:g} GiB), {workload.rows} rows x {workload.seq_len} tokens per step, "
-             + ", ".join(options)]
+    lines = [
+        f"{model.name}: {model.params / 1e9:.2f}B parameters on {cluster.nodes} x {cluster.gpus_per_node} "
+        f"{gpu.name} ({gpu.memory_gib:g} GiB), {workload.rows} rows x {workload.seq_len} tokens per step, "
+        + ", ".join(options)
+    ]
     if cluster.measured:
         lines.append(f"kernel speeds: {cluster.efficiency.source}")
     else:
-        lines.append("kernel speeds: fractions of the datasheet peaks measured on our H200 "
-                     f"({cluster.efficiency.source})")
+        lines.append(
+            f"kernel speeds: fractions of the datasheet peaks measured on our H200 ({cluster.efficiency.source})"
+        )
         if not gpu_given:
             lines.append(f"no --gpu given: assuming {DEFAULT_GPU} ({GPUS_NOTE}); name yours with --gpu or --measure")
         if gpu.arch != "hopper":
@@ -61,8 +85,10 @@ def format_table(rows: list[PlanRow], top: int = 10, reasons_for: int = 3) -> st
     table = [list(_COLUMNS)] + [_cells(i + 1, row) for i, row in enumerate(shown)]
     widths = [max(len(r[k]) for r in table) for k in range(len(_COLUMNS))]
     left = (5, 7)  # text columns: cp method, AC
-    lines = ["  ".join(cell.ljust(w) if k in left else cell.rjust(w) for k, (cell, w) in enumerate(zip(r, widths)))
-             for r in table]
+    lines = [
+        "  ".join(cell.ljust(w) if k in left else cell.rjust(w) for k, (cell, w) in enumerate(zip(r, widths)))
+        for r in table
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     if len(rows) > top:
         lines.append(f"... {len(rows) - top} more layouts ({sum(r.fits for r in rows)} of {len(rows)} fit)")

@@ -127,8 +127,11 @@ class ModelShape:
     def hf_like(self) -> SimpleNamespace:
         """The attribute names ``Layout.model_problems`` reads from a transformers config."""
         return SimpleNamespace(
-            num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
-            intermediate_size=self.intermediate, vocab_size=self.vocab, hidden_size=self.hidden,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            intermediate_size=self.intermediate,
+            vocab_size=self.vocab,
+            hidden_size=self.hidden,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -145,8 +148,11 @@ class ModelShape:
         text = get("text_config")
         if text is not None and get("hidden_size") is None:
             return cls.from_hf_config(text, name=name)
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads") if get(k) is None]
+        missing = [
+            k
+            for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+            if get(k) is None
+        ]
         if missing:
             raise ConfigError(
                 f"model config lacks {', '.join(missing)}; give a decoder config (Llama, Qwen, Mistral shape)"
@@ -187,10 +193,18 @@ class ModelShape:
         """
         from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-        common = dict(vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.intermediate,
-                      num_hidden_layers=self.layers, num_attention_heads=self.heads,
-                      num_key_value_heads=self.kv_heads, head_dim=self.head_dim, tie_word_embeddings=self.tied,
-                      attention_dropout=0.0, max_position_embeddings=1 << 20)
+        common = dict(
+            vocab_size=self.vocab,
+            hidden_size=self.hidden,
+            intermediate_size=self.intermediate,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            tie_word_embeddings=self.tied,
+            attention_dropout=0.0,
+            max_position_embeddings=1 << 20,
+        )
         if self.qk_norm:
             return Qwen3Config(**common)
         if self.attention_bias:
