@@ -362,9 +362,9 @@ and checkpointing the planner recommends for the same GPUs, global batch and com
 ANALYSIS = """
 ## Where the model is right, where it is wrong, and why
 
-**Dense FSDP / HSDP / TP, 8B-70B (15 rows).** Ratios 0.91-1.27: 14 within 25%, one outside (Table 3,
-compiled bf16, 1.27). Eager rows come out within 10% (0.96-1.09), compiled bf16 rows 1.18-1.27 (too
-fast), float8 rows 0.91-1.12. Known causes, none corrected:
+**Dense FSDP / HSDP / TP, 8B-70B (15 rows).** Ratios 0.92-1.27: 14 within 25%, one outside (Table 3,
+compiled bf16, 1.27). Eager rows come out within 13% (0.96-1.13), compiled bf16 rows 1.17-1.27 (too
+fast), float8 rows 0.92-1.10. Known causes, none corrected:
 
 - torchtitan's per-op selective checkpointing recomputes every other matmul (its policy saves half of
   the `mm` outputs); ndparallel's selective mode saves all of them, so the planner charges ~1/7 less
@@ -374,19 +374,22 @@ fast), float8 rows 0.91-1.12. Known causes, none corrected:
 - Float8: the planner's float8 model (matmul rate and cast traffic) rests on one H200 measurement of a
   3B model (+7.8%); torchtitan's float8 runs also all-gather in float8 (FSDP and TP), which the planner
   does not model, and its casts may cost less than counted.
-- Multi-node FSDP rows (Trainy H200 1.10-1.12, Table 3) depend on the corrected network model (below).
+- Multi-node FSDP rows (Trainy H200 1.08-1.10, Table 3) depend on the corrected network model (below).
 
-**Context parallel (Table 2, 4 rows): wrong, 1.49-2.98x too fast.** The planner's drop of tokens/s from
-32k to 256k tokens is 3.6x against the published 7.1x. The step is dominated by attention at these
-lengths, and the planner runs CP blocks at the rate of SDPA's cuDNN kernel measured on our H200 at one
-GPU, while both torchtitan's CP (PyTorch's experimental context parallel) and ndparallel's ring/allgather
-blocks call aten's FlashAttention-2 kernel (`_compat.attention_forward_with_lse`), which is markedly
-slower on Hopper; the block kernel has not been timed on the H200 yet (`Efficiency.block_attention` is
-None: "as fast as SDPA's"). `benchmarks/planner_selfcheck.py` times it (`planner_probe.json`); with it in
-`benchmarks/results/h200_planner_probe.json`, `planner_fit_h200.py` takes it as measured and this page
-can be regenerated. Until then the CP rows fail the 35% bound. The published runs also compute the
-merges in fp32 (`convert_to_f32`) and round-robin load balancing, which the planner's CP-merge traffic
-covers only roughly.
+**Context parallel (Table 2, 4 rows): 0.87-1.36, three within 35%, one outside (cp 1 at 32k, 1.36).**
+At these lengths the step is attention. The planner now charges each kernel at what our H200 measured for
+it, as the engine picks it: rows of one document at cp 1 go through SDPA, which runs cuDNN's kernel on
+Hopper (head_dim 128 timed in the profiled 3B step: 0.58 of the peak forward, 0.38 backward at 8192
+rows); every CP method (and every packed row) runs FlashAttention 2's variable-length kernel, timed by
+`plan --measure` on the H200 at 0.29 forward / 0.20 backward (head_dim 64, the only one timed; the 8B's
+head_dim 128 takes it, which if anything makes CP too slow). The same FlashAttention 2 rates predict our
+own packed 16k-196k-token rows within 5% (`planner_fit_h200.py`). The cp 1 row at 32k is the one left
+outside: in December 2024 PyTorch's SDPA ran FlashAttention 2 there (cuDNN's kernel had been made
+opt-in in October 2024, pytorch/pytorch#138522; torchtitan opted in only in March 2025,
+pytorch/torchtitan#1000), where ndparallel on torch 2.11 runs cuDNN's: a difference of implementations,
+not checked here (no H100, and no multi-GPU machine for the cp > 1 rows). The
+published runs also compute the merges in fp32 (`convert_to_f32`) and round-robin load balancing, which
+the planner's CP-merge traffic covers only roughly.
 
 **Memory.** No source reports allocated memory, so the 15% criterion has no row to apply to. Beside
 the reserved figures: the 8B FSDP rows (76 and 74 GiB predicted vs 82.4 and 77.0 reserved) are in the
@@ -405,15 +408,23 @@ micro-batch 1 x 2 without checkpointing to micro-batch 2 with it). For the other
 layout it predicts faster, which the pages cannot confirm or refute (they publish one layout per
 problem): 70B on 256 H100s, FSDP 128 x TP 2 with selective checkpointing and accumulation 4 instead of
 TP 8 (ndparallel's TP collectives are exposed: 5 s of a 22-23 s step at TP 8); 70B on 64 A100s, FSDP 16
-x TP 4; 8B at local batch 12 on 64 GPUs, FSDP 32 x TP 2; long sequences, alltoall CP over all 8 GPUs
-(the planner expects SDPA's kernel on whole rows, where ring and allgather blocks run the slower one).
+x TP 4; 8B at local batch 12 on 64 GPUs, FSDP 32 x TP 2; long sequences, tensor parallelism instead of
+CP (TP 2 at 32k-64k, TP 4 at 128k, TP 8 at 256k): tensor parallelism keeps whole rows, which SDPA runs
+with cuDNN's kernel at about twice the rate of the variable-length kernel every CP method calls. That
+prediction is ndparallel-specific and unmeasured (no multi-GPU machine was lent); if it holds, CP blocks
+of one-document rows should call cuDNN's kernel too.
 
 **Changes made after first seeing these numbers** (each a modelling error with a physical cause, none a
 constant set from them): a group that spans nodes with k members per node crosses the network on k NICs
 (NCCL runs one ring per NIC), not one; ring CP and all-to-all traffic keep their own rules; the float8
 cast of an input shared by q/k/v (and gate/up) is counted once (the compiled layer computes it once).
 The first moved the multi-node rows from 0.74-0.83 to 0.96-1.12; the float8 change moved the float8
-rows by up to 5%.
+rows by up to 5%. Later (after the CP rows were seen at 1.49-2.98): attention is charged per kernel as the
+engine now chooses it (packed rows and every CP method on FlashAttention's variable-length kernel, whole
+rows at cp 1 on SDPA), the variable-length kernel at its H200 probe rate, and SDPA's head_dim-128 rate
+taken from the 3B step's measured kernel times instead of being inferred from whole-step throughputs (the
+inference had put it at 0.84 of the peak, beyond what any attention kernel reaches); the H200 fit gained
+our long-row measurements. This moved the CP rows to 0.87-1.36 and the dense rows by at most 0.04.
 
 ## What the planner cannot express
 

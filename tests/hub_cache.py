@@ -11,7 +11,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen3Config
+from transformers import LlamaConfig, MistralConfig, MixtralConfig, PretrainedConfig, Qwen3Config
 
 # The published shapes of the models Axolotl's examples name (config.json only: validate reads no weights).
 LLAMA_31_8B = dict(
@@ -53,6 +53,18 @@ MISTRAL_7B = dict(
     max_position_embeddings=32768,
     sliding_window=4096,
 )
+MIXTRAL_8X22B = dict(
+    hidden_size=6144,
+    intermediate_size=16384,
+    num_hidden_layers=56,
+    num_attention_heads=48,
+    num_key_value_heads=8,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    vocab_size=32000,
+    max_position_embeddings=65536,
+    rope_theta=1e6,
+)
 PUBLISHED = {
     "meta-llama/Llama-3.1-8B": LlamaConfig(**LLAMA_31_8B),
     "NousResearch/Meta-Llama-3.1-8B": LlamaConfig(**LLAMA_31_8B),
@@ -62,6 +74,7 @@ PUBLISHED = {
     "meta-llama/Llama-3.2-3B": LlamaConfig(**LLAMA_32_3B),
     "Qwen/Qwen3-8B": Qwen3Config(**QWEN3_8B),
     "mistralai/Mistral-7B-v0.1": MistralConfig(**MISTRAL_7B),
+    "mistral-community/Mixtral-8x22B-v0.1": MixtralConfig(**MIXTRAL_8X22B),
 }
 # The special tokens the examples name, per model family (added to the tests' byte-level tokenizer).
 FAMILY_TOKENS = {

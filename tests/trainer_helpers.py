@@ -112,13 +112,14 @@ def losses(records: list[dict]) -> list[float]:
     return [r["loss"] for r in records]
 
 
-def plain_reference(config: dict) -> dict:
+def plain_reference(config: dict, trainable: set[str] | None = None) -> dict:
     """``ndparallel train``'s run at world 1 redone with plain transformers + torch (+ peft for LoRA): the
     model from ``base_model``, the token-weighted loss over shifted labels with a block-diagonal causal mask
     for packed documents, AdamW (no decay on 1-D tensors), warm-up then cosine, clipping. Only the data (the
     packed rows and their order) comes from ndparallel's data pipeline, which tests/unit/test_data_* check.
     LoRA adapters start from ndparallel's seeded init (B = 0, so the model starts as the base model).
-    Returns per-step losses and gradient norms (before clipping)."""
+    ``trainable``: names of the only weights that train (the test's own list, for unfrozen_parameters).
+    Returns per-step losses, gradient norms (before clipping) and the final weights."""
     import math
 
     from scenarios import peft_lora, plain_targets, reference_mask
@@ -146,6 +147,9 @@ def plain_reference(config: dict) -> dict:
     model = AutoModelForCausalLM.from_pretrained(cfg.base_model, attn_implementation="sdpa", dtype=torch.float32)
     if cfg.adapter == "lora":
         model = peft_lora(model, LoraSpec.from_config(cfg))
+    if trainable is not None:
+        for name, param in model.named_parameters():
+            param.requires_grad_(name in trainable)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(
         [
@@ -184,4 +188,5 @@ def plain_reference(config: dict) -> dict:
         schedule.step()
         opt.zero_grad()
         losses.append(total_loss)
-    return {"losses": losses, "grad_norms": norms}
+    state = {name: param.detach().clone() for name, param in model.named_parameters()}
+    return {"losses": losses, "grad_norms": norms, "state": state}

@@ -16,6 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 # Observing every aten op (the planner's memory measurement, tests/planner_memory/measure.py): a dispatch
 # mode, and the tensors inside an op's nested outputs. No public equivalent in torch 2.11-2.13.
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (re-exported)
+from torch.utils._pytree import tree_leaves  # noqa: F401  (re-exported)
 
 aten = torch.ops.aten
 

@@ -71,7 +71,10 @@ QUANTIZED = (
     "fp32 master weights: set it to false or remove it"
 )
 ADAPTER_VARIANT = "this adapter variant is not implemented: ndparallel trains plain LoRA (adapter: lora); remove it"
-PARTIAL = "training a chosen subset of parameters is not implemented: use adapter: lora or a full fine-tune"
+PARTIAL = (
+    "this way of choosing the weights to train is not implemented: list them in unfrozen_parameters, or use "
+    "adapter: lora"
+)
 OPTIMIZER_EXTRA = (
     "this optimizer or schedule option is not implemented (AdamW with one learning rate, "
     "lr_scheduler and warm-up only); remove it"
@@ -172,7 +175,7 @@ POLICY: list[tuple[str, Rule]] = [
     ),
     (
         "load_in_4bit load_in_8bit gptq quantization model_quantization_config model_quantization_config_kwargs "
-        "qat fp8 fp8_enable_fsdp_float8_all_gather quantize_moe_experts use_onebitllms nvfp4_merge_aware* "
+        "qat quantize_moe_experts use_onebitllms nvfp4_merge_aware* "
         "qlora_sharded_model_loading nonexpert_quantization",
         _refused(QUANTIZED),
     ),
@@ -183,7 +186,7 @@ POLICY: list[tuple[str, Rule]] = [
         _refused(ADAPTER_VARIANT),
     ),
     ("merge_lora merge_method", _refused("merging is a separate step here: `ndparallel export OUT DIR --merge-lora`")),
-    ("unfrozen_parameters lisa_* spectrum_* train_attn train_mlp train_unembed", _refused(PARTIAL)),
+    ("lisa_* spectrum_* train_attn train_mlp train_unembed", _refused(PARTIAL)),
     (
         "embedding_lr embedding_lr_scale lr_groups lr_quadratic_warmup lr_div_factor lr_scheduler_kwargs optim_args "
         "optim_target_modules dion_* qgalore_* adam_beta3 adam_epsilon2 torchdistx_path jagged_restart_* "

@@ -335,6 +335,10 @@ class TrainConfig(BaseModel):
     lora_target_parameters: list[str] | None = None
     """Mixture-of-experts weights to adapt, per expert (PEFT's target_parameters), e.g.
     [mlp.experts.gate_up_proj, mlp.experts.down_proj]."""
+    unfrozen_parameters: list[str] | None = None
+    """A full fine-tune of only these weights, everything else frozen (Axolotl's meaning: regular expressions
+    matched at the start of each weight's name, periods literal; ``freeze.py``), e.g. [^lm_head.weight$,
+    model.layers.2[0-9]+.mlp]."""
 
     # --- checks across fields -----------------------------------------------------------------------
     @field_validator("fsdp_wrap", mode="before")
@@ -381,6 +385,16 @@ class TrainConfig(BaseModel):
                 raise ValueError(f"{value!r} is not a valid regular expression ({exc})") from None
         return value
 
+    @field_validator("unfrozen_parameters")
+    @classmethod
+    def _unfrozen(cls, value):
+        if not value:
+            return None  # an empty list sets nothing (Axolotl's reading): a full fine-tune
+        from ndparallel.freeze import compile_patterns
+
+        compile_patterns(value)
+        return value
+
     @field_validator("val_set_size")
     @classmethod
     def _whole_count(cls, value):
@@ -415,6 +429,12 @@ class TrainConfig(BaseModel):
             yield (
                 "lora_target_modules / lora_target_linear / lora_target_parameters are set but adapter is not: add "
                 "adapter: lora"
+            )
+        if self.unfrozen_parameters is not None and self.adapter is not None:
+            yield (
+                "unfrozen_parameters with adapter: lora is not supported: LoRA already freezes the base weights "
+                "(train whole modules beside the adapters with lora_modules_to_save), or drop adapter for a "
+                "full fine-tune of the listed weights"
             )
         if not self.datasets and not self.pretraining_dataset:
             yield "datasets is empty: add at least one entry with a path and a type (or a pretraining_dataset)"

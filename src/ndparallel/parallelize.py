@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ndparallel.errors import ConfigError
+from ndparallel.freeze import apply_trainable, select_trainable
 from ndparallel.lora import LoraSpec, attach_lora
 from ndparallel.models.decoder import decoder_parts
 from ndparallel.models.families import needs_eager_attention
@@ -81,6 +82,9 @@ class ParallelOptions:
     """Keep sharded parameters, gradients and optimizer state in CPU memory."""
     fp8: Fp8Spec | bool | None = None
     """FP8 linears (torchao float8): True for the default ``Fp8Spec``, or a spec; None/False: bf16."""
+    unfrozen_parameters: tuple[str, ...] | None = None
+    """Train only the weights these patterns select (Axolotl's ``unfrozen_parameters``, ``freeze.py``);
+    None: every weight trains (or, with LoRA, only the adapters)."""
     single_rank_fsdp: bool = False
     """Wrap with FSDP2 even when the world is one rank. By default one rank keeps its parameters in flat
     buffers instead (same numbers, less copying); this restores the FSDP path (for comparisons)."""
@@ -97,6 +101,10 @@ def parallelize(
     options = options or ParallelOptions()
     parts = decoder_parts(model)
     topology.layout.check_model(model.config)
+    if options.unfrozen_parameters is not None and lora is not None:
+        raise ConfigError("unfrozen_parameters with LoRA is not supported: LoRA already freezes the base weights")
+    # chosen on the model as built (global shapes), applied once TP and EP have re-created the parameters
+    trainable = select_trainable(model, options.unfrozen_parameters) if options.unfrozen_parameters else None
     fp8 = Fp8Spec() if options.fp8 is True else options.fp8 or None
     if fp8 is not None:
         check_fp8_supported(topology.device, fp8)
@@ -109,6 +117,8 @@ def parallelize(
     apply_tensor_parallel(parts, topology.tp)
     apply_moe_tensor_parallel(parts, topology.tp)
     apply_expert_parallel(parts, topology)
+    if trainable is not None:
+        apply_trainable(model, trainable)
     if lora is not None:
         attach_lora(model, lora, tp_mesh=topology.tp, ep_mesh=topology.experts.ep if topology.layout.ep > 1 else None)
     if parts.own_attention is None:

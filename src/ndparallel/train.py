@@ -33,6 +33,7 @@ from ndparallel.batching import prepare_batch
 from ndparallel.config import TrainConfig
 from ndparallel.data import DataOrder, build_rows_distributed
 from ndparallel.errors import ConfigError
+from ndparallel.freeze import describe_trainable
 from ndparallel.layout import Layout
 from ndparallel.lora import LoraSpec, save_peft_adapter
 from ndparallel.loss import IGNORE_INDEX
@@ -171,44 +172,13 @@ def setup(cfg: TrainConfig) -> TrainingRun:
     torch.manual_seed(cfg.seed)
     fetch_run_inputs(cfg, device_type)  # hub ids: local rank 0 of each node downloads while the others wait
 
-    # 1. Checks that need no communication: the same answer on every rank.
-    model_config = model_config_for(
-        base_model=cfg.base_model,
-        model_shape=cfg.model_shape,
-        overrides=cfg.model_config_overrides,
-        max_position_embeddings=cfg.sequence_len,
-        revision=cfg.revision_of_model,
-        trust_remote_code=cfg.trust_remote_code,
-    )
-    layout, layout_reason = resolve_layout(cfg, world, model_config)
-    tokenizer, added_tokens = load_run_tokenizer(cfg)
-    vocab_from, vocab_note = fit_vocab(model_config, len(tokenizer), added_tokens, tp=layout.tp)
-    layout.check_model(model_config, seq_len=cfg.sequence_len)
-    check_trackers_installed(cfg)
     output_dir = Path(cfg.output_dir)
-    resume_dir = _check_output_dir(cfg, output_dir)
+    model_config, layout, layout_reason, tokenizer, vocab_from, vocab_note, resume_dir = _check(cfg, world, output_dir)
 
-    # 2. Mesh, data, model.
+    # Mesh, data, model: collective from here on.
     init_distributed(device_type=device_type, timeout_s=cfg.process_group_timeout_s)
     topo = Topology.build(layout, device_type=device_type, timeout_s=cfg.process_group_timeout_s)
-    specs = dataset_specs(cfg, template=tokenizer.chat_template)
-    cache_dir = cfg.dataset_prepared_path or str(output_dir / "prepared")
-    global_rows = cfg.micro_batch_size * layout.batch_size * cfg.gradient_accumulation_steps
-    train_rows, eval_rows = build_rows_distributed(
-        specs,
-        tokenizer,
-        seq_len=cfg.sequence_len,
-        packing=cfg.sample_packing or bool(cfg.pretraining_dataset),
-        cache_dir=cache_dir,
-        long_rows=cfg.long_rows_policy,
-        eval_fraction=cfg.val_set_size,
-        seed=cfg.seed,
-        min_len=cfg.min_sample_len,
-        eval_packing=cfg.eval_packing,
-        token_budget=token_budget(cfg, global_rows),
-        is_main=topo.is_main,
-        barrier=dist.barrier,
-    )
+    train_rows, eval_rows = _load_rows(cfg, tokenizer, layout, topo, output_dir)
     model, lora = _build_model(cfg, model_config, topo, vocab_from=vocab_from)
     optimizer = build_run_optimizer(model, cfg, device_type)
 
@@ -223,19 +193,12 @@ def setup(cfg: TrainConfig) -> TrainingRun:
     schedule = schedule_for(cfg, steps_per_epoch=steps_per_epoch)
     total_steps = schedule.total_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.lr_factor)
-    state = ckpt.TrainState()
     checkpointer = ckpt.trainer_checkpointer(
         output_dir, keep=cfg.save_total_limit, async_save=cfg.async_save, timeout_s=cfg.process_group_timeout_s
     )
-    load_s = None
+    state, load_s = ckpt.TrainState(), None
     if resume_dir is not None:
-        load_start = time.perf_counter()
-        state = ckpt.load(checkpointer, resume_dir, model=model, optimizer=optimizer, scheduler=scheduler, order=order)
-        load_s = time.perf_counter() - load_start
-        # The schedule resumes at the saved step, with this config's learning rate (it may have changed).
-        scheduler.base_lrs = [cfg.learning_rate for _ in scheduler.base_lrs]
-        for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
-            group["lr"] = base * factor(scheduler.last_epoch)
+        state, load_s = _resume(cfg, checkpointer, resume_dir, model, optimizer, scheduler, order)
     return TrainingRun(
         cfg=cfg,
         topo=topo,
@@ -258,6 +221,62 @@ def setup(cfg: TrainConfig) -> TrainingRun:
         load_s=load_s,
         vocab_note=vocab_note,
     )
+
+
+def run_model_config(cfg: TrainConfig):
+    """The model's config as the run builds it (hub id, directory or preset, with the config's overrides)."""
+    return model_config_for(
+        base_model=cfg.base_model,
+        model_shape=cfg.model_shape,
+        overrides=cfg.model_config_overrides,
+        max_position_embeddings=cfg.sequence_len,
+        revision=cfg.revision_of_model,
+        trust_remote_code=cfg.trust_remote_code,
+    )
+
+
+def _check(cfg: TrainConfig, world: int, output_dir: Path):
+    """Checks that need no communication, the same answer on every rank: (model config, layout, the layout's
+    reason, tokenizer, the vocabulary size before growing and its note, the checkpoint to resume or None)."""
+    model_config = run_model_config(cfg)
+    layout, layout_reason = resolve_layout(cfg, world, model_config)
+    tokenizer, added_tokens = load_run_tokenizer(cfg)
+    vocab_from, vocab_note = fit_vocab(model_config, len(tokenizer), added_tokens, tp=layout.tp)
+    layout.check_model(model_config, seq_len=cfg.sequence_len)
+    check_trackers_installed(cfg)
+    resume_dir = _check_output_dir(cfg, output_dir)
+    return model_config, layout, layout_reason, tokenizer, vocab_from, vocab_note, resume_dir
+
+
+def _load_rows(cfg: TrainConfig, tokenizer, layout, topo: Topology, output_dir: Path):
+    """(train rows, eval rows): tokenized and packed once by the main rank, read by every rank."""
+    global_rows = cfg.micro_batch_size * layout.batch_size * cfg.gradient_accumulation_steps
+    return build_rows_distributed(
+        dataset_specs(cfg, template=tokenizer.chat_template),
+        tokenizer,
+        seq_len=cfg.sequence_len,
+        packing=cfg.sample_packing or bool(cfg.pretraining_dataset),
+        cache_dir=cfg.dataset_prepared_path or str(output_dir / "prepared"),
+        long_rows=cfg.long_rows_policy,
+        eval_fraction=cfg.val_set_size,
+        seed=cfg.seed,
+        min_len=cfg.min_sample_len,
+        eval_packing=cfg.eval_packing,
+        token_budget=token_budget(cfg, global_rows),
+        is_main=topo.is_main,
+        barrier=dist.barrier,
+    )
+
+
+def _resume(cfg: TrainConfig, checkpointer, resume_dir: Path, model, optimizer, scheduler, order):
+    """(the saved TrainState, seconds the load took), everything loaded in place."""
+    load_start = time.perf_counter()
+    state = ckpt.load(checkpointer, resume_dir, model=model, optimizer=optimizer, scheduler=scheduler, order=order)
+    # The schedule resumes at the saved step, with this config's learning rate (it may have changed).
+    scheduler.base_lrs = [cfg.learning_rate for _ in scheduler.base_lrs]
+    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * factor(scheduler.last_epoch)
+    return state, time.perf_counter() - load_start
 
 
 def _check_output_dir(cfg: TrainConfig, output_dir: Path) -> Path | None:
@@ -291,6 +310,7 @@ def _build_model(
         reshard_after_forward=cfg.reshard_after_forward,
         cpu_offload=cfg.cpu_offload,
         fp8=fp8_spec(cfg),
+        unfrozen_parameters=tuple(cfg.unfrozen_parameters) if cfg.unfrozen_parameters else None,
     )
     model = meta_model(model_config)
     lora = LoraSpec.from_config(cfg)
@@ -366,7 +386,12 @@ def _open_metrics(run: TrainingRun) -> MetricsLogger:
     )
     metrics.message(topo.describe())
     for note in filter(
-        None, [run.layout_reason and f"layout chosen by the planner: {run.layout_reason}", run.vocab_note]
+        None,
+        [
+            run.layout_reason and f"layout chosen by the planner: {run.layout_reason}",
+            run.vocab_note,
+            cfg.unfrozen_parameters and describe_trainable(run.model),
+        ],
     ):
         metrics.message(note)
     metrics.message(

@@ -25,23 +25,12 @@ def run_errors(cfg: TrainConfig, *, world_size: int | None) -> tuple[list[str], 
     """Problems that would stop ``train`` (model, tokenizer, layout, data, optimizer), all of them, collected
     rather than raised; hub ids are looked up in the hub cache (config and tokenizer files are fetched unless
     HF_HUB_OFFLINE is set, weights are not)."""
-    from ndparallel.models.build import model_config_for
     from ndparallel.run_inputs import load_run_tokenizer
-    from ndparallel.train import resolve_layout
+    from ndparallel.train import resolve_layout, run_model_config
     from ndparallel.vocab import fit_vocab
 
     problems: list[str] = []
-    model_config = _attempt(
-        problems,
-        lambda: model_config_for(
-            base_model=cfg.base_model,
-            model_shape=cfg.model_shape,
-            overrides=cfg.model_config_overrides,
-            max_position_embeddings=cfg.sequence_len,
-            revision=cfg.revision_of_model,
-            trust_remote_code=cfg.trust_remote_code,
-        ),
-    )
+    model_config = _attempt(problems, lambda: run_model_config(cfg))
     tokenizer = _attempt(problems, lambda: load_run_tokenizer(cfg))
     world = world_size or cfg.fixed_world_size() or 1
     plan = None
@@ -68,10 +57,25 @@ def run_errors(cfg: TrainConfig, *, world_size: int | None) -> tuple[list[str], 
             plan.notes.append(note)
     if model_config is not None and plan is not None:
         problems += list(plan.layout.model_problems(model_config, seq_len=cfg.sequence_len))
+    if model_config is not None and cfg.unfrozen_parameters:
+        note = _attempt(problems, lambda: _check_unfrozen(cfg, model_config))
+        if note and plan is not None:
+            plan.notes.append(note)
     problems += _data_problems(cfg)
     if cfg.eight_bit_optimizer and cfg.device == "cpu":
         problems.append(f"optimizer: {cfg.optimizer} (8-bit AdamW) needs a CUDA GPU; use adamw_torch with device: cpu")
     return problems, plan
+
+
+def _check_unfrozen(cfg: TrainConfig, model_config) -> str:
+    """unfrozen_parameters against the weights' names (the model built on the meta device: no memory); the
+    line saying how much of the model trains."""
+    from ndparallel.freeze import apply_trainable, describe_trainable, select_trainable
+    from ndparallel.models.build import meta_model
+
+    model = meta_model(model_config)
+    apply_trainable(model, select_trainable(model, cfg.unfrozen_parameters))
+    return describe_trainable(model)
 
 
 def _attempt(problems: list[str], make):

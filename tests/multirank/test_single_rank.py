@@ -13,7 +13,11 @@ from scenarios import make_batches, max_rel_diff, max_weight_diff, train_paralle
 
 
 def _train(single_rank_fsdp: bool) -> dict:
-    batches = make_batches(steps=4, micro=2, rows=8, seq=32, pad=True)
+    # Two steps: the optimizers order their float32 operations differently (fused flat update vs torch's),
+    # ~1e-7 in the weights from the second update on; once such a difference moves a bf16 compute copy by one
+    # rounding step, Adam turns it into an lr-sized step on near-zero gradients (measured: 2.4e-3 in an
+    # embedding row by step 4). That is the optimizers' arithmetic, not the bf16 path under test.
+    batches = make_batches(steps=2, micro=2, rows=8, seq=32, pad=True)
     options = {"param_dtype": "bfloat16", "activation_checkpointing": "full", "single_rank_fsdp": single_rank_fsdp}
     return train_parallel("llama", {"dp_shard_size": 1}, batches, model_kwargs={"tied": True}, options=options)
 
@@ -21,10 +25,9 @@ def _train(single_rank_fsdp: bool) -> dict:
 def test_bf16_without_fsdp_matches_fsdp_on_one_rank(parity_record):
     flat = run_ranks(1, _train, False)[0]
     fsdp = run_ranks(1, _train, True)[0]
-    # Same bf16 forward and backward, same fp32 gradients: identical losses and norms. The optimizers
-    # order their float32 operations differently (fused flat update vs torch's), ~1e-7 in the weights.
+    # Same bf16 forward and backward, same fp32 gradients: identical losses and norms.
     assert flat["losses"] == fsdp["losses"]
-    assert max_rel_diff(flat["grad_norms"], fsdp["grad_norms"]) <= 1e-6
+    assert flat["grad_norms"] == fsdp["grad_norms"]
     weight_diff, where = max_weight_diff(fsdp["weights"], flat["weights"])
     parity_record({"loss": max_rel_diff(flat["losses"], fsdp["losses"]), "weights": weight_diff})
     assert weight_diff <= 1e-6, f"weights differ by {weight_diff:.2e} in {where}"

@@ -13,11 +13,12 @@ attention   flash attention, 4*d FLOPs per visible (query, key) pair and head in
             counted as twice that; visible pairs per row S(S+1)/2, or S(D+1)/2 for packed documents of
             D tokens; a rank computes 1/c of them (every CP method balances the causal work: ``context.py``
             gives each rank two mirrored chunks; alltoall splits the heads). Query rows per kernel call:
-            D without CP and with alltoall, S/(2c) for ring and allgather blocks, which run the aten flash
-            kernel (``_compat.attention_forward_with_lse``: ``Efficiency.block_attention``) where plain and
-            alltoall attention go through SDPA (cuDNN on Hopper). Full checkpointing repeats the forward;
-            selective keeps the kernel's output. Packed rows are modelled as the document-aware kernels of
-            the CP attention rewrite compute them (no work across documents).
+            D without CP and with alltoall, min(D, S/(2c)) for ring and allgather blocks. Kernels, as
+            ``parallel/context.py`` chooses them: rows of one document at cp 1 go through SDPA (cuDNN on
+            Hopper, ``Efficiency.attention``); packed rows and every CP method run FlashAttention's
+            variable-length kernel (``varlen_attention``, ``Efficiency.block_attention``), one sequence per
+            document piece, so no work crosses documents. Full checkpointing repeats the forward; selective
+            keeps the kernel's output.
 pointwise   the eager elementwise ops of a layer, bytes per token of the rank (``layer_pointwise_bytes``),
             three passes (forward, and backward at twice the forward's traffic), a fourth when
             checkpointing recomputes the forward; torch.compile runs them in ``compiled_pointwise`` of the
@@ -109,7 +110,7 @@ def attention_s(mb: MicroBatch, rates: Rates) -> float:
     flops = 4 * m.head_dim * (m.heads / t) * mb.rows * attention_pairs(w.seq_len, keys) / c
     rows = keys if c == 1 or lay.cp_comm_strategy == "alltoall" else min(keys, w.seq_len // (2 * c))
     fp32 = w.precision == "fp32"
-    blocks = c > 1 and lay.cp_comm_strategy != "alltoall"
+    blocks = c > 1 or keys < w.seq_len  # SDPA only for whole one-document rows at cp 1
     forward = rates.attention_s(flops, m.head_dim, rows, backward=False, fp32=fp32, blocks=blocks)
     backward = rates.attention_s(flops, m.head_dim, rows, backward=True, fp32=fp32, blocks=blocks)
     return m.layers * (forward * (2 if mb.activation_checkpointing == "full" else 1) + backward)

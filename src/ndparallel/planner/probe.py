@@ -8,8 +8,8 @@ What is timed, for the model's shapes at the planned tokens per micro-batch (cap
     matmul_fp8    the largest layer linear as a float8 product with per-tensor scales (with --fp8)
     attention     causal SDPA forward and forward+backward at the model's heads and head_dim, at two row
                   lengths (the longer one and a quarter of it) -> the long-row rates and half_rows
-    block kernel  the kernel context-parallel blocks call (``_compat.attention_forward_with_lse`` and its
-                  backward), the same way -> Efficiency.block_attention
+    block kernel  the kernel packed rows and context-parallel blocks call (``varlen_attention``:
+                  FlashAttention's variable-length kernel on CUDA), the same way -> Efficiency.block_attention
     stream        fused AdamW over 64M fp32 parameters (28 bytes each) -> Efficiency.stream
     pointwise     one eager decoder layer of the model, forward and backward, minus its timed matmuls and
                   attention: what is left is its elementwise work -> Efficiency.pointwise_eager
@@ -37,6 +37,8 @@ import torch.nn.functional as F
 
 from ndparallel import _compat
 from ndparallel.errors import ConfigError
+from ndparallel.parallel.attention_plan import UNBOUNDED, Side, block_pieces, find_documents, make_call
+from ndparallel.parallel.varlen_attention import call_backward, call_forward
 from ndparallel.planner.gpus import GpuSpec, preset_for_device_name
 from ndparallel.planner.parts import layer_pointwise_bytes
 from ndparallel.planner.rates import H200_EFFICIENCY, Efficiency
@@ -160,16 +162,20 @@ def time_sdpa(
 def time_blocks(
     model: ModelShape, rows: int, tokens: int, device: torch.device, dtype: torch.dtype
 ) -> tuple[float, float, float]:
-    """The same for the kernel of context-parallel blocks (heads expanded, as the blocks call it)."""
-    q, k, v, flops = _attention_inputs(model, rows, tokens, device, dtype, model.heads)
-    q, k, v = q.detach(), k.detach(), v.detach()
+    """The same for the kernel that packed rows and context-parallel blocks call (``varlen_attention``:
+    FlashAttention's variable-length kernel on CUDA, the padded dense path elsewhere): one causal document
+    per row of ``rows`` tokens, grouped key/value heads as they are, through the engine's own call."""
+    batch = max(1, tokens // rows)
+    q, k, v, flops = _attention_inputs(model, rows, tokens, device, dtype, model.kv_heads)
+    q, k, v = (t.detach().transpose(1, 2).reshape(batch * rows, t.shape[1], model.head_dim) for t in (q, k, v))
+    whole = Side(lo=0, hi=rows, stride=rows, base=0)
+    pieces = block_pieces(find_documents(torch.zeros(batch, rows, dtype=torch.long)), whole, whole, None)
+    call = make_call(pieces, causal=True, window_left=UNBOUNDED, num_keys=batch * rows, device=device)
     scale = model.head_dim**-0.5
-    out, lse = _compat.attention_forward_with_lse(q, k, v, bias=None, is_causal=True, scale=scale)
+    out, lse = call_forward(q, k, v, call, scale)
     grad = torch.randn_like(out)
-    fwd = _seconds(lambda: _compat.attention_forward_with_lse(q, k, v, bias=None, is_causal=True, scale=scale), device)
-    bwd = _seconds(
-        lambda: _compat.attention_backward(grad, q, k, v, out, lse, bias=None, is_causal=True, scale=scale), device
-    )
+    fwd = _seconds(lambda: call_forward(q, k, v, call, scale), device)
+    bwd = _seconds(lambda: call_backward(grad, q, k, v, out, lse, call, scale), device)
     return flops, fwd, bwd
 
 
