@@ -1,5 +1,6 @@
 """unfrozen_parameters (a full fine-tune of some weights) on 2x2x2 and on one rank, against plain PyTorch with the
-same weights frozen by hand: losses, gradient norms, final weights; frozen weights stay bit-identical."""
+same weights frozen by hand: losses, gradient norms, final weights; frozen weights stay bit-identical; a
+checkpoint resumes on another layout."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def test_unfrozen_parameters_train_like_plain_pytorch(tmp_path, parity_record):
         model_shape=None,
         model_config_overrides={},
         learning_rate=1e-2,
-        save_steps=6,
+        save_steps=3,
         unfrozen_parameters=PATTERNS,
     )
     parallel_config = {**layout_config(config, s=2, c=2, t=2, method="ring"), "output_dir": str(tmp_path / "par")}
@@ -46,6 +47,11 @@ def test_unfrozen_parameters_train_like_plain_pytorch(tmp_path, parity_record):
         parity_record({"loss": loss_diff, "grad_norm": norm_diff})
         assert loss_diff < 1e-5 and norm_diff < 1e-5, (losses(records), ref["losses"])
     assert parallel[-1]["loss"] < parallel[0]["loss"]
+    # resumed on one rank from the 2x2x2 checkpoint (AdamW state for the trained weights only)
+    step3 = tmp_path / "par" / "checkpoints" / "step-3"
+    resumed = run_train(1, {**config, "output_dir": str(tmp_path / "resumed"), "resume_from_checkpoint": str(step3)})
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert max_rel_diff(losses(resumed), losses(parallel)[3:]) < 1e-5
 
     out = tmp_path / "exported"
     assert main(["export", str(tmp_path / "par"), str(out), "--dtype", "float32"]) == 0
