@@ -142,6 +142,7 @@ def plain_reference(config: dict, trainable: set[str] | None = None) -> dict:
         cache_dir=cfg.dataset_prepared_path,
         long_rows=cfg.long_rows_policy,
         seed=cfg.seed,
+        deduplicate=cfg.dataset_exact_deduplication,
     )
     batches = iter(DataOrder(len(rows), rows_per_rank=cfg.micro_batch_size, batch_rank=0, batch_ranks=1, seed=cfg.seed))
     model = AutoModelForCausalLM.from_pretrained(cfg.base_model, attn_implementation="sdpa", dtype=torch.float32)

@@ -212,7 +212,7 @@ POLICY: list[tuple[str, Rule]] = [
     ),
     ("auto_resume_from_checkpoints", _refused("set resume_from_checkpoint: latest to resume")),
     (
-        "dataset_shard_num dataset_shard_idx curriculum_sampling group_by_length dataset_exact_deduplication "
+        "dataset_shard_num dataset_shard_idx curriculum_sampling group_by_length "
         "pretraining_sample_concatenation max_packed_sequence_len preprocess_iterable default_system_message "
         "eot_tokens use_pose pose_* added_tokens_overrides eaft_* use_eaft",
         _refused(DATA_CHANGE),

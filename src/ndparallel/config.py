@@ -166,6 +166,9 @@ class TrainConfig(BaseModel):
     (pretraining_dataset's default). Axolotl's excess_length_strategy (raise = error) lands here."""
     min_sample_len: int = Field(2, ge=1)
     """Examples with fewer tokens are left out."""
+    dataset_exact_deduplication: bool = False
+    """Leave out every example whose tokens and labels repeat an earlier one (across all datasets), before the
+    evaluation split: neither split repeats itself or the other."""
     train_on_inputs: bool = False
     """Also train on prompts (alpaca) and on every chat turn, not only on the answers."""
 

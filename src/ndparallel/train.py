@@ -262,6 +262,7 @@ def _load_rows(cfg: TrainConfig, tokenizer, layout, topo: Topology, output_dir: 
         seed=cfg.seed,
         min_len=cfg.min_sample_len,
         eval_packing=cfg.eval_packing,
+        deduplicate=cfg.dataset_exact_deduplication,
         token_budget=token_budget(cfg, global_rows),
         is_main=topo.is_main,
         barrier=dist.barrier,

@@ -124,9 +124,9 @@ REFUSED = {  # config -> the settings its one-line errors name (everything else 
     "llama-3/instruct-dpo-lora-8b.yml": RL | {"load_in_8bit", "datasets[0].field_chosen", "datasets[0].field_rejected"},
     "llama-3/instruct-lora-8b.yml": {"load_in_8bit"},
     "llama-3/lora-1b-deduplicate-dpo.yml": RL
-    | {"load_in_8bit", "dataset_exact_deduplication"}
+    | {"load_in_8bit"}
     | {f"datasets[{i}].field_{k}" for i in (0, 1) for k in ("chosen", "rejected")},
-    "llama-3/lora-1b-deduplicate-sft.yml": {"load_in_8bit", "dataset_exact_deduplication"},
+    "llama-3/lora-1b-deduplicate-sft.yml": {"load_in_8bit"},
     "llama-3/lora-1b-ray.yml": {"use_ray"},
     "llama-3/lora-1b-sample-packing-sequentially.yml": {"load_in_8bit", "curriculum_sampling", "test_value"},
     "llama-3/lora-8b.yml": {"load_in_8bit"},

@@ -65,3 +65,25 @@ def test_loss_falls_and_metrics_are_complete(base):
     }
     assert keys <= set(single[0])
     assert [r["tokens"] for r in single] == sorted(r["tokens"] for r in single)
+
+
+def test_exact_repeats_are_left_out_of_training(base, tmp_path):
+    """dataset_exact_deduplication reaches the trainer's data: every document twice in the corpus, deduplicated,
+    trains like the plain reference on the deduplicated rows (and not like one on the doubled corpus)."""
+    _, config, _ = base
+    doubled = tmp_path / "doubled.jsonl"
+    lines = open(config["datasets"][0]["path"]).read().splitlines()
+    doubled.write_text("\n".join(lines + lines) + "\n")
+    deduplicated = {
+        **config,
+        "datasets": [{"path": str(doubled), "type": "completion"}],
+        "dataset_prepared_path": str(tmp_path / "prepared"),
+        "dataset_exact_deduplication": True,
+        "max_steps": 3,
+        "output_dir": str(tmp_path / "out"),
+    }
+    records = run_train(1, deduplicated)
+    reference = plain_reference(deduplicated)
+    assert max_rel_diff(losses(records), reference["losses"]) < 1e-5
+    repeated = plain_reference({**deduplicated, "dataset_exact_deduplication": False})
+    assert max_rel_diff(repeated["losses"], reference["losses"]) > 1e-3

@@ -126,6 +126,19 @@ def test_eval_split_is_deterministic_disjoint_and_complete(tmp_path, tokenizer):
     assert split(1, "c1")[1] != evaluation
 
 
+def test_exact_repeats_are_left_out_across_datasets_before_the_split(tmp_path, tokenizer, calls):
+    first = write_docs(tmp_path / "a.jsonl", ["d0", "d1", "d0", "d2", "d1"])
+    second = write_docs(tmp_path / "b.jsonl", ["d2", "d3", "d0"])
+    options = dict(seq_len=4, packing=False, cache_dir=tmp_path / "c")
+    names = lambda rows: [tokenizer.decode(row[:2]) for row in rows.input_ids]  # noqa: E731
+    kept, _ = build_rows([first, second], tokenizer, deduplicate=True, **options)
+    assert names(kept) == ["d0", "d1", "d2", "d3"]  # the first of each, in order
+    everything, _ = build_rows([first, second], tokenizer, **options)  # off by default: another cache entry
+    assert len(names(everything)) == 8 and calls["n"] == 4
+    train, evaluation = build_rows([first, second], tokenizer, deduplicate=True, eval_fraction=0.5, **options)
+    assert sorted(names(train) + names(evaluation)) == ["d0", "d1", "d2", "d3"]  # neither split repeats the other
+
+
 def test_bad_options_are_refused(tmp_path, tokenizer):
     spec = write_docs(tmp_path / "a.jsonl", ["x", "y"])
     options = dict(seq_len=8, packing=True, cache_dir=tmp_path / "c")
