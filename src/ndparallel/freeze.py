@@ -80,18 +80,16 @@ def select_trainable(model: nn.Module, patterns: Sequence[str]) -> set[str]:
                 used[i] = hit = True
         return hit
 
-    names_of: dict[int, list[str]] = {}
-    params: dict[int, nn.Parameter] = {}
+    weights: dict[int, tuple[nn.Parameter, list[str]]] = {}  # a tied weight once, with all its names
     for name, param in model.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(param), []).append(name)
-        params[id(param)] = param
+        weights.setdefault(id(param), (param, []))[1].append(name)
     selected: set[str] = set()
-    for key, names in names_of.items():
-        by_own_name = [matches(name) for name in names]
+    for param, names in weights.values():
+        by_own_name = [matches(name) for name in names]  # a list, not any(): every pattern gets marked used
         layouts = [
             (published, [matches(n) for n in published])
             for name in names
-            for published in _published_names(name, params[key])
+            for published in _published_names(name, param)
         ]
         if any(by_own_name) or any(all(hits) for _, hits in layouts):
             selected.update(names)
@@ -105,7 +103,7 @@ def select_trainable(model: nn.Module, patterns: Sequence[str]) -> set[str]:
                 )
     unmatched = [p for p, hit in zip(patterns, used) if not hit]
     if unmatched:
-        examples = ", ".join(name for names in list(names_of.values())[:3] for name in names)
+        examples = ", ".join(name for _, names in list(weights.values())[:3] for name in names)
         raise ConfigError(
             f"unfrozen_parameters: {', '.join(repr(p) for p in unmatched)} match(es) no weight of this model, "
             f"which would stay frozen (names look like {examples}); fix the pattern(s) or remove them"
@@ -114,13 +112,10 @@ def select_trainable(model: nn.Module, patterns: Sequence[str]) -> set[str]:
 
 
 def apply_trainable(model: nn.Module, trainable: set[str]) -> None:
-    """Freeze every weight whose names are not in ``trainable`` (and unfreeze those that are)."""
+    """Train the weights named in ``trainable`` (from ``select_trainable``, which names every alias of a tied
+    weight), freeze the rest."""
     for name, param in model.named_parameters(remove_duplicate=False):
-        if name not in trainable:
-            param.requires_grad_(False)
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if name in trainable:
-            param.requires_grad_(True)
+        param.requires_grad_(name in trainable)
 
 
 def describe_trainable(model: nn.Module) -> str:
