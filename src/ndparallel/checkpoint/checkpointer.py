@@ -172,18 +172,8 @@ class Checkpointer:
     def _save_in_background(
         self, step: int, name: str, partial: Path, index: dict, tensors: dict, writer, optimizers: list
     ) -> None:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        if self._stager is not None and not _compat.dcp_stager_reusable():
-            self._stager.close()  # the previous save's staging finished (one save in flight at most)
-            self._stager = None
         if self._stager is None:  # kept across saves: its host buffers (pinned on CUDA) are reused
-            cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-            self._stager = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
-                )
-            )
+            self._stager = _compat.dcp_async_stager(pinned=torch.cuda.is_available() and torch.cuda.is_initialized())
         response = dcp.async_save(
             tensors,
             storage_writer=writer,

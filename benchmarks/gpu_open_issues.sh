@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The open issues' GPU measurements on one H200, in calls of under 10 minutes (run from the repository root):
+#
+#   PARTS="ckpt-1b checks adam8 diag 3b selfcheck-1b" BUDGET=560 bash benchmarks/gpu_open_issues.sh
+#
+# Needs the wheels carried in .whl/ (pydantic and its dependencies) and .whl_fp8/ (torchao 0.18): they are
+# unpacked into a private folder on PYTHONPATH; nothing is installed into the machine's Python.
+# Each part runs only if its minimum time is left of BUDGET seconds and is stopped when the budget ends.
+#   ckpt-1b / ckpt-3b  issue 22: training stall per save, sync vs async, exact resume (bench_checkpoint.py)
+#   checks             issue 18: one-rank path exactness; fp8 vs bf16 over 200 steps (gpu_perf_checks.py)
+#   adam8              issue 15: 8-bit AdamW on sharded DTensor parameters (tests/gpu/eight_bit_adamw.py)
+#   diag               issue 19: the probe's SDPA backward against the model's (sdpa_backward_diag.py)
+#   3b                 issue 18: 3B seq 8192 x 1, ndparallel vs Accelerate + compile, and fp8 (bench_train.py)
+#   selfcheck-1b/-3b   issue 19: --measure and the H200 preset against measured one-GPU throughput
+#   trainer            issue 22: the trainer on 1B with asynchronous saves every 10 steps (its own stall log)
+# Everything printed goes to $OUT/session.log; each part writes its own files under $OUT.
+set -u
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+BUDGET=${BUDGET:-560}
+exec > >(tee -a "$OUT/session.log") 2>&1
+
+DEPS=/tmp/ndp-deps
+rm -rf "$DEPS" && mkdir -p "$DEPS"
+for wheel in .whl/*.whl .whl_fp8/*.whl; do python3 -m zipfile -e "$wheel" "$DEPS"; done
+rm -rf "$DEPS/test"
+export PYTHONPATH="$PWD/src:$DEPS${PYTHONPATH:+:$PYTHONPATH}"
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import torch, transformers, accelerate, torchao, pydantic; print('torch', torch.__version__, \
+'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'torchao', torchao.__version__)" \
+  2>&1 | tail -1
+df -h /tmp | tail -1
+
+left() { echo $(( BUDGET - SECONDS )); }
+PARTS=${PARTS:-ckpt-1b checks adam8 diag 3b selfcheck-1b}
+part() {  # part NAME MIN_SECONDS COMMAND...
+  local name=$1 need=$2; shift 2
+  [[ " $PARTS " == *" $name "* ]] || return 0
+  if (( $(left) < need )); then echo "[skip] $name: $(left) s left, needs $need"; return; fi
+  echo "[$(date +%T)] start $name ($(left) s left)"
+  timeout "$(left)" "$@"
+  echo "[$(date +%T)] end $name: exit $? ($(left) s left)"
+}
+
+BENCH=(python3 benchmarks/bench_train.py --steps 8 --warmup 2 --json "$OUT/bench.jsonl")
+part ckpt-1b 120 python3 benchmarks/bench_checkpoint.py --shape 1b --seq 4096 --saves 2 --out "$OUT"
+part checks 100 python3 benchmarks/gpu_perf_checks.py --out "$OUT"
+part adam8 40 python3 tests/gpu/eight_bit_adamw.py --out "$OUT"
+part diag 20 python3 benchmarks/sdpa_backward_diag.py --out "$OUT"
+part 3b 150 "${BENCH[@]}" --shape 3b --seq 8192 --micro-batch 1 --rows ndparallel,accelerate-compile,ndparallel-fp8 \
+  --profile "$OUT/profiles.txt" --profile-rows ndparallel
+part selfcheck-1b 90 python3 benchmarks/planner_selfcheck.py --out "$OUT" --shapes 1b --seqs 4096x2
+part selfcheck-3b 120 python3 benchmarks/planner_selfcheck.py --out "$OUT" --shapes 3b --seqs 8192x1
+part ckpt-3b 200 python3 benchmarks/bench_checkpoint.py --shape 3b --seq 4096 --saves 2 --out "$OUT"
+part trainer 120 python3 -m ndparallel.cli train benchmarks/gpu_trainer_smoke.yaml --set save_steps=10 \
+  --set output_dir=/tmp/ndp-gpu-smoke-async --set export_hf=false
+echo "[$(date +%T)] session done in $SECONDS s"
