@@ -14,34 +14,9 @@
 #   selfcheck-1b/-3b   issue 19: --measure and the H200 preset against measured one-GPU throughput
 #   trainer            issue 22: the trainer on 1B with asynchronous saves every 10 steps (its own stall log)
 # Everything printed goes to $OUT/session.log; each part writes its own files under $OUT.
-set -u
-OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT"
 BUDGET=${BUDGET:-560}
-exec > >(tee -a "$OUT/session.log") 2>&1
-
-DEPS=/tmp/ndp-deps
-rm -rf "$DEPS" && mkdir -p "$DEPS"
-for wheel in .whl/*.whl .whl_fp8/*.whl; do python3 -m zipfile -e "$wheel" "$DEPS"; done
-rm -rf "$DEPS/test"
-export PYTHONPATH="$PWD/src:$DEPS${PYTHONPATH:+:$PYTHONPATH}"
-export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-python3 -c "import torch, transformers, accelerate, torchao, pydantic; print('torch', torch.__version__, \
-'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'torchao', torchao.__version__)" \
-  2>&1 | tail -1
-df -h /tmp | tail -1
-
-left() { echo $(( BUDGET - SECONDS )); }
 PARTS=${PARTS:-ckpt-1b checks adam8 diag 3b selfcheck-1b}
-part() {  # part NAME MIN_SECONDS COMMAND...
-  local name=$1 need=$2; shift 2
-  [[ " $PARTS " == *" $name "* ]] || return 0
-  if (( $(left) < need )); then echo "[skip] $name: $(left) s left, needs $need"; return; fi
-  echo "[$(date +%T)] start $name ($(left) s left)"
-  timeout "$(left)" "$@"
-  echo "[$(date +%T)] end $name: exit $? ($(left) s left)"
-}
+source benchmarks/gpu_session_common.sh
 
 BENCH=(python3 benchmarks/bench_train.py --steps 8 --warmup 2 --json "$OUT/bench.jsonl")
 part ckpt-1b 120 python3 benchmarks/bench_checkpoint.py --shape 1b --seq 4096 --saves 2 --out "$OUT"

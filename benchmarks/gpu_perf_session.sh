@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu_perf_session.sh          # writes under $OUT (default ./out)
 #
-# Needs the torchao wheel carried in .whl/ (torchao-0.18.0-cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl);
+# Needs the wheels carried in .whl/ and .whl_fp8/ (torchao 0.18; see gpu_session_common.sh);
 # it is unpacked into a private folder on PYTHONPATH, nothing is installed into the machine's Python.
 # Parts, most important first; each runs only if its minimum time is left of BUDGET seconds (default 450)
 # and is stopped when the budget ends (rows finished so far are already in session.log). Parts skipped for
@@ -16,30 +16,9 @@
 #   1b-extra  Accelerate + compile keeping gathered parameters to backward, Accelerate without compile (extras)
 # Outputs (5 files): session.log (everything printed, the tables), bench.jsonl, profiles.txt, checks.txt,
 # fp8_loss.jsonl.
-set -u
-OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT"
 BUDGET=${BUDGET:-450}
-exec > >(tee -a "$OUT/session.log") 2>&1
-
-AO=/tmp/ndp-torchao
-rm -rf "$AO" && python3 -m zipfile -e .whl/torchao-0.18.0-*.whl "$AO" && rm -rf "$AO/test"
-export PYTHONPATH="$PWD/src:$AO${PYTHONPATH:+:$PYTHONPATH}"
-export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # the same allocator settings for every row
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-python3 -c "import torch, transformers, accelerate, torchao; print('torch', torch.__version__, 'transformers', \
-transformers.__version__, 'accelerate', accelerate.__version__, 'torchao', torchao.__version__)" 2>&1 | tail -1
-
-left() { echo $(( BUDGET - SECONDS )); }
 PARTS=${PARTS:-3b-main 1b-main checks 3b-fp8 1b-extra}
-part() {  # part NAME MIN_SECONDS COMMAND...
-  local name=$1 need=$2; shift 2
-  [[ " $PARTS " == *" $name "* ]] || return 0
-  if (( $(left) < need )); then echo "[skip] $name: $(left) s left, needs $need (rerun with PARTS=\"$name ...\")"; return; fi
-  echo "[$(date +%T)] start $name ($(left) s left)"
-  timeout "$(left)" "$@"
-  echo "[$(date +%T)] end $name: exit $? ($(left) s left)"
-}
+source benchmarks/gpu_session_common.sh
 
 BENCH=(python3 benchmarks/bench_train.py --steps 8 --warmup 2 --json "$OUT/bench.jsonl" --profile "$OUT/profiles.txt")
 S3=(--shape 3b --seq 8192 --micro-batch 1)
