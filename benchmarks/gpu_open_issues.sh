@@ -13,6 +13,9 @@
 #   3b                 issue 18: 3B seq 8192 x 1, ndparallel vs Accelerate + compile, and fp8 (bench_train.py)
 #   selfcheck-1b/-3b   issue 19: --measure and the H200 preset against measured one-GPU throughput
 #   trainer            issue 22: the trainer on 1B with asynchronous saves every 10 steps (its own stall log)
+#   qlora              issue 15: LoRA on bf16, 4-bit (QLoRA) and 8-bit base weights, 8B, through the trainer
+#   bench-1b / -3b     issue 18: ndparallel vs Accelerate + compile after the tied-embedding fix (bench_train.py)
+#   qat                issue 15: the trainer on 1B with qat (int8 inputs, int4 weights) and without, compiled
 # Everything printed goes to $OUT/session.log; each part writes its own files under $OUT.
 BUDGET=${BUDGET:-560}
 PARTS=${PARTS:-ckpt-1b checks adam8 diag 3b selfcheck-1b}
@@ -30,4 +33,12 @@ part selfcheck-3b 120 python3 benchmarks/planner_selfcheck.py --out "$OUT" --sha
 part ckpt-3b 200 python3 benchmarks/bench_checkpoint.py --shape 3b --seq 4096 --saves 2 --out "$OUT"
 part trainer 120 python3 -m ndparallel.cli train benchmarks/gpu_trainer_smoke.yaml --set save_steps=10 \
   --set output_dir=/tmp/ndp-gpu-smoke-async --set export_hf=false
+part qlora 200 python3 benchmarks/bench_qlora.py --shape 8b --seq 4096 --steps 20 --out "$OUT" \
+  --rows "${QLORA_ROWS:-lora,qlora,lora8}" --compile "${QLORA_COMPILE:-0}"
+part bench-1b 100 "${BENCH[@]}" --shape 1b --seq 4096 --micro-batch 2 --rows ndparallel,accelerate-compile
+part bench-3b 130 "${BENCH[@]}" --shape 3b --seq 8192 --micro-batch 1 --rows ndparallel,accelerate-compile
+SMOKE=(python3 -m ndparallel.cli train benchmarks/gpu_trainer_smoke.yaml --set max_steps=20 --set export_hf=false)
+part qat 140 bash -c "${SMOKE[*]} --set output_dir=/tmp/ndp-qat --set qat.activation_dtype=int8 \
+  --set qat.weight_dtype=int4 && cp /tmp/ndp-qat/metrics.jsonl $OUT/qat_metrics.jsonl && ${SMOKE[*]} \
+  --set output_dir=/tmp/ndp-noqat && cp /tmp/ndp-noqat/metrics.jsonl $OUT/noqat_metrics.jsonl"
 echo "[$(date +%T)] session done in $SECONDS s"

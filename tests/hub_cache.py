@@ -65,16 +65,34 @@ MIXTRAL_8X22B = dict(
     max_position_embeddings=65536,
     rope_theta=1e6,
 )
+LLAMA_3_70B = dict(
+    LLAMA_31_8B,
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_hidden_layers=80,
+    num_attention_heads=64,
+    max_position_embeddings=8192,
+)
+LLAMA_31_405B = dict(
+    LLAMA_31_8B, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126, num_attention_heads=128
+)
+# hugging-quants' 405B checkpoint is stored in bitsandbytes' 4-bit format (its config says so)
+BNB_NF4 = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+MIXTRAL_8X7B = dict(MISTRAL_7B, num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6, sliding_window=None)
 PUBLISHED = {
     "meta-llama/Llama-3.1-8B": LlamaConfig(**LLAMA_31_8B),
     "NousResearch/Meta-Llama-3.1-8B": LlamaConfig(**LLAMA_31_8B),
     "NousResearch/Meta-Llama-3-8B": LlamaConfig(**{**LLAMA_31_8B, "max_position_embeddings": 8192}),
+    "NousResearch/Meta-Llama-3-8B-Instruct": LlamaConfig(**{**LLAMA_31_8B, "max_position_embeddings": 8192}),
     "NousResearch/Llama-3.2-1B": LlamaConfig(**LLAMA_32_1B),
     "meta-llama/Llama-3.2-1B": LlamaConfig(**LLAMA_32_1B),
     "meta-llama/Llama-3.2-3B": LlamaConfig(**LLAMA_32_3B),
     "Qwen/Qwen3-8B": Qwen3Config(**QWEN3_8B),
     "mistralai/Mistral-7B-v0.1": MistralConfig(**MISTRAL_7B),
     "mistral-community/Mixtral-8x22B-v0.1": MixtralConfig(**MIXTRAL_8X22B),
+    "mistralai/Mixtral-8x7B-v0.1": MixtralConfig(**MIXTRAL_8X7B),
+    "casperhansen/llama-3-70b-fp16": LlamaConfig(**LLAMA_3_70B),
+    "hugging-quants/Meta-Llama-3.1-405B-BNB-NF4-BF16": LlamaConfig(**LLAMA_31_405B, quantization_config=BNB_NF4),
 }
 # The special tokens the examples name, per model family (added to the tests' byte-level tokenizer).
 FAMILY_TOKENS = {
@@ -160,6 +178,19 @@ def alpaca_records(n: int = 40) -> list[dict]:
             "instruction": f"{verbs[i % 5]} {things[i % 8]}.",
             "input": "" if i % 3 else f"case {i}",
             "output": f"Answer {i}: {things[(i * 3) % 8]} and {things[(i * 5) % 8]}.",
+        }
+        for i in range(n)
+    ]
+
+
+def messages_records(n: int = 30) -> list[dict]:
+    """Chat data in the role/content ``messages`` layout (fozziethebeat/alpaca_messages_2k_test's)."""
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": f"Question {i}: what is {i} plus {i}?"},
+                {"role": "assistant", "content": f"It is {2 * i}."},
+            ]
         }
         for i in range(n)
     ]

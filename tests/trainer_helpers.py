@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from pathlib import Path
 
 import torch
 from harness import run_ranks
+from scenarios import max_rel_diff
 from torch.distributed.tensor import DTensor
 
 WORDS = (
@@ -69,6 +71,17 @@ def run_train(world: int, config: dict, **kwargs) -> list[dict]:
     return run_ranks(world, _train, config, False, **kwargs)[0]["records"]
 
 
+def resume_on(layout: dict, config: dict, checkpoint: Path, output_dir: Path) -> list[dict]:
+    """Resume ``checkpoint`` on ``layout`` (``layout_config``'s r/s/c/t keys); rank 0's records."""
+    world = layout.get("r", 1) * layout.get("s", 1) * layout.get("c", 1) * layout.get("t", 1)
+    resumed = {
+        **layout_config(config, **layout),
+        "output_dir": str(output_dir),
+        "resume_from_checkpoint": str(checkpoint),
+    }
+    return run_train(world, resumed)
+
+
 def layout_config(config: dict, *, r=1, s=1, c=1, t=1, method="allgather") -> dict:
     """``config`` on layout (r, s, c, t), with micro_batch_size keeping the same global batch."""
     global_rows = config["micro_batch_size"] * config.get("dp_replicate_size", 1) * _shard(config)
@@ -108,6 +121,62 @@ def _full(value):
     return value.detach().cpu().clone()
 
 
+def round_trip_nf4(model) -> int:
+    """QLoRA's base weights the plain way: each decoder-block linear weight made of whole NF4 scale groups
+    (64 x 256 values) replaced by its 4-bit value (torchao's to_nf4, dequantized). Returns how many."""
+    from torchao.quantization import to_nf4
+
+    count = 0
+    with torch.no_grad():
+        for name, module in model.model.layers.named_modules():
+            if isinstance(module, torch.nn.Linear) and module.weight.numel() % (64 * 256) == 0:
+                module.weight.copy_(to_nf4(module.weight.detach().contiguous(), 64, 256).to(torch.float32))
+                count += 1
+    return count
+
+
+def round_trip_int8(model) -> int:
+    """8-bit base weights the plain way: each decoder-block linear weight replaced by its row-wise absmax
+    int8 value (scale = max |row| / 127, codes rounded to [-127, 127]; fp32). Returns how many."""
+    count = 0
+    with torch.no_grad():
+        for module in model.model.layers.modules():
+            if isinstance(module, torch.nn.Linear):
+                weight = module.weight
+                scale = weight.abs().amax(dim=1, keepdim=True) / 127
+                weight.copy_(torch.round(weight / scale).clamp(-127, 127) * scale)
+                count += 1
+    return count
+
+
+def plain_qat(model, qat: dict) -> None:
+    """torchao's QAT prepare step on the whole model, as Axolotl applies it (every linear layer, the head
+    included): int8 per-token inputs (if asked) and int4 grouped weights, or MX FP4."""
+    from torchao.quantization import quantize_
+    from torchao.quantization.qat import IntxFakeQuantizeConfig, QATConfig
+    from torchao.quantization.qat.fake_quantize_config import Int4WeightFakeQuantizeConfig
+
+    if qat["weight_dtype"] == "mxfp4":
+        from torchao.prototype.qat import MXFakeQuantizeConfig
+
+        act = weight = MXFakeQuantizeConfig(dtype=torch.float4_e2m1fn_x2, block_size=32)
+    else:
+        weight = Int4WeightFakeQuantizeConfig(group_size=qat.get("group_size", 32), activation_dtype=torch.bfloat16)
+        act = (
+            IntxFakeQuantizeConfig(torch.int8, "per_token", is_symmetric=False) if qat.get("activation_dtype") else None
+        )
+    quantize_(model, QATConfig(activation_config=act, weight_config=weight, step="prepare"))
+
+
+def assert_runs_match(runs: list[list[dict]], ref: dict, parity_record, *, tol: float = 1e-5) -> None:
+    """Each run's per-step losses and gradient norms within ``tol`` (relative) of the reference's."""
+    for records in runs:
+        loss_diff = max_rel_diff(losses(records), ref["losses"])
+        norm_diff = max_rel_diff([r["grad_norm"] for r in records], ref["grad_norms"])
+        parity_record({"loss": loss_diff, "grad_norm": norm_diff})
+        assert loss_diff < tol and norm_diff < tol, (losses(records), ref["losses"])
+
+
 def losses(records: list[dict]) -> list[float]:
     return [r["loss"] for r in records]
 
@@ -144,9 +213,22 @@ def plain_reference(config: dict, trainable: set[str] | None = None) -> dict:
         seed=cfg.seed,
         deduplicate=cfg.dataset_exact_deduplication,
     )
-    batches = iter(DataOrder(len(rows), rows_per_rank=cfg.micro_batch_size, batch_rank=0, batch_ranks=1, seed=cfg.seed))
+    if cfg.curriculum_sampling:  # the rows in their order, epoch after epoch
+        per_epoch = len(rows) // cfg.micro_batch_size
+        rows_at = lambda b: list(range(b * cfg.micro_batch_size, (b + 1) * cfg.micro_batch_size))  # noqa: E731
+        batches = (rows_at(b) for _ in itertools.count() for b in range(per_epoch))
+    else:
+        batches = iter(
+            DataOrder(len(rows), rows_per_rank=cfg.micro_batch_size, batch_rank=0, batch_ranks=1, seed=cfg.seed)
+        )
     model = AutoModelForCausalLM.from_pretrained(cfg.base_model, attn_implementation="sdpa", dtype=torch.float32)
-    if cfg.adapter == "lora":
+    if cfg.load_in_4bit:
+        round_trip_nf4(model)
+    if cfg.load_in_8bit:
+        round_trip_int8(model)
+    if cfg.qat is not None:
+        plain_qat(model, cfg.qat.model_dump())
+    if cfg.adapter in ("lora", "qlora"):
         model = peft_lora(model, LoraSpec.from_config(cfg))
     if trainable is not None:
         for name, param in model.named_parameters():
@@ -172,7 +254,15 @@ def plain_reference(config: dict, trainable: set[str] | None = None) -> dict:
 
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     losses, norms = [], []
-    for _ in range(total):
+    for step in range(total):
+        if cfg.qat is not None and cfg.qat.fake_quant_after_n_steps:  # fake quantization from step N + 1
+            for module in model.modules():
+                for quantizer in (
+                    getattr(module, "activation_fake_quantizer", None),
+                    getattr(module, "weight_fake_quantizer", None),
+                ):
+                    if quantizer is not None:
+                        quantizer.enabled = step >= cfg.qat.fake_quant_after_n_steps
         micro = [rows.batch(next(batches)) for _ in range(cfg.gradient_accumulation_steps)]
         targets = [plain_targets(mb["labels"], mb["attention_mask"], mb["position_ids"]) for mb in micro]
         count = sum(int((t != -100).sum()) for t in targets)

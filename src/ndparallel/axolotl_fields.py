@@ -145,6 +145,10 @@ POLICY: list[tuple[str, Rule]] = [
         ),
     ),
     ("deepspeed", _ignored(DEEPSPEED)),
+    (
+        "test_value",
+        _ignored("not a setting of Axolotl either (its schema ignores keys it does not define); nothing reads it"),
+    ),
     ("save_safetensors save_only_model fsdp_final_state_dict_type", _ignored(CHECKPOINT_FORMAT)),
     (
         "eval_table_size eval_max_new_tokens do_causal_lm_eval eval_causal_lm_metrics do_bench_eval bench_dataset "
@@ -174,8 +178,8 @@ POLICY: list[tuple[str, Rule]] = [
         _refused(RL),
     ),
     (
-        "load_in_4bit load_in_8bit gptq quantization model_quantization_config model_quantization_config_kwargs "
-        "qat quantize_moe_experts use_onebitllms nvfp4_merge_aware* "
+        "gptq quantization model_quantization_config model_quantization_config_kwargs "
+        "quantize_moe_experts use_onebitllms nvfp4_merge_aware* "
         "qlora_sharded_model_loading nonexpert_quantization",
         _refused(QUANTIZED),
     ),
@@ -212,7 +216,7 @@ POLICY: list[tuple[str, Rule]] = [
     ),
     ("auto_resume_from_checkpoints", _refused("set resume_from_checkpoint: latest to resume")),
     (
-        "dataset_shard_num dataset_shard_idx curriculum_sampling group_by_length "
+        "dataset_shard_num dataset_shard_idx group_by_length "
         "pretraining_sample_concatenation max_packed_sequence_len preprocess_iterable default_system_message "
         "eot_tokens use_pose pose_* added_tokens_overrides eaft_* use_eaft",
         _refused(DATA_CHANGE),

@@ -106,6 +106,30 @@ class SpecialTokens(BaseModel):
     additional_special_tokens: list[str] | None = None
 
 
+_QAT_DTYPE_ALIASES = {"fp8": "float8_e4m3fn", "float8": "float8_e4m3fn"}
+
+
+class QatSettings(BaseModel):
+    """Axolotl's qat: quantization-aware training of the full weights (``qat.py`` lists the schemes)."""
+
+    model_config = ConfigDict(extra="forbid")
+    weight_dtype: Literal["int4", "int8", "float8_e4m3fn", "mxfp4", "nvfp4"] = "int8"
+    """How weights are fake-quantized (Axolotl's default int8 alone is not a torchao scheme: name one)."""
+    activation_dtype: Literal["int4", "int8", "float8_e4m3fn", "mxfp4", "nvfp4"] | None = None
+    """How each linear layer's input is fake-quantized; null: not."""
+    group_size: int = Field(32, ge=1)
+    """Weights per scale (int4 groups, mxfp4 blocks of 32)."""
+    quantize_embedding: bool = False
+    """Fake-quantize the input embeddings' weight too (weight scheme only)."""
+    fake_quant_after_n_steps: int | None = Field(None, ge=0)
+    """Train the first N steps without fake quantization."""
+
+    @field_validator("weight_dtype", "activation_dtype", mode="before")
+    @classmethod
+    def _aliases(cls, value):
+        return _QAT_DTYPE_ALIASES.get(value, value)
+
+
 EIGHT_BIT_OPTIMIZERS = ("adamw_8bit", "adamw_bnb_8bit", "adamw_torch_8bit", "paged_adamw_8bit", "ao_adamw_8bit")
 
 
@@ -171,6 +195,9 @@ class TrainConfig(BaseModel):
     evaluation split: neither split repeats itself or the other."""
     train_on_inputs: bool = False
     """Also train on prompts (alpaca) and on every chat turn, not only on the answers."""
+    curriculum_sampling: bool = False
+    """Train on the rows in their dataset order every epoch (Axolotl's sequential sampler), instead of a
+    seeded shuffle per epoch."""
 
     # --- batch and schedule ---------------------------------------------------------------------------
     micro_batch_size: int = Field(1, ge=1)
@@ -198,9 +225,13 @@ class TrainConfig(BaseModel):
     max_grad_norm: float | None = Field(None, ge=0)
     """Clip the global gradient norm to this; unset means 1.0 and 0 turns clipping off (as in transformers).
     The norm is always reported."""
-    optimizer: Literal["adamw_torch", "adamw_torch_fused", "adamw", *EIGHT_BIT_OPTIMIZERS] = "adamw_torch_fused"
-    """AdamW (fused where the device supports it), or 8-bit AdamW (adamw_8bit, adamw_bnb_8bit, adamw_torch_8bit,
-    paged_adamw_8bit, ao_adamw_8bit: all torchao's AdamW8bit, which takes sharded parameters; CUDA only)."""
+    optimizer: Literal["adamw_torch", "adamw_torch_fused", "adamw", "paged_adamw_32bit", *EIGHT_BIT_OPTIMIZERS] = (
+        "adamw_torch_fused"
+    )
+    """AdamW (fused where the device supports it; paged_adamw_32bit is AdamW too: bitsandbytes' paging only
+    moves its state between GPU and host memory), or 8-bit AdamW (adamw_8bit, adamw_bnb_8bit,
+    adamw_torch_8bit, paged_adamw_8bit, ao_adamw_8bit: all torchao's AdamW8bit, which takes sharded
+    parameters; CUDA only)."""
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
@@ -242,6 +273,9 @@ class TrainConfig(BaseModel):
     """Module-name patterns (fnmatch) that stay bf16; default the output head."""
     fp8_min_features: int = Field(2048, ge=16)
     """Linears with fewer in or out features than this stay bf16 (casts cost more than FP8 saves)."""
+    qat: QatSettings | None = None
+    """Quantization-aware training (torchao fake quantization of every linear layer; Axolotl's block:
+    weight_dtype, activation_dtype, group_size, quantize_embedding, fake_quant_after_n_steps)."""
 
     # --- parallel layout ----------------------------------------------------------------------------
     dp_replicate_size: int | None = Field(None, ge=1)
@@ -324,7 +358,16 @@ class TrainConfig(BaseModel):
 
     # --- fine-tuning adapters (Axolotl's names) -----------------------------------------------------
     adapter: str | None = None
-    """lora: train low-rank adapters on frozen base weights; null: full fine-tune."""
+    """lora: train low-rank adapters on frozen base weights; qlora: the same on 4-bit base weights (with
+    load_in_4bit: true); null: full fine-tune."""
+    load_in_4bit: bool = False
+    """QLoRA: keep the decoder blocks' linear weights frozen in 4-bit NF4 (blocks of 64, double-quantized
+    scales: QLoRA's format), dequantized to bf16 for each matmul; needs adapter: qlora (or lora) and
+    tensor_parallel_size: 1. Needs torchao (``pip install 'ndparallel[qlora]'``)."""
+    load_in_8bit: bool = False
+    """LoRA on 8-bit base weights: the decoder blocks' linear weights frozen as int8 codes with one absmax
+    scale per output row (LLM.int8()'s weight format), dequantized to bf16 for each matmul (activations are
+    not quantized); needs adapter: lora. Any layout, tensor parallelism included."""
     lora_r: int = Field(8, ge=1)
     lora_alpha: float = Field(16, gt=0)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
@@ -344,6 +387,11 @@ class TrainConfig(BaseModel):
     model.layers.2[0-9]+.mlp]."""
 
     # --- checks across fields -----------------------------------------------------------------------
+    @property
+    def quantized_base(self) -> str | None:
+        """The base weights' format under the adapters: 'nf4' (load_in_4bit), 'int8' (load_in_8bit) or None."""
+        return "nf4" if self.load_in_4bit else "int8" if self.load_in_8bit else None
+
     @field_validator("fsdp_wrap", mode="before")
     @classmethod
     def _wrap_positive(cls, value):
@@ -361,13 +409,11 @@ class TrainConfig(BaseModel):
     @field_validator("adapter")
     @classmethod
     def _adapter(cls, value):
-        if value == "qlora":
+        if value not in (None, "lora", "qlora"):
             raise ValueError(
-                "qlora (LoRA on 4-bit quantized base weights) is not supported: use adapter: lora "
-                "(bf16 base weights, sharded by FSDP)"
+                f"{value!r} is not supported: use lora, qlora (with load_in_4bit: true), or leave it unset for "
+                f"a full fine-tune"
             )
-        if value not in (None, "lora"):
-            raise ValueError(f"{value!r} is not supported: use lora, or leave it unset for a full fine-tune")
         return value
 
     @field_validator("chat_template")
@@ -411,6 +457,31 @@ class TrainConfig(BaseModel):
             raise ValueError(problem)
         return self
 
+    def _qat_problems(self):
+        from ndparallel.errors import ConfigError
+        from ndparallel.qat import check_spec
+
+        if self.adapter is not None or self.load_in_4bit or self.load_in_8bit:
+            yield "qat with adapter / load_in_4bit / load_in_8bit is not supported: QAT trains the full weights"
+        if self.fp8:
+            yield "qat with fp8: true is not supported (both change the linear layers); keep one"
+        if self.tensor_parallel_size > 1:
+            yield (
+                "qat with tensor_parallel_size > 1 is not supported (fake quantization scales whole rows and "
+                "groups that tensor parallelism splits); shard with dp_shard_size instead"
+            )
+        try:
+            check_spec(self.qat_spec)
+        except ConfigError as exc:
+            yield str(exc)
+
+    @property
+    def qat_spec(self):
+        """The qat block as ``qat.QatSpec`` (None without one)."""
+        from ndparallel.qat import QatSpec
+
+        return QatSpec(**self.qat.model_dump()) if self.qat is not None else None
+
     def _problems(self):
         """Contradictions between settings (the first one is raised)."""
         if self.fp16:
@@ -419,7 +490,36 @@ class TrainConfig(BaseModel):
             yield "no model: set base_model (a HF directory or hub id) or model_shape (tiny, 1b, 3b, 8b)"
         if self.base_model is not None and self.model_shape is not None:
             yield "base_model and model_shape are both set: keep one (model_shape means random init)"
-        if self.adapter == "lora" and not (
+        if self.adapter == "qlora" and not self.load_in_4bit:
+            yield "adapter: qlora needs load_in_4bit: true (its base weights are 4-bit); or use adapter: lora"
+        if self.load_in_4bit and self.adapter is None:
+            yield (
+                "load_in_4bit: true needs adapter: qlora: 4-bit base weights are frozen, so only adapters can "
+                "train; set adapter: qlora, or load_in_4bit: false for a full fine-tune"
+            )
+        if self.load_in_4bit and self.tensor_parallel_size > 1:
+            yield (
+                "load_in_4bit with tensor_parallel_size > 1 is not supported (4-bit weights split by rows only); "
+                "set tensor_parallel_size: 1 and shard with dp_shard_size"
+            )
+        if self.load_in_4bit and self.load_in_8bit:
+            yield "load_in_4bit and load_in_8bit are both true: keep one"
+        if self.load_in_8bit and self.adapter is None:
+            yield (
+                "load_in_8bit: true needs adapter: lora: 8-bit base weights are frozen, so only adapters can "
+                "train; set adapter: lora, or load_in_8bit: false for a full fine-tune"
+            )
+        quantized = "load_in_4bit" if self.load_in_4bit else "load_in_8bit" if self.load_in_8bit else None
+        if quantized and self.export_hf:
+            yield (
+                f"export_hf with {quantized} is not supported: the run writes its PEFT adapter to "
+                f"output_dir/adapter; load it on base_model with peft (or merge with peft's merge_and_unload)"
+            )
+        if quantized and self.fp8:
+            yield f"{quantized} with fp8: true is not supported; set fp8: false"
+        if self.qat is not None:
+            yield from self._qat_problems()
+        if self.adapter in ("lora", "qlora") and not (
             self.lora_target_modules or self.lora_target_linear or self.lora_target_parameters
         ):
             yield (

@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 import torch
+import yaml
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ndparallel.checkpoint import checkpoints_dir, load_tensors, open_checkpoint, store
@@ -82,6 +83,7 @@ def load_full_model(path: Path, *, dtype: torch.dtype, with_adapters: bool = Fal
         raise CheckpointError(
             f"{str(path / 'extra.json')!r} does not describe LoRA adapters ({type(exc).__name__}: {exc})"
         ) from None
+    _refuse_quantized_base(path)
     model = cpu_model(load_hf_config(path), dtype=dtype, lora=spec if with_adapters else None)
     state = model.state_dict()
     load_tensors(path, {f"{MODEL_STATE}.{name}": value for name, value in state.items()}, distributed=False)
@@ -89,6 +91,19 @@ def load_full_model(path: Path, *, dtype: torch.dtype, with_adapters: bool = Fal
     with torch.no_grad():
         restore_buffers(model, torch.device("cpu"))
     return model.eval(), spec
+
+
+def _refuse_quantized_base(path: Path) -> None:
+    """A checkpoint over quantized base weights holds the trainable tensors only (its base comes from
+    base_model)."""
+    config = path / "config.yaml"
+    settings = (yaml.safe_load(config.read_text(encoding="utf-8")) or {}) if config.is_file() else {}
+    for setting in ("load_in_4bit", "load_in_8bit"):
+        if settings.get(setting):
+            raise CheckpointError(
+                f"{str(path)!r} is a {setting} checkpoint: it holds the adapters, not the base weights; "
+                f"use the PEFT adapter the run wrote to output_dir/adapter with its base_model"
+            )
 
 
 def write_hf_directory(

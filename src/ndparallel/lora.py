@@ -68,7 +68,7 @@ class LoraSpec:
 
     @classmethod
     def from_config(cls, cfg) -> "LoraSpec | None":
-        if cfg.adapter != "lora":
+        if cfg.adapter not in ("lora", "qlora"):
             return None
         targets = cfg.lora_target_modules
         return cls(

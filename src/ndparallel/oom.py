@@ -39,7 +39,7 @@ def planner_advice(cfg, model_config, layout: Layout, device_memory_gib: float) 
             micro_batch_size=cfg.micro_batch_size,
             activation_checkpointing="auto",
             cp_comm_strategy=cfg.cp_comm_strategy,
-            lora_rank=cfg.lora_r if cfg.adapter == "lora" else None,
+            lora_rank=cfg.lora_r if cfg.adapter else None,
         )
     except NdParallelError as exc:
         return f"the planner has no layout for it ({exc})"

@@ -1,10 +1,14 @@
 """Apply every strategy to a Hugging Face decoder model, in the one order that composes.
 
-0. FP8 (optional) swaps the chosen linears for torchao's ``Float8Linear`` before anything splits them.
+0. QAT (optional, ``qat.py``) swaps every linear for torchao's fake-quantized one, before anything holds on
+   to the modules. FP8 (optional) swaps the chosen linears for torchao's ``Float8Linear`` before anything
+   splits them. ``load_in_8bit`` turns the blocks' linears into int8 codes with row scales here too, so
+   tensor parallelism splits codes and scales as it splits weights (``quantized/int8.py``).
 1. Tensor parallel first: it replaces weights by DTensors split over ``tp`` and installs sequence
    parallelism. Everything after it sees the split model. Mixture-of-experts blocks are not split by tp
    (each tp rank runs them on its own tokens); expert parallelism then splits the experts over ``ep``.
-   LoRA adapters (optional) come right after, placed to match the split of the weight each adapts.
+   LoRA adapters (optional) come right after, placed to match the split of the weight each adapts; then
+   ``load_in_4bit``'s NF4 weights (``quantized/nf4.py``), which FSDP shards as they are.
 2. Context-parallel attention: switch the model's attention to ndparallel's CP implementation (through
    transformers' attention registry). It changes no weights. A family whose attention ndparallel's cannot
    reproduce (Gemma 2's soft-capping, Falcon's direct SDPA call) keeps its own, and cp must be 1.
@@ -38,6 +42,9 @@ from ndparallel.parallel.float8 import Fp8Spec, check_fp8_supported, convert_to_
 from ndparallel.parallel.fsdp import apply_fsdp, wrap_units
 from ndparallel.parallel.single_rank import apply_single_rank, eligible
 from ndparallel.parallel.tensor import apply_tensor_parallel
+from ndparallel.qat import QatSpec, apply_qat
+from ndparallel.quantized import FORMATS, check_supported, is_nf4, quantize_linears
+from ndparallel.quantized.int8 import replicate_rowwise_scales
 from ndparallel.topology import Topology
 
 _DTYPES = {
@@ -85,6 +92,12 @@ class ParallelOptions:
     unfrozen_parameters: tuple[str, ...] | None = None
     """Train only the weights these patterns select (Axolotl's ``unfrozen_parameters``, ``freeze.py``);
     None: every weight trains (or, with LoRA, only the adapters)."""
+    qat: QatSpec | None = None
+    """Quantization-aware training (``qat.py``): torchao fake-quantized linear layers; not with lora, fp8,
+    quantized_base or tp > 1."""
+    quantized_base: str | None = None
+    """Frozen quantized base weights under LoRA (``quantized/``): 'nf4' (QLoRA, 4-bit) or 'int8' (8-bit,
+    one scale per row) for the decoder blocks' linear weights; needs ``lora``. None: unquantized."""
     single_rank_fsdp: bool = False
     """Wrap with FSDP2 even when the world is one rank. By default one rank keeps its parameters in flat
     buffers instead (same numbers, less copying); this restores the FSDP path (for comparisons)."""
@@ -99,6 +112,10 @@ def parallelize(
     and freeze every other weight. The optimizer must be built afterwards (on the sharded parameters).
     """
     options = options or ParallelOptions()
+    if options.qat is not None:  # swaps modules: before anything holds on to them
+        if lora is not None or options.fp8 or options.quantized_base or topology.layout.tp > 1:
+            raise ConfigError("qat is not supported with LoRA, fp8, quantized base weights or tensor parallelism")
+        apply_qat(model, options.qat)
     parts = decoder_parts(model)
     topology.layout.check_model(model.config)
     if options.unfrozen_parameters is not None and lora is not None:
@@ -114,13 +131,33 @@ def parallelize(
                 "useful size and its frozen-base path is not validated); set fp8: false"
             )
         convert_to_fp8(parts, fp8, fsdp_size=1 if options.cpu_offload else topology.layout.fsdp_size)
+    quantized = options.quantized_base
+    param_dtype = as_dtype(options.param_dtype, setting="param_dtype")
+    reduce_dtype = as_dtype(options.reduce_dtype, setting="reduce_dtype")
+    prefix = next(name for name, module in model.named_modules() if module is parts.layers)
+    if quantized is not None:
+        if quantized not in FORMATS:
+            raise ConfigError(f"quantized_base={quantized!r} must be one of {sorted(FORMATS)} or None")
+        check_supported(quantized, lora=lora is not None, tp=topology.layout.tp, fp8=fp8 is not None)
+    if quantized == "int8":  # before tensor parallelism, which splits codes and scales like weights
+        quantize_linears(parts.layers, "int8", shards=1, dtype=param_dtype or torch.float32, prefix=prefix)
     apply_tensor_parallel(parts, topology.tp)
+    if quantized == "int8":
+        replicate_rowwise_scales(parts.layers)
     apply_moe_tensor_parallel(parts, topology.tp)
     apply_expert_parallel(parts, topology)
     if trainable is not None:
         apply_trainable(model, trainable)
     if lora is not None:
         attach_lora(model, lora, tp_mesh=topology.tp, ep_mesh=topology.experts.ep if topology.layout.ep > 1 else None)
+    ignored = None
+    if quantized == "nf4":
+        # NF4 codes dequantize to the compute dtype; FSDP shards them by rows (one shard with cpu_offload)
+        shards = 1 if options.cpu_offload and topology.world_size == 1 else topology.layout.fsdp_size
+        quantize_linears(parts.layers, "nf4", shards=shards, dtype=param_dtype or torch.float32, prefix=prefix)
+        # FSDP2 gathers over a group of one rank with the first all-gather input only (torch 2.13), which
+        # breaks a 4-bit weight (three inputs): with nothing to shard, FSDP leaves such weights alone.
+        ignored = {p for p in model.parameters() if is_nf4(p)} if shards == 1 else None
     if parts.own_attention is None:
         apply_context_parallel(model, topology)
     elif needs_eager_attention(model.config) and model.config._attn_implementation == "sdpa":
@@ -135,10 +172,9 @@ def parallelize(
     apply_activation_checkpointing(parts, options.activation_checkpointing)
     if options.compile:
         apply_compile(parts)
-    param_dtype = as_dtype(options.param_dtype, setting="param_dtype")
-    reduce_dtype = as_dtype(options.reduce_dtype, setting="reduce_dtype")
     wrap_units(list(parts.layers), options.fsdp_wrap)  # the same error on one rank as on many
-    if topology.world_size == 1 and not options.cpu_offload and not options.single_rank_fsdp and eligible(model):
+    flat = not options.cpu_offload and not options.single_rank_fsdp
+    if topology.world_size == 1 and flat and eligible(model):
         if next(model.parameters()).device.type != "meta":
             model.to(topology.device)  # as fully_shard would: the model computes where the topology does
         apply_single_rank(model, param_dtype=param_dtype)
@@ -152,5 +188,6 @@ def parallelize(
         reshard_after_forward=options.reshard_after_forward,
         cpu_offload=options.cpu_offload,
         inner_units=moe_fsdp_units(parts, topology),
+        ignored_params=ignored,
     )
     return model

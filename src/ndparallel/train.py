@@ -27,7 +27,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from ndparallel import _compat
+from ndparallel import _compat, qat
 from ndparallel import checkpoint as ckpt
 from ndparallel.batching import prepare_batch
 from ndparallel.config import TrainConfig
@@ -39,6 +39,7 @@ from ndparallel.lora import LoraSpec, save_peft_adapter
 from ndparallel.loss import IGNORE_INDEX
 from ndparallel.metrics import MetricsLogger, device_peak_flops, flops_per_token
 from ndparallel.models.build import initialize_adapters, materialize, meta_model, model_config_for
+from ndparallel.models.decoder import decoder_parts
 from ndparallel.oom import (
     DeviceMemoryError,
     device_memory_gib,
@@ -50,6 +51,7 @@ from ndparallel.oom import (
 from ndparallel.parallel.float8 import Fp8Spec
 from ndparallel.parallelize import ParallelOptions, parallelize
 from ndparallel.progress import human_seconds
+from ndparallel.quantized import describe
 from ndparallel.router_loss import router_aux_loss
 from ndparallel.run_inputs import (
     base_model_dir,
@@ -92,7 +94,7 @@ def resolve_layout(cfg: TrainConfig, world_size: int, model_config) -> tuple[Lay
             activation_checkpointing=cfg.ac_mode,
             compile=cfg.torch_compile,
             gradient_sync=cfg.gradient_sync,
-            lora_rank=cfg.lora_r if cfg.adapter == "lora" else None,
+            lora_rank=cfg.lora_r if cfg.adapter else None,
         )
         # The planner does not weigh expert parallelism yet: the ep size asked for is applied to its layout.
         return dataclasses.replace(layout, ep=cfg.expert_parallel_size), reason
@@ -188,6 +190,7 @@ def setup(cfg: TrainConfig) -> TrainingRun:
         batch_rank=topo.batch_rank,
         batch_ranks=layout.batch_size,
         seed=cfg.seed,
+        shuffle=not cfg.curriculum_sampling,
     )
     steps_per_epoch = max(1, order.batches_per_epoch // cfg.gradient_accumulation_steps)
     schedule = schedule_for(cfg, steps_per_epoch=steps_per_epoch)
@@ -297,6 +300,10 @@ def _check_output_dir(cfg: TrainConfig, output_dir: Path) -> Path | None:
     return resume_dir
 
 
+def describe_quantized(model) -> str:
+    return describe(decoder_parts(model).layers).line()
+
+
 def _build_model(
     cfg: TrainConfig, model_config, topo: Topology, *, vocab_from: int | None = None
 ) -> tuple[torch.nn.Module, LoraSpec | None]:
@@ -312,6 +319,8 @@ def _build_model(
         cpu_offload=cfg.cpu_offload,
         fp8=fp8_spec(cfg),
         unfrozen_parameters=tuple(cfg.unfrozen_parameters) if cfg.unfrozen_parameters else None,
+        quantized_base=cfg.quantized_base,
+        qat=cfg.qat_spec,
     )
     model = meta_model(model_config)
     lora = LoraSpec.from_config(cfg)
@@ -392,6 +401,8 @@ def _open_metrics(run: TrainingRun) -> MetricsLogger:
             run.layout_reason and f"layout chosen by the planner: {run.layout_reason}",
             run.vocab_note,
             cfg.unfrozen_parameters and describe_trainable(run.model),
+            cfg.quantized_base and describe_quantized(run.model),
+            cfg.qat and cfg.qat_spec.describe(),
         ],
     ):
         metrics.message(note)
@@ -424,6 +435,7 @@ def _train_loop(run: TrainingRun, metrics: MetricsLogger) -> None:
     batches = iter(run.order)
     with memory_history(cfg.cuda_memory_snapshot, topo.device):
         for step in range(state.step, run.total_steps):
+            qat.at_step(run.model, cfg.qat_spec, step)
             try:
                 with window.timer.phase("data"):
                     micro = [

@@ -61,7 +61,18 @@ def run_errors(cfg: TrainConfig, *, world_size: int | None) -> tuple[list[str], 
         note = _attempt(problems, lambda: _check_unfrozen(cfg, model_config))
         if note and plan is not None:
             plan.notes.append(note)
+    if model_config is not None and cfg.qat is not None:
+        note = _attempt(problems, lambda: _check_qat(cfg, model_config))
+        if note and plan is not None:
+            plan.notes.append(note)
     problems += _data_problems(cfg)
+    if cfg.load_in_4bit:
+        from ndparallel.quantized import nf4_available
+
+        try:
+            nf4_available()
+        except NdParallelError as exc:
+            problems.append(str(exc))
     if cfg.eight_bit_optimizer and cfg.device == "cpu":
         problems.append(f"optimizer: {cfg.optimizer} (8-bit AdamW) needs a CUDA GPU; use adamw_torch with device: cpu")
     return problems, plan
@@ -76,6 +87,15 @@ def _check_unfrozen(cfg: TrainConfig, model_config) -> str:
     model = meta_model(model_config)
     apply_trainable(model, select_trainable(model, cfg.unfrozen_parameters))
     return describe_trainable(model)
+
+
+def _check_qat(cfg: TrainConfig, model_config) -> str:
+    """The qat scheme against the model's layer shapes (group sizes must divide every input width)."""
+    from ndparallel.models.build import meta_model
+    from ndparallel.qat import apply_qat
+
+    count = apply_qat(meta_model(model_config), cfg.qat_spec)
+    return f"{cfg.qat_spec.describe()}: {count} linear layers"
 
 
 def _attempt(problems: list[str], make):
@@ -135,6 +155,18 @@ def differences(cfg: TrainConfig) -> str | None:
         items.append(
             "packing is first-fit in document order (Axolotl's multipack bins by length), so rows hold "
             "other document mixes"
+        )
+    if cfg.load_in_4bit:
+        items.append(
+            "4-bit weights are torchao's NF4 (QLoRA's blocks of 64; the scales' int8 second level is linear "
+            "around their mean where bitsandbytes uses its dynamic map), so dequantized values differ by rounding; "
+            "linears too small to split into whole scale groups and stacked MoE expert weights stay unquantized"
+        )
+    if cfg.load_in_8bit:
+        items.append(
+            "8-bit base weights are LLM.int8()'s row-wise absmax int8 codes, but each matmul runs in bf16 on the "
+            "dequantized weight (bitsandbytes also quantizes the activations to int8 and keeps outlier features "
+            "in fp16), so outputs are closer to the unquantized model's"
         )
     if cfg.val_set_size and cfg.eval_steps is None and cfg.evals_per_epoch is None and cfg.eval_strategy is None:
         items.append("with val_set_size and no evaluation cadence the held-out loss is computed once, at the end")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from harness import run_ranks
 from scenarios import make_model, max_rel_diff
-from trainer_helpers import layout_config, losses, plain_reference, run_train, tiny_config
+from trainer_helpers import assert_runs_match, layout_config, losses, plain_reference, run_train, tiny_config
 from transformers import AutoModelForCausalLM
 
 import ndparallel as ndp
@@ -54,11 +54,7 @@ def test_lora_trainer_matches_plain_peft(lora_runs, parity_record):
     """The trainer (world 1 and 2x2x2) against the same LoRA run written with transformers + torch + peft."""
     _, _, parallel_config, single, parallel = lora_runs
     ref = plain_reference(layout_config(parallel_config))  # world 1: one data rank reads the global batch
-    for records in (single, parallel):
-        diff = max_rel_diff(losses(records), ref["losses"])
-        norm_diff = max_rel_diff([r["grad_norm"] for r in records], ref["grad_norms"])
-        parity_record({"loss": diff, "grad_norm": norm_diff})
-        assert diff < 1e-5 and norm_diff < 1e-5, (losses(records), ref["losses"])
+    assert_runs_match([single, parallel], ref, parity_record)
 
 
 def _logits(config: dict, checkpoint: str):

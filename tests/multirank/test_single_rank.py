@@ -42,7 +42,10 @@ def _built_from_meta() -> dict:
     from ndparallel.parallel.single_rank import single_rank_state
 
     topo = ndp.Topology.build(ndp.ParallelismConfig(dp_shard_size=1))
-    model = meta_model(model_config_for(base_model=None, model_shape="tiny", overrides={}, max_position_embeddings=64))
+    config = model_config_for(
+        base_model=None, model_shape="tiny", overrides={"tie_word_embeddings": True}, max_position_embeddings=64
+    )
+    model = meta_model(config)
     ndp.parallelize(model, topo, options=ndp.ParallelOptions(param_dtype="bfloat16"))
     materialize(model, topo.device, weights_dir=None, seed=0)  # to_empty makes new parameters: re-flattened
     opt = ndp.build_optimizer(model, lr=1e-3)
@@ -57,9 +60,11 @@ def _built_from_meta() -> dict:
         "fused_groups": len(opt._plans),
         "compute": str(flat.compute_flat.dtype),
         "grads_in_buffer": all(p.grad.data_ptr() >= flat.grad_flat.data_ptr() for p in model.parameters()),
+        # to_empty gives the head and the embeddings a tensor each; the flat buffers must keep them one
+        "tied": model.lm_head.weight is model.model.embed_tokens.weight,
     }
 
 
 def test_a_model_built_on_meta_trains_on_the_flat_buffers():
     got = run_ranks(1, _built_from_meta)[0]
-    assert got == {"flat": True, "fused_groups": 2, "compute": "torch.bfloat16", "grads_in_buffer": True}
+    assert got == {"flat": True, "fused_groups": 2, "compute": "torch.bfloat16", "grads_in_buffer": True, "tied": True}

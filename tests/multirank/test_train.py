@@ -26,6 +26,19 @@ def test_one_process_matches_plain_transformers_and_torch(base, parity_record):
     assert diff < 1e-5 and norm_diff < 1e-5, (losses(single), ref["losses"])
 
 
+def test_one_process_keeps_tied_embeddings_tied(tmp_path, parity_record):
+    """A tied model (Llama 3.2's head is its embedding matrix) from a directory, on one rank: the checkpoint
+    has no lm_head.weight and the run trains one shared matrix, as transformers does."""
+    make_model("llama", vocab_size=320, seed=4, tied=True).save_pretrained(tmp_path / "base")
+    config = tiny_config(tmp_path, base_model=str(tmp_path / "base"), model_shape=None, model_config_overrides={})
+    config["max_steps"] = 3
+    records = run_train(1, config)
+    ref = plain_reference(config)
+    diff = max_rel_diff(losses(records), ref["losses"])
+    parity_record({"loss": diff})
+    assert diff < 1e-5, (losses(records), ref["losses"])
+
+
 @pytest.mark.parametrize(
     "layout",
     [
@@ -87,3 +100,20 @@ def test_exact_repeats_are_left_out_of_training(base, tmp_path):
     assert max_rel_diff(losses(records), reference["losses"]) < 1e-5
     repeated = plain_reference({**deduplicated, "dataset_exact_deduplication": False})
     assert max_rel_diff(repeated["losses"], reference["losses"]) > 1e-3
+
+
+def test_curriculum_sampling_trains_on_the_rows_in_order(base, tmp_path):
+    """curriculum_sampling (Axolotl's sequential sampler) on 2 data ranks: the plain reference reading the
+    rows in order, and not the shuffled one."""
+    _, config, _ = base
+    sequential = {
+        **layout_config(config, s=2),
+        "curriculum_sampling": True,
+        "max_steps": 3,
+        "output_dir": str(tmp_path / "out"),
+    }
+    records = run_train(2, sequential)
+    reference = plain_reference({**sequential, "dp_shard_size": 1, "micro_batch_size": config["micro_batch_size"]})
+    assert max_rel_diff(losses(records), reference["losses"]) < 1e-5
+    shuffled = plain_reference({**sequential, "curriculum_sampling": False, "dp_shard_size": 1, "micro_batch_size": 8})
+    assert max_rel_diff(shuffled["losses"], reference["losses"]) > 1e-3

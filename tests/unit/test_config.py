@@ -49,7 +49,7 @@ BAD = [
     ({"fp16": True}, "fp16 is not supported: set bf16: true"),
     ({"adapter": "lora"}, "adapter: lora needs lora_target_modules"),
     ({"lora_target_linear": True}, "but adapter is not: add adapter: lora"),
-    ({"adapter": "qlora"}, "adapter: qlora (LoRA on 4-bit quantized base weights) is not supported"),
+    ({"adapter": "qlora"}, "adapter: qlora needs load_in_4bit: true"),
     ({"base_model": "/models/x"}, "base_model and model_shape are both set"),
     ({"datasets": []}, "datasets is empty"),
     ({"fsdp_wrap": 0}, "fsdp_wrap"),

@@ -31,7 +31,7 @@ def test_placeholders_and_kernel_choices_are_reported_in_one_line():
     assert line.startswith("not used: ") and "\n" not in line
     assert "attn_implementation (kernel or attention implementation" in line
     assert "plugins: LigerPlugin (kernel plugin" in line and "deepspeed (DeepSpeed" in line
-    assert "load_in_4bit, hub_model_id, strict, lora_model_dir (left empty)" in line
+    assert "hub_model_id, strict, lora_model_dir (left empty)" in line
     assert reading.config.learning_rate == 2e-5  # null is Axolotl's "unset": the default applies
 
 
@@ -39,8 +39,9 @@ def test_placeholders_and_kernel_choices_are_reported_in_one_line():
     "extra, message",
     [
         ({"rl": "dpo"}, "rl: 'dpo' — preference, reinforcement-learning and reward-model training are not supported"),
-        ({"adapter": "qlora"}, "adapter: qlora (LoRA on 4-bit quantized base weights) is not supported"),
-        ({"load_in_4bit": True}, "load_in_4bit: True — quantized weights"),
+        ({"adapter": "qlora"}, "adapter: qlora needs load_in_4bit: true"),
+        ({"load_in_4bit": True}, "load_in_4bit: true needs adapter: qlora"),
+        ({"gptq": True}, "gptq: True — quantized weights"),
         ({"train_attn": True}, "train_attn: True — this way of choosing the weights to train is not implemented"),
         ({"unfrozen_parameters": ["^model.embed_tokens.weight$[:32000]"]}, "trains only the rows [:32000] of a tensor"),
         ({"plugins": ["axolotl.integrations.diffusion.DiffusionPlugin"]}, "plugins: 'axolotl.integrations.diffusion"),
@@ -130,7 +131,7 @@ def test_every_policy_line_has_a_reason_and_no_name_twice():
     assert len(names) == len(set(names)), sorted(n for n in set(names) if names.count(n) > 1)
     assert all(rule.why for _, rule in POLICY)
     assert rule_for("liger_rms_norm").refuse_if is None and rule_for("rl").refuses("dpo")
-    assert not rule_for("rl").refuses(None) and not rule_for("load_in_8bit").refuses(False)
+    assert not rule_for("rl").refuses(None) and not rule_for("gptq").refuses(False)
 
 
 def test_axolotl_defaults_and_meanings():

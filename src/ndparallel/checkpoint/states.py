@@ -29,22 +29,44 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ndparallel import _compat
 from ndparallel.errors import CheckpointError
+from ndparallel.quantized import is_quantized
 
 _SHARDED = StateDictOptions(full_state_dict=False, cpu_offload=False)
 
 
 class ModelState:
-    """A model's state by parameter name, each tensor sharded as it lives (DTensor under FSDP/TP)."""
+    """A model's state by parameter name, each tensor sharded as it lives (DTensor under FSDP/TP).
+
+    A model with quantized base weights (QLoRA, 8-bit; ``quantized/``) saves its trainable tensors only: its
+    frozen weights are rebuilt from base_model on resume (quantizing is deterministic), and quantized
+    tensors have no place in a resharding checkpoint."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        self.frozen_rebuilt = any(is_quantized(p) for p in model.parameters())
+        self.options = (
+            StateDictOptions(full_state_dict=False, cpu_offload=False, ignore_frozen_params=True)
+            if self.frozen_rebuilt
+            else _SHARDED
+        )
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model, options=_SHARDED)
+        return get_model_state_dict(self.model, options=self.options)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state, options=_SHARDED)
+        if not self.frozen_rebuilt:
+            set_model_state_dict(self.model, state, options=_SHARDED)
+            return
+        options = StateDictOptions(full_state_dict=False, cpu_offload=False, strict=False)
+        missing = set(set_model_state_dict(self.model, state, options=options).missing_keys)
+        trainable = {_compat.canonical_name(n) for n, p in self.model.named_parameters() if p.requires_grad}
+        if missing & trainable:
+            raise CheckpointError(
+                f"the checkpoint lacks trainable weights {sorted(missing & trainable)[:3]}; was it saved by "
+                f"a run with other adapters?"
+            )
 
 
 class OptimizerState:

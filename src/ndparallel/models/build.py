@@ -30,6 +30,7 @@ from ndparallel.models.families import needs_eager_attention
 from ndparallel.models.moe import is_moe_weight
 from ndparallel.models.moe_weights import hub_expert_tensor
 from ndparallel.parallel.single_rank import reallocate
+from ndparallel.quantized import assign_quantized, int8, is_nf4
 from ndparallel.vocab import grow_rows
 
 
@@ -54,6 +55,14 @@ def model_config_for(
         if not (path / "config.json").is_file():
             raise ModelError(f"base_model {base_model!r} has no config.json; it must be a Hugging Face model directory")
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        stored = getattr(config, "quantization_config", None)
+        if stored:
+            method = stored.get("quant_method", "quantized") if isinstance(stored, dict) else type(stored).__name__
+            raise ModelError(
+                f"base_model: {base_model!r} — its weights are stored quantized ({method}); ndparallel reads "
+                f"unquantized safetensors (bf16/fp16/fp32): train the original model, with load_in_4bit: true "
+                f"for 4-bit base weights"
+            )
     elif model_shape is not None:
         key = presets.canonical_name(model_shape)
         if key is None:
@@ -121,12 +130,17 @@ def materialize(
     reader = _SafetensorsReader(weights_dir) if weights_dir else None
     init_std = getattr(model.config, "initializer_range", 0.02)
     owners = _owning_modules(model)
+    quantized = []  # filled after the loop from the full weight (quantized/ says why)
     with torch.no_grad():
         for name, param in model.named_parameters():
             key = _compat.canonical_name(name)
             lora_init = init_lora_tensor(key, tuple(param.shape), seed, device)
             if lora_init is not None:  # adapters start fresh, whatever the base weights
                 _copy_shard(param, lora_init)
+            elif is_nf4(param) or (isinstance(owners[name], int8.Int8Linear) and name.endswith(".weight")):
+                quantized.append((name, key))
+            elif isinstance(owners[name], int8.Int8Linear) and name.endswith(".weight_scale"):
+                continue  # computed with its codes
             elif reader is not None:
                 if vocab_from is not None and param.shape[0] == model.config.vocab_size:
                     # The vocabulary grew for added tokens: read the rows there are, add the new ones (vocab.py).
@@ -141,6 +155,14 @@ def materialize(
                     reader.read_into(key, param)
             else:
                 _copy_shard(param, _init_tensor(key, owners[name], tuple(param.shape), init_std, seed, device))
+        for name, key in quantized:  # the whole weight is quantized, then split
+            owner, attr = owners[name], name.rsplit(".", 1)[-1]
+            shape = tuple(getattr(owner, attr).shape)
+            full = reader.get(key) if reader is not None else _init_tensor(key, owner, shape, init_std, seed, device)
+            if isinstance(owner, int8.Int8Linear):
+                int8.fill(owner, full.to(device), _copy_shard)
+            else:
+                assign_quantized(owner, attr, full)
         restore_buffers(model, device)
         if reader is not None:  # persistent buffers a checkpoint holds (DeepSeek-V3's routing bias)
             params = {name for name, _ in model.named_parameters()}

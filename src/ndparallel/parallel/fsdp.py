@@ -29,11 +29,13 @@ def apply_fsdp(
     reshard_after_forward: bool | int = True,
     cpu_offload: bool = False,
     inner_units: Sequence[tuple[torch.nn.Module, DeviceMesh]] = (),
+    ignored_params: set[torch.nn.Parameter] | None = None,
 ) -> None:
     """Shard ``parts.model`` in place. ``wrap`` is 'block', 'model' or N (groups of N decoder layers).
 
     ``inner_units``: (module, mesh) pairs sharded first, on their own meshes (MoE experts and blocks, see
     parallel/expert.py), whatever ``wrap`` is: their gradients must be summed over those meshes.
+    ``ignored_params``: parameters FSDP leaves as they are (4-bit weights with nothing to shard over).
     """
     _check_reshard(reshard_after_forward, shard_size=dp_mesh.size(dp_mesh.ndim - 1), parts=parts)
     if dp_mesh.size() == 1:
@@ -42,7 +44,7 @@ def apply_fsdp(
         reshard_after_forward = False
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
-    common = dict(mesh=dp_mesh, mp_policy=mp, offload_policy=offload)
+    common = dict(mesh=dp_mesh, mp_policy=mp, offload_policy=offload, ignored_params=ignored_params)
 
     for module, mesh in inner_units:
         # A partial-reshard rank count belongs to the layers' mesh; these units reshard fully (or not at all).
@@ -52,6 +54,7 @@ def apply_fsdp(
             mp_policy=mp,
             offload_policy=offload,
             reshard_after_forward=reshard_after_forward is not False and mesh.size() > 1,
+            ignored_params=ignored_params,
         )
     groups = wrap_units(list(parts.layers), wrap)
     for i, group in enumerate(groups):

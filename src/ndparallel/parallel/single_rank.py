@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ndparallel import _compat
+from ndparallel.quantized import is_quantized
 
 ALIGN = 64  # elements: 256 bytes of fp32, so every view is aligned for vectorized kernels and cuBLAS
 
@@ -97,9 +98,20 @@ class SingleRankParams:
             or all(getattr(module, name) is slot.master for slot in self.slots for module, name in slot.owners)
         )
 
+    def _tie_again(self) -> None:
+        """``to_empty`` (and ``.to()``) give each module its own new tensor, so a weight two modules shared
+        (tied embeddings and head) would become two: register the first owner's tensor with the others."""
+        for slot in self.slots:
+            first_module, first_name = slot.owners[0]
+            shared = first_module._parameters[first_name]
+            for module, name in slot.owners[1:]:
+                if module._parameters[name] is not shared:
+                    module._parameters[name] = shared
+
     def allocate(self, *, keep_values: bool) -> None:
         """Give every master a view of a new flat buffer on its device (values copied if ``keep_values``)."""
         self.swap_out()
+        self._tie_again()
         self.slots = collect_slots(self.model)  # the parameters registered now (to_empty replaces them)
         device = self.slots[0].master.device
         dtype = self.slots[0].master.dtype
@@ -268,7 +280,7 @@ def _tensors(output) -> list[torch.Tensor]:
 
 def eligible(model: nn.Module) -> bool:
     """One floating dtype on one device for every parameter (what one flat buffer can hold)."""
-    params = list(model.parameters())
+    params = [p for p in model.parameters() if not is_quantized(p)]  # quantized weights stay outside
     return bool(params) and len({(p.dtype, p.device) for p in params}) == 1 and params[0].is_floating_point()
 
 
@@ -278,6 +290,8 @@ def collect_slots(model: nn.Module) -> list[Slot]:
     owners: dict[int, Slot] = {}
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
+            if is_quantized(param):  # frozen quantized base weights (QLoRA, 8-bit) are used as they are
+                continue
             slot = owners.get(id(param))
             if slot is None:
                 slot = owners[id(param)] = Slot(master=param, owners=[])

@@ -1,0 +1,113 @@
+"""LoRA on 8-bit base weights (``load_in_8bit: true``, ``adapter: lora``): int8 codes, one scale per row.
+
+The format is LLM.int8()'s weight format (bitsandbytes' ``Linear8bitLt``): each output row of a linear
+weight W (out, in) is scaled by its absolute maximum, ``scale[r] = max|W[r, :]| / 127``, and rounded to
+int8 codes in [-127, 127]. The compute differs on purpose: a forward multiplies the input by the weight
+dequantized to the compute dtype (``codes * scale``), where bitsandbytes also quantizes the activations
+to int8 and keeps their outlier columns in fp16. Ours is closer to the unquantized model and needs no
+outlier threshold.
+
+Representation: the linear layer becomes an ``Int8Linear`` (an ``nn.Linear`` whose forward dequantizes)
+with two frozen parameters, ``weight`` (int8 codes, (out, in)) and ``weight_scale`` (float32, (out,)).
+Plain tensors, so every strategy handles them as it handles any weight:
+
+* FSDP2 shards both by rows (the same rows of codes and scales land on each rank) and gathers the codes
+  as int8: one byte a value on the wire and at rest. Mixed precision casts the scales to ``param_dtype``;
+  the scales are rounded to that dtype before the codes are computed, so codes and scales agree.
+* tensor parallelism: colwise layers split codes and scales by rows; rowwise layers split the codes by
+  columns and replicate the scales (``replicate_rowwise_scales``).
+* one rank without FSDP (``parallel/single_rank.py``): the codes stay as they are, the scales live in
+  the flat buffers with the other frozen tensors.
+
+The backward computes only the input's gradient (``grad @ dequantized W``): the base weight is frozen, so
+no weight gradient is formed, and only the int8 codes and scales are kept for it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+CODE_MAX = 127
+
+
+def quantize_rowwise(weight: torch.Tensor, *, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 codes, float32 scales) of a full (out, in) weight. The scales are rounded to ``scale_dtype``
+    (the dtype the forward multiplies in) first, so ``codes * scale`` is what the forward computes."""
+    full = weight.detach().float()
+    scale = (full.abs().amax(dim=1) / CODE_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    scale = scale.to(scale_dtype).float()
+    codes = torch.round(full / scale[:, None]).clamp_(-CODE_MAX, CODE_MAX).to(torch.int8)
+    return codes, scale
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return codes.to(dtype) * scale.to(dtype).unsqueeze(1)
+
+
+class _FrozenInt8Linear(torch.autograd.Function):
+    """y = x @ (codes * scale)^T + bias, with the gradient of x (and of a trainable bias) only."""
+
+    @staticmethod
+    def forward(ctx, x, codes, scale, bias):
+        ctx.save_for_backward(codes, scale)
+        ctx.has_bias = bias is not None
+        return F.linear(x, dequantize(codes, scale, x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        codes, scale = ctx.saved_tensors
+        grad_x = grad @ dequantize(codes, scale, grad.dtype) if ctx.needs_input_grad[0] else None
+        grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return grad_x, None, None, grad_bias
+
+
+class Int8Linear(nn.Linear):
+    """A linear layer with frozen int8 codes (``weight``) and row scales (``weight_scale``)."""
+
+    weight_scale: nn.Parameter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FrozenInt8Linear.apply(x, self.weight, self.weight_scale, self.bias)
+
+
+def is_int8_codes(tensor: torch.Tensor) -> bool:
+    return tensor.dtype == torch.int8
+
+
+def to_int8(module: nn.Linear, *, scale_dtype: torch.dtype) -> None:
+    """Turn ``module`` into an ``Int8Linear`` in place. A meta weight gets empty codes and scales (filled by
+    ``fill``); a weight with storage is quantized now."""
+    weight = module.weight
+    if weight.device.type == "meta":
+        codes = torch.empty(weight.shape, dtype=torch.int8, device="meta")
+        scale = torch.empty(weight.shape[0], dtype=torch.float32, device="meta")
+    else:
+        codes, scale = quantize_rowwise(weight, scale_dtype=scale_dtype)
+    module.__class__ = Int8Linear
+    module.weight = nn.Parameter(codes, requires_grad=False)
+    module.weight_scale = nn.Parameter(scale, requires_grad=False)
+    module.scale_dtype = scale_dtype
+
+
+def fill(module: Int8Linear, full: torch.Tensor, copy_shard) -> None:
+    """Quantize the full weight ``full`` and copy this rank's shards of codes and scales into ``module``
+    (``copy_shard(target, full_tensor)`` slices a full tensor to the target's placement)."""
+    codes, scale = quantize_rowwise(full, scale_dtype=module.scale_dtype)
+    copy_shard(module.weight, codes)
+    copy_shard(module.weight_scale, scale)
+
+
+def replicate_rowwise_scales(layers: nn.Module) -> None:
+    """After tensor parallelism: a rowwise layer's codes are split by columns while torch's rowwise style
+    left the scales alone; every rank needs all of its rows' scales, so they are replicated."""
+    for module in layers.modules():
+        if isinstance(module, Int8Linear) and isinstance(module.weight, DTensor):
+            if not isinstance(module.weight_scale, DTensor):
+                mesh = module.weight.device_mesh
+                module.weight_scale = nn.Parameter(
+                    distribute_tensor(module.weight_scale.data, mesh, [Replicate()] * mesh.ndim),
+                    requires_grad=False,
+                )

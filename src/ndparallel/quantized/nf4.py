@@ -1,0 +1,111 @@
+"""QLoRA's frozen base weights in 4-bit NF4 (``load_in_4bit: true``, ``adapter: qlora``), sharded by FSDP2.
+
+The linear layers of the decoder blocks keep their weights as torchao ``NF4Tensor``s: 4-bit NormalFloat
+codes in blocks of 64 values, each block's scale quantized again to int8 in groups of 256 ("double
+quantization"): the format of the QLoRA paper and of bitsandbytes' ``nf4`` with double quantization. A
+forward dequantizes the (all-gathered) weight to the compute dtype and multiplies; no gradient is formed
+for it. The LoRA adapters, norms, embeddings and head stay in the training dtype and train as usual.
+
+How it fits the build (``parallelize`` then ``materialize``):
+
+1. on the meta model, before FSDP: each eligible linear's weight becomes an empty NF4 tensor, so FSDP2
+   shards it as NF4 (it all-gathers the packed codes and scales: 4.5 bits a value on the wire);
+2. when the weights are filled: the full weight is read (or drawn), quantized on the device, split by
+   rows into FSDP's shards and this rank's shard is assigned in place of the empty one (FSDP2 re-reads an
+   assigned parameter before its first forward). The whole tensor is quantized before splitting because
+   the second-level scales are centred on the mean over the whole tensor: quantizing each shard on its own
+   would give another model on every layout.
+
+Which weights: those made of whole scale groups (``numel`` a multiple of 64 x 256), true of every linear of
+the published 1B-405B models; smaller ones (tiny test models) stay in the training dtype and are listed.
+The rule does not depend on the layout, so every layout trains the same model; a layout whose FSDP shards
+would cut a scale group is refused, naming the weight. Not supported: tensor parallelism (an NF4 weight
+cannot be split by columns).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ndparallel import _compat
+from ndparallel.errors import ConfigError
+
+BLOCK = 64
+"""Values sharing one scale (QLoRA's and bitsandbytes' block size)."""
+SCALER_BLOCK = 256
+"""Scales sharing one second-level (int8) quantization factor."""
+GROUP = BLOCK * SCALER_BLOCK
+
+
+def nf4_available() -> None:
+    """torchao's NF4 tensor, or one line saying how to get it."""
+    try:
+        import torchao.quantization  # noqa: F401
+    except ImportError:
+        raise ConfigError("load_in_4bit needs torchao (its NF4 tensor): pip install 'ndparallel[qlora]'") from None
+
+
+def is_nf4(tensor: torch.Tensor) -> bool:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return type(local).__name__ == "NF4Tensor"
+
+
+def eligible(weight: torch.Tensor) -> bool:
+    """Whole scale groups only: which weights are 4-bit must not depend on the layout."""
+    return weight.numel() % GROUP == 0
+
+
+def to_nf4(module: nn.Linear, name: str, *, shards: int, dtype: torch.dtype) -> None:
+    """Make ``module.weight`` NF4 (before FSDP). A meta weight becomes an empty NF4 tensor that
+    ``assign_quantized`` fills; a weight with storage is quantized now. ``name``: for messages."""
+    nf4_available()
+    from torchao.quantization import to_nf4 as torchao_to_nf4
+
+    weight = module.weight
+    if (weight.numel() // GROUP) % shards or weight.shape[0] % shards:
+        raise ConfigError(
+            f"load_in_4bit: {name}.weight ({tuple(weight.shape)}: {weight.numel() // GROUP} scale group(s) of "
+            f"{GROUP} values) does not split evenly over {shards} FSDP shard(s) (dp_shard_size x "
+            f"context_parallel_size); choose sizes whose product divides {weight.numel() // GROUP}"
+        )
+    with torch.no_grad():
+        source = weight.detach().to(dtype)
+        if source.device.type == "meta":  # shapes only: the codes are filled by ``assign_quantized``
+            source = torch.empty(weight.shape, dtype=dtype, device="meta")
+        module.weight = nn.Parameter(torchao_to_nf4(source.contiguous(), BLOCK, SCALER_BLOCK), requires_grad=False)
+
+
+def assign_quantized(module: nn.Module, param_name: str, full: torch.Tensor) -> None:
+    """Quantize the full weight ``full`` on the parameter's device and put this rank's row shard of it in
+    place of the empty NF4 parameter ``module.<param_name>``."""
+    from torchao.quantization import to_nf4
+
+    param = getattr(module, param_name)
+    local = param.to_local() if isinstance(param, DTensor) else param
+    with torch.no_grad():
+        whole = to_nf4(full.to(device=local.device, dtype=param.dtype).contiguous(), BLOCK, SCALER_BLOCK)
+        if not isinstance(param, DTensor):
+            setattr(module, param_name, nn.Parameter(whole, requires_grad=False))
+            return
+        offsets, sizes = _compat.local_region(param)
+        rows = sizes[0]
+        if any(offsets[1:]) or tuple(sizes[1:]) != tuple(param.shape[1:]) or param.shape[0] % rows:
+            raise ConfigError(f"{param_name}: a 4-bit weight must be split by whole rows, evenly")
+        shard = torch.split(whole, rows, dim=0)[offsets[0] // rows]
+        _contiguous_inner(shard)
+        sharded = DTensor.from_local(
+            shard, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+        setattr(module, param_name, nn.Parameter(sharded, requires_grad=False))
+
+
+def _contiguous_inner(nf4: torch.Tensor) -> None:
+    """A one-element slice of a strided tensor counts as contiguous with a stride other than 1, which FSDP's
+    all-gather (a byte view of each tensor) refuses: give such pieces their own storage."""
+    names, _ = nf4.__tensor_flatten__()
+    for name in names:
+        inner = getattr(nf4, name)
+        if inner.dim() and inner.stride(-1) != 1:
+            setattr(nf4, name, inner.new_empty(inner.shape).copy_(inner))
