@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -53,9 +54,11 @@ def run_row(name: str, compile_: bool, args, out: Path) -> dict:
     row = {"row": name, "compile": compile_, "shape": args.shape, "seq": args.seq, "rc": proc.returncode}
     metrics = output_dir / "metrics.jsonl"
     if proc.returncode != 0 or not metrics.is_file():
+        shutil.rmtree(output_dir, ignore_errors=True)
         row["error"] = (proc.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
         return row
     records = [json.loads(line) for line in metrics.read_text().splitlines() if '"loss"' in line]
+    shutil.rmtree(output_dir, ignore_errors=True)  # its checkpoints: the machine's disk holds few of them
     steady = records[1:] or records
     row.update(
         tokens_per_s=sum(r["tokens_per_s"] for r in steady) / len(steady),

@@ -15,6 +15,7 @@
 #   trainer            issue 22: the trainer on 1B with asynchronous saves every 10 steps (its own stall log)
 #   qlora              issue 15: LoRA on bf16, 4-bit (QLoRA) and 8-bit base weights, 8B, through the trainer
 #   bench-1b / -3b     issue 18: ndparallel vs Accelerate + compile after the tied-embedding fix (bench_train.py)
+#   lora-mem           issue 19: the planner's 1B LoRA peak-memory rows again (frozen base now stored in bf16)
 #   qat                issue 15: the trainer on 1B with qat (int8 inputs, int4 weights) and without, compiled
 # Everything printed goes to $OUT/session.log; each part writes its own files under $OUT.
 BUDGET=${BUDGET:-560}
@@ -35,6 +36,8 @@ part trainer 120 python3 -m ndparallel.cli train benchmarks/gpu_trainer_smoke.ya
   --set output_dir=/tmp/ndp-gpu-smoke-async --set export_hf=false
 part qlora 200 python3 benchmarks/bench_qlora.py --shape 8b --seq 4096 --steps 20 --out "$OUT" \
   --rows "${QLORA_ROWS:-lora,qlora,lora8}" --compile "${QLORA_COMPILE:-0}"
+part lora-mem 90 python3 benchmarks/gpu_memory_sweep.py --cases 1b:4096:2:none:lora,1b:4096:2:selective:lora \
+  --out "$OUT/h200_memory_sweep_lora.jsonl"
 part bench-1b 100 "${BENCH[@]}" --shape 1b --seq 4096 --micro-batch 2 --rows ndparallel,accelerate-compile
 part bench-3b 130 "${BENCH[@]}" --shape 3b --seq 8192 --micro-batch 1 --rows ndparallel,accelerate-compile
 SMOKE=(python3 -m ndparallel.cli train benchmarks/gpu_trainer_smoke.yaml --set max_steps=20 --set export_hf=false)

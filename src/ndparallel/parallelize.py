@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ndparallel.errors import ConfigError
-from ndparallel.freeze import apply_trainable, select_trainable
+from ndparallel.freeze import apply_trainable, select_trainable, store_frozen_in
 from ndparallel.lora import LoraSpec, attach_lora
 from ndparallel.models.decoder import decoder_parts
 from ndparallel.models.families import needs_eager_attention
@@ -71,8 +71,9 @@ class ParallelOptions:
     """How the model is parallelized beyond the four sizes. Every field has a safe default."""
 
     param_dtype: str | torch.dtype | None = "bfloat16"
-    """Dtype parameters are gathered and computed in (mixed precision); master weights stay float32.
-    None computes in the parameters' own dtype."""
+    """Dtype parameters are gathered and computed in (mixed precision); trainable weights keep float32
+    masters, frozen ones (LoRA's base, unfrozen_parameters' rest) are stored in this dtype. None computes in
+    the parameters' own dtype."""
     reduce_dtype: str | torch.dtype | None = "float32"
     """Dtype gradients are reduced in across data-parallel ranks."""
     activation_checkpointing: str = "none"
@@ -158,6 +159,8 @@ def parallelize(
         # FSDP2 gathers over a group of one rank with the first all-gather input only (torch 2.13), which
         # breaks a 4-bit weight (three inputs): with nothing to shard, FSDP leaves such weights alone.
         ignored = {p for p in model.parameters() if is_nf4(p)} if shards == 1 else None
+    if param_dtype is not None:
+        store_frozen_in(model, param_dtype)  # frozen weights are only read in the compute dtype
     if parts.own_attention is None:
         apply_context_parallel(model, topology)
     elif needs_eager_attention(model.config) and model.config._attn_implementation == "sdpa":

@@ -68,3 +68,55 @@ def _built_from_meta() -> dict:
 def test_a_model_built_on_meta_trains_on_the_flat_buffers():
     got = run_ranks(1, _built_from_meta)[0]
     assert got == {"flat": True, "fused_groups": 2, "compute": "torch.bfloat16", "grads_in_buffer": True, "tied": True}
+
+
+def _train_lora_from_meta(single_rank_fsdp: bool) -> dict:
+    """A tied model built on meta, LoRA, bf16: where each weight is stored, and three steps' losses."""
+    import torch
+
+    import ndparallel as ndp
+    from ndparallel.models.build import materialize, meta_model, model_config_for
+
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    topo = ndp.Topology.build(ndp.ParallelismConfig(dp_shard_size=world))
+    config = model_config_for(
+        base_model=None, model_shape="tiny", overrides={"tie_word_embeddings": True}, max_position_embeddings=64
+    )
+    model = meta_model(config)
+    spec = ndp.LoraSpec(r=4, alpha=8, target_linear=True, seed=3)
+    options = ndp.ParallelOptions(param_dtype="bfloat16", single_rank_fsdp=single_rank_fsdp)
+    ndp.parallelize(model, topo, options=options, lora=spec)
+    materialize(model, topo.device, weights_dir=None, seed=0)
+    opt = ndp.build_optimizer(model, lr=1e-2)
+    losses = []
+    ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))  # the global batch
+    for _ in range(3):
+        batch = ndp.prepare_batch(ids, topo)
+        count = ndp.count_tokens(batch.num_tokens, topo)
+        loss = ndp.token_loss(model(**batch.model_inputs()).logits, batch.labels, num_tokens=count, topology=topo)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(ndp.reduce_loss(loss.detach(), topo)))
+    return {
+        "frozen": sorted({str(p.dtype) for p in model.parameters() if not p.requires_grad}),
+        "trainable": sorted({str(p.dtype) for p in model.parameters() if p.requires_grad}),
+        "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+        "losses": losses,
+    }
+
+
+def test_lora_keeps_its_frozen_base_in_bf16_on_every_path(parity_record):
+    """Frozen weights are stored in the compute dtype (they are only read in it): the flat one-rank path, FSDP
+    on one rank and FSDP on two train the same numbers, with bf16 frozen weights (a tied head still tied) and
+    fp32 trainable ones."""
+    flat = run_ranks(1, _train_lora_from_meta, False)[0]
+    fsdp = run_ranks(1, _train_lora_from_meta, True)[0]
+    sharded = run_ranks(2, _train_lora_from_meta, True)[0]
+    for run in (flat, fsdp, sharded):
+        assert (run["frozen"], run["trainable"], run["tied"]) == (["torch.bfloat16"], ["torch.float32"], True), run
+    assert flat["losses"] == fsdp["losses"]
+    diff = max_rel_diff(sharded["losses"], flat["losses"])
+    parity_record({"loss": diff})
+    assert diff < 2e-3, (sharded["losses"], flat["losses"])  # bf16: two ranks sum their gradients in another order
+    assert flat["losses"][-1] < flat["losses"][0]

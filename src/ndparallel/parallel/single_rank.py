@@ -20,6 +20,9 @@ This module computes the same numbers with the least memory traffic:
 Between a forward and the end of its backward the modules hold the compute copies (as FSDP's modules
 hold their unsharded parameters); ``state_dict()`` swaps the masters back first in any case.
 
+Frozen tensors already stored in the compute dtype (LoRA's base, ``freeze.store_frozen_in``) and quantized
+base weights stay outside the buffers and are used as they are.
+
 Layout of the flat buffers (N = total elements, each tensor starting at a multiple of ALIGN elements):
 trainable matrices, then trainable vectors (norm weights, biases), then frozen tensors; gradients only
 for the trainable prefix. ``build_optimizer``'s two groups (weight decay on matrices, none on vectors)
@@ -65,6 +68,8 @@ class SingleRankParams:
     grad_flat: torch.Tensor | None = None
     compute_flat: torch.Tensor | None = None
     swapped_in: bool = False
+    ties: list[list[tuple[nn.Module, str]]] = field(default_factory=list)
+    """Every tensor registered under more than one (module, name), buffers' or not (``shared_owners``)."""
     _hooks: list = field(default_factory=list)
     _grad_hooks: list = field(default_factory=list)
     _backward_pending: bool = False
@@ -101,10 +106,10 @@ class SingleRankParams:
     def _tie_again(self) -> None:
         """``to_empty`` (and ``.to()``) give each module its own new tensor, so a weight two modules shared
         (tied embeddings and head) would become two: register the first owner's tensor with the others."""
-        for slot in self.slots:
-            first_module, first_name = slot.owners[0]
+        for owners in self.ties:
+            first_module, first_name = owners[0]
             shared = first_module._parameters[first_name]
-            for module, name in slot.owners[1:]:
+            for module, name in owners[1:]:
                 if module._parameters[name] is not shared:
                     module._parameters[name] = shared
 
@@ -278,19 +283,42 @@ def _tensors(output) -> list[torch.Tensor]:
     return [v for v in values if isinstance(v, torch.Tensor)]
 
 
+def _master_dtype(model: nn.Module) -> torch.dtype | None:
+    """The trainable weights' dtype (the flat buffers' dtype); None when nothing trains."""
+    return next((p.dtype for p in model.parameters() if p.requires_grad), None)
+
+
+def used_as_they_are(param: torch.Tensor, master_dtype: torch.dtype | None) -> bool:
+    """Frozen tensors kept outside the flat buffers: quantized base weights (QLoRA, 8-bit) and frozen weights
+    already stored in another (the compute) dtype (``freeze.store_frozen_in``)."""
+    return is_quantized(param) or (not param.requires_grad and master_dtype is not None and param.dtype != master_dtype)
+
+
 def eligible(model: nn.Module) -> bool:
-    """One floating dtype on one device for every parameter (what one flat buffer can hold)."""
-    params = [p for p in model.parameters() if not is_quantized(p)]  # quantized weights stay outside
+    """One floating dtype on one device for every parameter the flat buffers hold."""
+    master_dtype = _master_dtype(model)
+    params = [p for p in model.parameters() if not used_as_they_are(p, master_dtype)]
     return bool(params) and len({(p.dtype, p.device) for p in params}) == 1 and params[0].is_floating_point()
+
+
+def shared_owners(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """The (module, name) places of each tensor registered in more than one place."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                places.setdefault(id(param), []).append((module, name))
+    return [owners for owners in places.values() if len(owners) > 1]
 
 
 def collect_slots(model: nn.Module) -> list[Slot]:
     """One slot per distinct parameter (tied weights share one), in flat-buffer order: trainable matrices,
     trainable vectors, frozen (so the optimizer's two groups are contiguous ranges)."""
     owners: dict[int, Slot] = {}
+    master_dtype = _master_dtype(model)
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
-            if is_quantized(param):  # frozen quantized base weights (QLoRA, 8-bit) are used as they are
+            if used_as_they_are(param, master_dtype):
                 continue
             slot = owners.get(id(param))
             if slot is None:
@@ -308,7 +336,7 @@ def apply_single_rank(model: nn.Module, *, param_dtype: torch.dtype | None) -> S
     order = collect_slots(model)
     master_dtype = order[0].master.dtype
     compute_dtype = param_dtype if param_dtype is not None and param_dtype != master_dtype else None
-    state = SingleRankParams(model=model, compute_dtype=compute_dtype, slots=order)
+    state = SingleRankParams(model=model, compute_dtype=compute_dtype, slots=order, ties=shared_owners(model))
     state.install_hooks()
     if order[0].master.device.type != "meta":
         state.allocate(keep_values=True)

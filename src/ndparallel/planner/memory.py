@@ -177,6 +177,9 @@ def memory_moments(
     p_local = local_params(model, layout)
     if rank:
         adapters = lora_params(model, rank) / (t * f)
+        # Conservative since freeze.store_frozen_in: the engine now stores the frozen base in the compute dtype
+        # (e bytes, not 4). Kept at 4 until the H200 LoRA peaks (calibration rows) are measured again with
+        # `gpu_memory_sweep.py --cases 1b:4096:2:none:lora,1b:4096:2:selective:lora`.
         master, trainable_local, trainable_tp = 4 * (p_local + adapters), adapters, lora_params(model, rank) / t
         unit_trainable, embed_trainable = adapter_layer_tp, 0.0
     else:
