@@ -26,12 +26,14 @@ def test_one_process_matches_plain_transformers_and_torch(base, parity_record):
     assert diff < 1e-5 and norm_diff < 1e-5, (losses(single), ref["losses"])
 
 
-def test_one_process_keeps_tied_embeddings_tied(tmp_path, parity_record):
-    """A tied model (Llama 3.2's head is its embedding matrix) from a directory, on one rank: the checkpoint
-    has no lm_head.weight and the run trains one shared matrix, as transformers does."""
+@pytest.mark.parametrize("cpu_offload", [False, True], ids=["flat", "cpu-offload"])
+def test_one_process_keeps_tied_embeddings_tied(tmp_path, parity_record, cpu_offload):
+    """A tied model (Llama 3.2's head is its embedding matrix) from a directory, on one rank (the flat buffers,
+    or FSDP with CPU offload, which fills the weights before parallelizing): the checkpoint has no
+    lm_head.weight and the run trains one shared matrix, as transformers does."""
     make_model("llama", vocab_size=320, seed=4, tied=True).save_pretrained(tmp_path / "base")
     config = tiny_config(tmp_path, base_model=str(tmp_path / "base"), model_shape=None, model_config_overrides={})
-    config["max_steps"] = 3
+    config.update(max_steps=3, cpu_offload=cpu_offload)
     records = run_train(1, config)
     ref = plain_reference(config)
     diff = max_rel_diff(losses(records), ref["losses"])

@@ -29,7 +29,7 @@ from ndparallel.models import presets
 from ndparallel.models.families import needs_eager_attention
 from ndparallel.models.moe import is_moe_weight
 from ndparallel.models.moe_weights import hub_expert_tensor
-from ndparallel.parallel.single_rank import reallocate
+from ndparallel.parallel.single_rank import reallocate, shared_owners, tie_again
 from ndparallel.quantized import assign_quantized, int8, is_nf4
 from ndparallel.vocab import grow_rows
 
@@ -125,7 +125,9 @@ def materialize(
     each unit to ``device`` when it runs); buffers (rotary tables) always live on ``device``.
     ``vocab_from``: the checkpoint's vocabulary size when the model's grew for added tokens (``vocab.py``).
     """
+    ties = shared_owners(model)  # to_empty gives every module its own tensor: tied weights are tied again
     model.to_empty(device=torch.device("cpu") if offload_params else device)
+    tie_again(ties)
     reallocate(model)  # a one-rank model keeps its parameters in flat buffers (parallel/single_rank.py)
     reader = _SafetensorsReader(weights_dir) if weights_dir else None
     init_std = getattr(model.config, "initializer_range", 0.02)

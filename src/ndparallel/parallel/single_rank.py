@@ -104,14 +104,7 @@ class SingleRankParams:
         )
 
     def _tie_again(self) -> None:
-        """``to_empty`` (and ``.to()``) give each module its own new tensor, so a weight two modules shared
-        (tied embeddings and head) would become two: register the first owner's tensor with the others."""
-        for owners in self.ties:
-            first_module, first_name = owners[0]
-            shared = first_module._parameters[first_name]
-            for module, name in owners[1:]:
-                if module._parameters[name] is not shared:
-                    module._parameters[name] = shared
+        tie_again(self.ties)
 
     def allocate(self, *, keep_values: bool) -> None:
         """Give every master a view of a new flat buffer on its device (values copied if ``keep_values``)."""
@@ -299,6 +292,17 @@ def eligible(model: nn.Module) -> bool:
     master_dtype = _master_dtype(model)
     params = [p for p in model.parameters() if not used_as_they_are(p, master_dtype)]
     return bool(params) and len({(p.dtype, p.device) for p in params}) == 1 and params[0].is_floating_point()
+
+
+def tie_again(ties: list[list[tuple[nn.Module, str]]]) -> None:
+    """``to_empty`` (and ``.to()``) give each module its own new tensor, so a weight two modules shared (tied
+    embeddings and head) would become two: register the first owner's tensor with the others."""
+    for owners in ties:
+        first_module, first_name = owners[0]
+        shared = first_module._parameters[first_name]
+        for module, name in owners[1:]:
+            if module._parameters[name] is not shared:
+                module._parameters[name] = shared
 
 
 def shared_owners(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
