@@ -183,26 +183,10 @@ def alpaca_records(n: int = 40) -> list[dict]:
     ]
 
 
-def messages_records(n: int = 30) -> list[dict]:
-    """Chat data in the role/content ``messages`` layout (fozziethebeat/alpaca_messages_2k_test's)."""
-    return [
-        {
-            "messages": [
-                {"role": "user", "content": f"Question {i}: what is {i} plus {i}?"},
-                {"role": "assistant", "content": f"It is {2 * i}."},
-            ]
-        }
-        for i in range(n)
-    ]
-
-
-def chat_records(n: int = 30) -> list[dict]:
-    return [
-        {
-            "conversations": [
-                {"from": "human", "value": f"Question {i}: what is {i} plus {i}?"},
-                {"from": "gpt", "value": f"It is {2 * i}."},
-            ]
-        }
-        for i in range(n)
-    ]
+def chat_records(n: int = 30, *, layout: str = "sharegpt") -> list[dict]:
+    """Two-turn chats in ShareGPT's ``conversations`` from/value layout (mlabonne/FineTome-100k's), or with
+    ``layout="messages"`` in the role/content ``messages`` layout (fozziethebeat/alpaca_messages_2k_test's)."""
+    turns = [(f"Question {i}: what is {i} plus {i}?", f"It is {2 * i}.") for i in range(n)]
+    if layout == "messages":
+        return [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in turns]
+    return [{"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]} for q, a in turns]

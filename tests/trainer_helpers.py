@@ -29,6 +29,10 @@ def write_corpus(directory: Path, *, docs: int = 60, seed: int = 0) -> Path:
     return path
 
 
+SMALL_LORA = {"lora_r": 4, "lora_alpha": 8, "lora_target_linear": True, "learning_rate": 1e-2}
+"""Rank-4 adapters on every linear, a learning rate that moves them within a few steps."""
+
+
 def tiny_config(tmp: Path, **overrides) -> dict:
     """A fp32 CPU config of a tiny Llama with the byte tokenizer; global batch 8 rows of 64 tokens."""
     corpus = tmp / "corpus.jsonl"
@@ -69,6 +73,21 @@ def _train(config: dict, probe: bool):
 def run_train(world: int, config: dict, **kwargs) -> list[dict]:
     """Train on ``world`` forked ranks; rank 0's metrics records."""
     return run_ranks(world, _train, config, False, **kwargs)[0]["records"]
+
+
+def train_one_and_many(tmp: Path, model, *, layout: dict, **settings) -> tuple[dict, dict, list[dict], list[dict]]:
+    """``model`` saved as the base model of a tiny config with ``settings`` (4 steps, a checkpoint at step 2),
+    trained on one rank and on ``layout`` (``layout_config``'s keys). Returns (config, the layout's config,
+    one rank's records, the layout's records)."""
+    model.save_pretrained(tmp / "base")
+    config = tiny_config(
+        tmp, base_model=str(tmp / "base"), model_shape=None, model_config_overrides={}, max_steps=4, save_steps=2
+    )
+    config.update(settings)
+    single = run_train(1, {**config, "output_dir": str(tmp / "single")})
+    parallel_config = {**layout_config(config, **layout), "output_dir": str(tmp / "par")}
+    world = layout.get("r", 1) * layout.get("s", 1) * layout.get("c", 1) * layout.get("t", 1)
+    return config, parallel_config, single, run_train(world, parallel_config)
 
 
 def resume_on(layout: dict, config: dict, checkpoint: Path, output_dir: Path) -> list[dict]:

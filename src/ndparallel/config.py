@@ -484,6 +484,8 @@ class TrainConfig(BaseModel):
 
     def _problems(self):
         """Contradictions between settings (the first one is raised)."""
+        from ndparallel.quantized import FORMATS
+
         if self.fp16:
             yield "fp16 is not supported: set bf16: true (bf16 needs no loss scaling)"
         if self.base_model is None and self.model_shape is None and not self.model_config_overrides.get("model_type"):
@@ -509,7 +511,7 @@ class TrainConfig(BaseModel):
                 "load_in_8bit: true needs adapter: lora: 8-bit base weights are frozen, so only adapters can "
                 "train; set adapter: lora, or load_in_8bit: false for a full fine-tune"
             )
-        quantized = "load_in_4bit" if self.load_in_4bit else "load_in_8bit" if self.load_in_8bit else None
+        quantized = FORMATS.get(self.quantized_base)  # the setting's name
         if quantized and self.export_hf:
             yield (
                 f"export_hf with {quantized} is not supported: the run writes its PEFT adapter to "

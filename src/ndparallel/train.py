@@ -184,14 +184,7 @@ def setup(cfg: TrainConfig) -> TrainingRun:
     model, lora = _build_model(cfg, model_config, topo, vocab_from=vocab_from)
     optimizer = build_run_optimizer(model, cfg, device_type)
 
-    order = DataOrder(
-        len(train_rows),
-        rows_per_rank=cfg.micro_batch_size,
-        batch_rank=topo.batch_rank,
-        batch_ranks=layout.batch_size,
-        seed=cfg.seed,
-        shuffle=not cfg.curriculum_sampling,
-    )
+    order = _data_order(cfg, len(train_rows), topo)
     steps_per_epoch = max(1, order.batches_per_epoch // cfg.gradient_accumulation_steps)
     schedule = schedule_for(cfg, steps_per_epoch=steps_per_epoch)
     total_steps = schedule.total_steps
@@ -223,6 +216,18 @@ def setup(cfg: TrainConfig) -> TrainingRun:
         schedule=schedule,
         load_s=load_s,
         vocab_note=vocab_note,
+    )
+
+
+def _data_order(cfg: TrainConfig, num_rows: int, topo: Topology) -> DataOrder:
+    """This rank's rows, batch by batch: a seeded shuffle per epoch, or the rows in order (curriculum_sampling)."""
+    return DataOrder(
+        num_rows,
+        rows_per_rank=cfg.micro_batch_size,
+        batch_rank=topo.batch_rank,
+        batch_ranks=topo.layout.batch_size,
+        seed=cfg.seed,
+        shuffle=not cfg.curriculum_sampling,
     )
 
 
@@ -298,10 +303,6 @@ def _check_output_dir(cfg: TrainConfig, output_dir: Path) -> Path | None:
             f"another output_dir, or set overwrite_output_dir: true"
         )
     return resume_dir
-
-
-def describe_quantized(model) -> str:
-    return describe(decoder_parts(model).layers).line()
 
 
 def _build_model(
@@ -401,7 +402,7 @@ def _open_metrics(run: TrainingRun) -> MetricsLogger:
             run.layout_reason and f"layout chosen by the planner: {run.layout_reason}",
             run.vocab_note,
             cfg.unfrozen_parameters and describe_trainable(run.model),
-            cfg.quantized_base and describe_quantized(run.model),
+            cfg.quantized_base and describe(decoder_parts(run.model).layers).line(),
             cfg.qat and cfg.qat_spec.describe(),
         ],
     ):
@@ -433,9 +434,10 @@ def _train_loop(run: TrainingRun, metrics: MetricsLogger) -> None:
     )
     saved = run.resume_dir
     batches = iter(run.order)
+    qat_spec = cfg.qat_spec
     with memory_history(cfg.cuda_memory_snapshot, topo.device):
         for step in range(state.step, run.total_steps):
-            qat.at_step(run.model, cfg.qat_spec, step)
+            qat.at_step(run.model, qat_spec, step)
             try:
                 with window.timer.phase("data"):
                     micro = [

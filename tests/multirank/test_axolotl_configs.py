@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from harness import run_ranks
-from hub_cache import add_dataset, add_model, alpaca_records, chat_records, family_tokenizer, messages_records
+from hub_cache import add_dataset, add_model, alpaca_records, chat_records, family_tokenizer
 from scenarios import make_model
 
 from ndparallel.cli import main
@@ -172,7 +172,9 @@ def example_hub(tmp_path_factory):
     add_dataset(cache, "yahma/alpaca-cleaned", {"alpaca_data_cleaned.json": alpaca_records()})
     add_dataset(cache, "mhenrichsen/alpaca_2k_test", {"alpaca_2000.jsonl": alpaca_records()})
     add_dataset(
-        cache, "fozziethebeat/alpaca_messages_2k_test", {"data/train-00000-of-00001.parquet": messages_records()}
+        cache,
+        "fozziethebeat/alpaca_messages_2k_test",
+        {"data/train-00000-of-00001.parquet": chat_records(layout="messages")},
     )
     add_dataset(cache, "mlabonne/FineTome-100k", {"data/train-00000-of-00001.parquet": chat_records()})
     add_dataset(cache, "princeton-nlp/TextbookChapters", {"data/train.parquet": [{"chapter": "x " * 50}] * 4})

@@ -8,46 +8,29 @@ import pytest
 import torch
 from scenarios import make_model, max_rel_diff
 from trainer_helpers import (
+    SMALL_LORA,
     assert_runs_match,
     layout_config,
     losses,
     plain_reference,
     resume_on,
-    run_train,
     tiny_config,
+    train_one_and_many,
 )
 
 from ndparallel.config import parse_config
 from ndparallel.quantized import int8
 
-EIGHT_BIT = {
-    "adapter": "lora",
-    "load_in_8bit": True,
-    "lora_r": 4,
-    "lora_alpha": 8,
-    "lora_target_linear": True,
-    "learning_rate": 1e-2,
-}
+EIGHT_BIT = {"adapter": "lora", "load_in_8bit": True, **SMALL_LORA}
 
 
 @pytest.fixture(scope="module")
 def eight_bit_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora8")
-    base_dir = tmp / "base"
     # qwen2: attention biases on q/k/v (the frozen bias path); 4 key/value heads (tp 2 divides them)
-    make_model("qwen2", seed=5, vocab_size=320).save_pretrained(base_dir)
-    config = tiny_config(
-        tmp,
-        base_model=str(base_dir),
-        model_shape=None,
-        model_config_overrides={},
-        max_steps=4,
-        save_steps=2,
-        **EIGHT_BIT,
+    config, parallel_config, single, parallel = train_one_and_many(
+        tmp, make_model("qwen2", seed=5, vocab_size=320), layout=dict(s=2, c=2, t=2, method="ring"), **EIGHT_BIT
     )
-    single = run_train(1, {**config, "output_dir": str(tmp / "single")})
-    parallel_config = {**layout_config(config, s=2, c=2, t=2, method="ring"), "output_dir": str(tmp / "par")}
-    parallel = run_train(8, parallel_config)
     return tmp, config, parallel_config, single, parallel
 
 

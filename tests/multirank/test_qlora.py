@@ -8,13 +8,14 @@ import pytest
 import torch
 from scenarios import make_model, max_rel_diff
 from trainer_helpers import (
+    SMALL_LORA,
     assert_runs_match,
     layout_config,
     losses,
     plain_reference,
     resume_on,
-    run_train,
     tiny_config,
+    train_one_and_many,
 )
 
 from ndparallel.config import parse_config
@@ -24,27 +25,16 @@ from ndparallel.quantized import quantize_linears
 # hidden 256, 8 heads of 32, one key/value head: q/o (4 scale groups of 64 x 256 values), gate/up/down (8)
 # are 4-bit; k/v (32 x 256: half a group) stay fp32, on every layout
 SHAPE = dict(vocab_size=320, hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=1)
-QLORA = {
-    "adapter": "qlora",
-    "load_in_4bit": True,
-    "lora_r": 4,
-    "lora_alpha": 8,
-    "lora_target_linear": True,
-    "learning_rate": 1e-2,
-}
+QLORA = {"adapter": "qlora", "load_in_4bit": True, **SMALL_LORA}
 
 
 @pytest.fixture(scope="module")
 def qlora_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("qlora")
-    base_dir = tmp / "base"
-    make_model("llama", seed=5, num_hidden_layers=2, **SHAPE).save_pretrained(base_dir)
-    config = tiny_config(
-        tmp, base_model=str(base_dir), model_shape=None, model_config_overrides={}, max_steps=4, save_steps=2, **QLORA
+    model = make_model("llama", seed=5, num_hidden_layers=2, **SHAPE)
+    config, parallel_config, single, parallel = train_one_and_many(
+        tmp, model, layout=dict(r=2, s=2, c=2, method="ring"), **QLORA
     )
-    single = run_train(1, {**config, "output_dir": str(tmp / "single")})
-    parallel_config = {**layout_config(config, r=2, s=2, c=2, method="ring"), "output_dir": str(tmp / "par")}
-    parallel = run_train(8, parallel_config)
     return tmp, config, parallel_config, single, parallel
 
 

@@ -29,7 +29,8 @@ from ndparallel.models import presets
 from ndparallel.models.families import needs_eager_attention
 from ndparallel.models.moe import is_moe_weight
 from ndparallel.models.moe_weights import hub_expert_tensor
-from ndparallel.parallel.single_rank import reallocate, shared_owners, tie_again
+from ndparallel.models.ties import shared_owners, tie_again
+from ndparallel.parallel.single_rank import reallocate
 from ndparallel.quantized import assign_quantized, int8, is_nf4
 from ndparallel.vocab import grow_rows
 
@@ -157,8 +158,11 @@ def materialize(
                     reader.read_into(key, param)
             else:
                 _copy_shard(param, _init_tensor(key, owners[name], tuple(param.shape), init_std, seed, device))
-        for name, key in quantized:  # the whole weight is quantized, then split
+        for name, key in quantized:
             owner, attr = owners[name], name.rsplit(".", 1)[-1]
+            if isinstance(owner, int8.Int8Linear) and _fill_int8_rows(owner, key, reader, device):
+                continue
+            # else the whole weight is quantized, then split (NF4's second-level scales span the whole tensor)
             shape = tuple(getattr(owner, attr).shape)
             full = reader.get(key) if reader is not None else _init_tensor(key, owner, shape, init_std, seed, device)
             if isinstance(owner, int8.Int8Linear):
@@ -178,6 +182,24 @@ def materialize(
             and model.get_output_embeddings().weight is model.get_input_embeddings().weight
         )
         reader.check_all_used(ignore={"lm_head.weight"} if tied else set())
+
+
+def _fill_int8_rows(owner: int8.Int8Linear, key: str, reader, device: torch.device) -> bool:
+    """int8 scales are per row, so a rank reads (full width) only the rows it holds, quantizes them and keeps
+    its columns. False where that does not apply (random init, or a placement whose rows are not one range
+    shared by codes and scales): the caller reads the whole weight."""
+    if reader is None or key not in reader.files:
+        return False
+    codes, box = _local_box(owner.weight)
+    scales, scale_box = _local_box(owner.weight_scale)
+    if box is None or scale_box is None or scale_box[0] != box[0]:
+        return False
+    if codes.numel():
+        rows = reader.read_box(key, tuple(owner.weight.shape), (box[0], slice(None)))
+        q, scale = int8.quantize_rowwise(rows.to(device), scale_dtype=owner.scale_dtype)
+        codes.copy_(q[:, box[1]])
+        scales.copy_(scale)
+    return True
 
 
 def initialize_adapters(model: nn.Module, seed: int) -> None:
@@ -306,28 +328,30 @@ class _SafetensorsReader:
         if key not in self.files:  # e.g. MoE experts stored one tensor per expert: assembled whole
             _copy_shard(param, self.get(key))
             return
-        self.used.add(key)
         local, box = _local_box(param)
+        if box is None:  # a placement whose local part is not one box: read it whole, slice in memory
+            _copy_shard(param, self.read_box(key, tuple(param.shape), None))
+        elif local.numel():
+            local.copy_(self.read_box(key, tuple(param.shape), box).to(local.dtype))
+
+    def read_box(self, key: str, shape: tuple, box: tuple[slice, ...] | None) -> torch.Tensor:
+        """The part ``box`` (None: all) of the weight ``key``, which must have ``shape``; only it is read."""
+        self.used.add(key)
         try:
             with safe_open(self.files[key], framework="pt") as f:
                 stored = f.get_slice(key)
-                shape = tuple(stored.get_shape())
-                if shape != tuple(param.shape):
+                if tuple(stored.get_shape()) != shape:
                     raise ModelError(
-                        f"{key}: the weights in {self.directory!r} have shape {shape} but the model "
-                        f"expects {tuple(param.shape)}; config.json and the weights disagree"
+                        f"{key}: the weights in {self.directory!r} have shape {tuple(stored.get_shape())} but "
+                        f"the model expects {shape}; config.json and the weights disagree"
                     )
-                if box is None:  # a placement whose local part is not one box: read it whole, slice in memory
-                    _copy_shard(param, stored[:])
-                    return
-                part = stored[box] if local.numel() else torch.empty(local.shape)
+                return stored[box] if box is not None else stored[:]
         except ModelError:
             raise
         except Exception as exc:  # a truncated or corrupted file
             raise ModelError(
                 f"cannot read {key!r} from {str(self.files[key])!r}: {exc}; the file may be truncated"
             ) from None
-        local.copy_(part.to(local.dtype))
 
     def check_all_used(self, *, ignore: set[str]) -> None:
         unused = sorted(set(self.files) - self.used - ignore)

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ndparallel import _compat
+from ndparallel.models.ties import shared_owners, tie_again
 from ndparallel.quantized import is_quantized
 
 ALIGN = 64  # elements: 256 bytes of fp32, so every view is aligned for vectorized kernels and cuBLAS
@@ -103,13 +104,10 @@ class SingleRankParams:
             or all(getattr(module, name) is slot.master for slot in self.slots for module, name in slot.owners)
         )
 
-    def _tie_again(self) -> None:
-        tie_again(self.ties)
-
     def allocate(self, *, keep_values: bool) -> None:
         """Give every master a view of a new flat buffer on its device (values copied if ``keep_values``)."""
         self.swap_out()
-        self._tie_again()
+        tie_again(self.ties)  # to_empty / .to() re-created the parameters: shared ones are shared again
         self.slots = collect_slots(self.model)  # the parameters registered now (to_empty replaces them)
         device = self.slots[0].master.device
         dtype = self.slots[0].master.dtype
@@ -292,27 +290,6 @@ def eligible(model: nn.Module) -> bool:
     master_dtype = _master_dtype(model)
     params = [p for p in model.parameters() if not used_as_they_are(p, master_dtype)]
     return bool(params) and len({(p.dtype, p.device) for p in params}) == 1 and params[0].is_floating_point()
-
-
-def tie_again(ties: list[list[tuple[nn.Module, str]]]) -> None:
-    """``to_empty`` (and ``.to()``) give each module its own new tensor, so a weight two modules shared (tied
-    embeddings and head) would become two: register the first owner's tensor with the others."""
-    for owners in ties:
-        first_module, first_name = owners[0]
-        shared = first_module._parameters[first_name]
-        for module, name in owners[1:]:
-            if module._parameters[name] is not shared:
-                module._parameters[name] = shared
-
-
-def shared_owners(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
-    """The (module, name) places of each tensor registered in more than one place."""
-    places: dict[int, list[tuple[nn.Module, str]]] = {}
-    for module in model.modules():
-        for name, param in module._parameters.items():
-            if param is not None:
-                places.setdefault(id(param), []).append((module, name))
-    return [owners for owners in places.values() if len(owners) > 1]
 
 
 def collect_slots(model: nn.Module) -> list[Slot]:
