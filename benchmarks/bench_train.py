@@ -155,7 +155,7 @@ def build_ndparallel_row(
         batch = ndp.prepare_batch(synthetic(rows, seq, config.vocab_size, i), topo)
         return [
             ("forward+backward", lambda: forward_backward(model, [batch], topo, compiled_loss=compile_)),
-            ("clip", lambda: ndp.clip_grad_norm_(trainable, 1.0)),
+            ("clip", lambda: ndp.clip_grad_norm_(trainable, 1.0, optimizer=opt)),
             ("optimizer+zero_grad", lambda: (opt.step(), opt.zero_grad(set_to_none=True))),
         ]
 

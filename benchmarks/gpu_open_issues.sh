@@ -8,13 +8,14 @@
 # Each part runs only if its minimum time is left of BUDGET seconds and is stopped when the budget ends.
 #   ckpt-1b / ckpt-3b  issue 22: training stall per save, sync vs async, exact resume (bench_checkpoint.py)
 #   checks             issue 18: one-rank path exactness; fp8 vs bf16 over 200 steps (gpu_perf_checks.py)
+#   exact              issue 18: the one-rank path exactness check alone (gpu_perf_checks.py --skip-fp8)
 #   adam8              issue 15: 8-bit AdamW on sharded DTensor parameters (tests/gpu/eight_bit_adamw.py)
 #   diag               issue 19: the probe's SDPA backward against the model's (sdpa_backward_diag.py)
 #   3b                 issue 18: 3B seq 8192 x 1, ndparallel vs Accelerate + compile, and fp8 (bench_train.py)
 #   selfcheck-1b/-3b   issue 19: --measure and the H200 preset against measured one-GPU throughput
 #   trainer            issue 22: the trainer on 1B with asynchronous saves every 10 steps (its own stall log)
 #   qlora              issue 15: LoRA on bf16, 4-bit (QLoRA) and 8-bit base weights, 8B, through the trainer
-#   bench-1b / -3b     issue 18: ndparallel vs Accelerate + compile after the tied-embedding fix (bench_train.py)
+#   bench-1b / -3b     issue 18: ndparallel vs Accelerate + compile (bench_train.py), ndparallel's step profiled
 #   lora-mem           issue 19: the planner's 1B LoRA peak-memory rows again (frozen base now stored in bf16)
 #   qat                issue 15: the trainer on 1B with qat (int8 inputs, int4 weights) and without, compiled
 # Everything printed goes to $OUT/session.log; each part writes its own files under $OUT.
@@ -25,6 +26,7 @@ source benchmarks/gpu_session_common.sh
 BENCH=(python3 benchmarks/bench_train.py --steps 8 --warmup 2 --json "$OUT/bench.jsonl")
 part ckpt-1b 120 python3 benchmarks/bench_checkpoint.py --shape 1b --seq 4096 --saves 2 --out "$OUT"
 part checks 100 python3 benchmarks/gpu_perf_checks.py --out "$OUT"
+part exact 60 python3 benchmarks/gpu_perf_checks.py --out "$OUT" --skip-fp8
 part adam8 40 python3 tests/gpu/eight_bit_adamw.py --out "$OUT"
 part diag 20 python3 benchmarks/sdpa_backward_diag.py --out "$OUT"
 part 3b 150 "${BENCH[@]}" --shape 3b --seq 8192 --micro-batch 1 --rows ndparallel,accelerate-compile,ndparallel-fp8 \
@@ -38,8 +40,9 @@ part qlora 200 python3 benchmarks/bench_qlora.py --shape 8b --seq 4096 --steps 2
   --rows "${QLORA_ROWS:-lora,qlora,lora8}" --compile "${QLORA_COMPILE:-0}"
 part lora-mem 90 python3 benchmarks/gpu_memory_sweep.py --cases 1b:4096:2:none:lora,1b:4096:2:selective:lora \
   --out "$OUT/h200_memory_sweep_lora.jsonl"
-part bench-1b 100 "${BENCH[@]}" --shape 1b --seq 4096 --micro-batch 2 --rows ndparallel,accelerate-compile
-part bench-3b 130 "${BENCH[@]}" --shape 3b --seq 8192 --micro-batch 1 --rows ndparallel,accelerate-compile
+PROFILE=(--profile "$OUT/profiles.txt" --profile-rows ndparallel)
+part bench-1b 100 "${BENCH[@]}" --shape 1b --seq 4096 --micro-batch 2 --rows ndparallel,accelerate-compile "${PROFILE[@]}"
+part bench-3b 130 "${BENCH[@]}" --shape 3b --seq 8192 --micro-batch 1 --rows ndparallel,accelerate-compile "${PROFILE[@]}"
 SMOKE=(python3 -m ndparallel.cli train benchmarks/gpu_trainer_smoke.yaml --set max_steps=20 --set export_hf=false)
 part qat 140 bash -c "${SMOKE[*]} --set output_dir=/tmp/ndp-qat --set qat.activation_dtype=int8 \
   --set qat.weight_dtype=int4 && cp /tmp/ndp-qat/metrics.jsonl $OUT/qat_metrics.jsonl && ${SMOKE[*]} \

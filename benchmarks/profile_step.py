@@ -11,7 +11,8 @@ Also used by bench_train.py (``--profile``) on its ndparallel rows. Three views 
   (``Optimizer.step#AdamW.step``, which spans the optimizer's kernels) are left out, so nothing is
   counted twice (the earlier version of this script counted the optimizer twice: 13% instead of ~8%);
 * busy: the union of kernel intervals against the wall time of the profiled steps (idle = the GPU
-  waiting for the host).
+  waiting for the host), and the idle gaps by the phase the host was running meanwhile, with the
+  largest gaps and the kernels on either side (where launch overhead or a host sync stalls the GPU).
 """
 
 from __future__ import annotations
@@ -75,6 +76,45 @@ def _busy_union_us(events) -> float:
     return busy
 
 
+def _gaps(kernels, min_us: float = 10.0) -> list[tuple[float, float, str, str]]:
+    """(start, length, kernel before, kernel after) of every stretch of >= ``min_us`` with no kernel running."""
+    spans = sorted(((e.time_range.start, e.time_range.end, e.name) for e in kernels), key=lambda x: x[0])
+    gaps, end, last = [], None, ""
+    for s, e, name in spans:
+        if end is not None and s - end >= min_us:
+            gaps.append((end, s - end, last, name))
+        if end is None or e > end:
+            end, last = e, name
+    return gaps
+
+
+def _phase_at(annotations, t: float) -> str:
+    for name, s, e in annotations:
+        if s <= t < e:
+            return name
+    return "between phases"
+
+
+def idle_report(prof, kernels, phase_names: set[str], steps: int) -> list[str]:
+    """Idle GPU time by the phase the host was in (host and device share the profiler's clock)."""
+    annotations = [
+        (e.name, e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.name in phase_names and e.device_type == torch.autograd.DeviceType.CPU
+    ]
+    gaps = _gaps(kernels)
+    by_phase: dict[str, float] = defaultdict(float)
+    for start, length, _, _ in gaps:
+        by_phase[_phase_at(annotations, start)] += length
+    lines = [f"idle gaps >= 10 us: {sum(g[1] for g in gaps) / 1000 / steps:.1f} ms/step, while the host ran:"]
+    for name, us in sorted(by_phase.items(), key=lambda x: -x[1]):
+        lines.append(f"  {name:32s} {us / 1000 / steps:8.2f} ms/step")
+    lines.append("largest gaps (us: kernel before -> kernel after):")
+    for start, length, before, after in sorted(gaps, key=lambda g: -g[1])[:8]:
+        lines.append(f"  {length:8.0f}  [{_phase_at(annotations, start)}] {before[:50]} -> {after[:50]}")
+    return lines
+
+
 def _is_kernel(event) -> bool:
     return (
         event.device_type == torch.autograd.DeviceType.CUDA
@@ -97,8 +137,9 @@ def profile_steps(phases: list, *, steps: int = 3, title: str = "") -> str:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
-            for _, fn in phases:
-                fn()
+            for name, fn in phases:
+                with torch.profiler.record_function(name):
+                    fn()
         _sync()
     wall_us = (time.perf_counter() - start) * 1e6
     kernels = [e for e in prof.events() if _is_kernel(e)]
@@ -116,6 +157,7 @@ def profile_steps(phases: list, *, steps: int = 3, title: str = "") -> str:
     )
     for cls, us in sorted(totals.items(), key=lambda x: -x[1]):
         lines.append(f"  {cls:32s} {us / 1000 / steps:8.1f} ms/step  {100 * us / summed:5.1f}%")
+    lines.extend(idle_report(prof, kernels, {name for name, _ in phases}, steps))
     lines.append("top kernels (ms per step):")
     for name, us in sorted(per_kernel.items(), key=lambda x: -x[1])[:18]:
         lines.append(f"  {us / 1000 / steps:8.2f}  [{classify(name)[:10]:10s}] {name}")

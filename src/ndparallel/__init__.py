@@ -8,7 +8,7 @@ Library use (the loop you would write, done right)::
     batch = ndparallel.prepare_batch(global_ids, topo)              # this rank's rows and tokens
     n = ndparallel.count_tokens(batch.num_tokens, topo)              # global target tokens
     loss = ndparallel.token_loss(model(**batch.model_inputs()).logits, batch.labels, num_tokens=n, topology=topo)
-    loss.backward(); ndparallel.clip_grad_norm_(model.parameters(), 1.0); opt.step(); opt.zero_grad()
+    loss.backward(); ndparallel.clip_grad_norm_(model.parameters(), 1.0, optimizer=opt); opt.step(); opt.zero_grad()
     ckpt = ndparallel.Checkpointer("out/checkpoints", async_save=True)      # resume on any layout:
     ckpt.save(step, {"model": model, "optimizer": opt}); ckpt.load({"model": model, "optimizer": opt})
 """

@@ -166,6 +166,13 @@ def scale_tensors_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
         torch._foreach_mul_(tensors, factor.to(tensors[0].device))
 
 
+def copy_tensors_(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``t.copy_(s)`` for every pair in few kernels (casting as ``copy_`` does): the one-rank path's upcast of
+    a backward's bf16 gradients into the fp32 gradient buffer."""
+    if targets:
+        torch._foreach_copy_(targets, sources)
+
+
 def scaled_mm(
     a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:

@@ -108,7 +108,11 @@ def _mesh_key(grad: torch.Tensor):
 
 @torch.no_grad()
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor], max_norm: float | None, *, norm_type: float = 2.0
+    parameters: Iterable[torch.Tensor],
+    max_norm: float | None,
+    *,
+    norm_type: float = 2.0,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> torch.Tensor:
     """Clip gradients to a global norm; returns the norm before clipping (a tensor, no host sync).
 
@@ -116,8 +120,15 @@ def clip_grad_norm_(
     ``torch.nn.utils.clip_grad_norm_`` cannot combine: each mesh's norm is reduced on its own, the
     norms are combined, and every gradient is scaled by the one coefficient. ``max_norm=None`` only
     measures.
+
+    ``optimizer``: pass the optimizer that steps next. When it is the one-rank ``FlatAdamW`` and these are
+    exactly its parameters with gradients, the coefficient is applied inside its update (one pass over
+    memory less) and the ``.grad`` tensors keep their unclipped values until ``zero_grad``; the updated
+    weights are the same.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
+    with_grad = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in with_grad]
+    deferred = isinstance(optimizer, FlatAdamW) and optimizer.covers_exactly(with_grad)
     by_mesh: dict = defaultdict(list)
     for g in grads:
         by_mesh[_mesh_key(g)].append(g)
@@ -133,9 +144,14 @@ def clip_grad_norm_(
         total = torch.stack(partials).max()
     else:
         total = torch.stack([p**norm_type for p in partials]).sum() ** (1.0 / norm_type)
+    if deferred and optimizer.pending_grad_scale is not None:  # clipped before: the gradients it will see
+        total = total * optimizer.pending_grad_scale
     if max_norm is not None:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        _compat.scale_tensors_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
+        if deferred:
+            optimizer.defer_grad_scale(coef)
+        else:
+            _compat.scale_tensors_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
     return total
 
 

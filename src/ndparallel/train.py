@@ -476,7 +476,7 @@ def train_step(run: TrainingRun, micro_batches: list, timer: PhaseTimer) -> Step
             run.model, micro_batches, topo, compiled_loss=cfg.torch_compile, gradient_sync=cfg.gradient_sync
         )
     with timer.phase("optimizer"):
-        grad_norm = clip_grad_norm_(run.trainable, cfg.clip_norm)
+        grad_norm = clip_grad_norm_(run.trainable, cfg.clip_norm, optimizer=optimizer)
         skip = cfg.nan_policy == "skip" and not _finite_everywhere(loss, grad_norm, topo)
         if not skip:
             optimizer.step()

@@ -7,6 +7,7 @@ benchmarks/gpu_perf_checks.py).
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -114,3 +115,90 @@ def test_bf16_compute_copies_follow_the_masters():
         expected = nn.Sequential(*[m.to(torch.bfloat16) for m in _net(seed=3)])(x.bfloat16())
         assert torch.equal(model(x), expected)
     assert model[0].weight.dtype == torch.float32  # no_grad forward: swapped back at once
+
+
+def _clipped_run(model, opt, steps, *, max_norm, defer, twice_at=None, skip_at=None):
+    """Steps with clipping; ``defer`` hands the coefficient to FlatAdamW's update. At ``twice_at`` the
+    gradients are clipped twice (the second norm must be the clipped gradients'); at ``skip_at`` the
+    step is skipped after clipping (as nan_policy: skip does), so no scale may leak into the next one."""
+    from ndparallel.step import clip_grad_norm_
+
+    norms = []
+    for step in range(steps):
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step))
+        (model(x).sum(-1).square().mean() * 50).backward()
+        kwargs = {"optimizer": opt} if defer else {}
+        norms.append(float(clip_grad_norm_(list(model.parameters()), max_norm, **kwargs)))
+        if step == twice_at:
+            norms.append(float(clip_grad_norm_(list(model.parameters()), max_norm / 2, **kwargs)))
+        if step != skip_at:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    return norms
+
+
+def test_clipping_folded_into_the_update_matches_clipping_in_place():
+    """clip_grad_norm_(..., optimizer=FlatAdamW) scales inside the update: same norms, same weights as
+    torch's in-place clipping followed by torch's AdamW, also when clipped twice or a step is skipped."""
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    ref = _net()
+    ref_opt = torch.optim.AdamW(_groups(ref), **kwargs)
+    got = _net()
+    got_opt = FlatAdamW(_groups(got), flat=apply_single_rank(got, param_dtype=None), **kwargs)
+    run = dict(max_norm=0.5, twice_at=2, skip_at=4)
+    ref_norms = _clipped_run(ref, ref_opt, 6, defer=False, **run)
+    got_norms = _clipped_run(got, got_opt, 6, defer=True, **run)
+    assert max(ref_norms) > 1.0  # the coefficient is not 1: clipping changes every step
+    assert got_norms == pytest.approx(ref_norms, rel=1e-6)
+    for (name, a), b in zip(ref.named_parameters(), got.parameters()):
+        assert _close(b, a, tol=1e-6), name
+
+
+def test_clipping_a_subset_scales_in_place():
+    """Only the optimizer's full parameter set defers: clipping some of them must not touch the others."""
+    from ndparallel.step import clip_grad_norm_
+
+    model = _net()
+    opt = FlatAdamW(_groups(model), flat=apply_single_rank(model, param_dtype=None), lr=1e-2)
+    (model(torch.randn(6, 8)).sum() * 100).backward()
+    first = list(model[0].parameters())
+    before = [p.grad.clone() for p in first]
+    clip_grad_norm_(first, 1e-3, optimizer=opt)
+    assert opt.pending_grad_scale is None
+    assert all(not torch.equal(p.grad, b) for p, b in zip(first, before))
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # the input needs no gradient: intended
+def test_no_fp32_gradient_buffer_exists_during_a_bf16_backward():
+    """The fp32 gradient buffer is made when the backward ends, and let go by zero_grad: at the activation
+    peak (the start of backward) only autograd's bf16 gradients exist, layer by layer. Two micro-batches
+    accumulate in fp32 exactly as one upcast plus one fp32 add."""
+    model = _net()
+    flat = apply_single_rank(model, param_dtype=torch.bfloat16)
+    opt = FlatAdamW(_groups(model), flat=flat, lr=1e-2)
+    first_layer = model[0].weight  # a master (during backward the modules hold the bf16 copies)
+    seen = []
+    model[2].register_full_backward_pre_hook(lambda *_: seen.append(flat.grad_flat is None))
+    model[0].register_full_backward_pre_hook(lambda *_: seen.append(first_layer.grad is None))
+    xs = [torch.randn(3, 8, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    for step in range(2):
+        for x in xs:
+            model(x).float().square().sum().backward()
+        assert seen[:2] == [True, True]  # first micro-batch: no buffer, no fp32 gradient yet
+        assert first_layer.grad.dtype == torch.float32 and flat.grad_flat is not None
+        opt.step()
+        opt.zero_grad()
+        assert flat.grad_flat is None and first_layer.grad is None
+        seen.clear()
+
+    # the accumulated gradient: bf16 gradient of micro-batch 1 upcast, plus micro-batch 2's added in fp32
+    ref = nn.Sequential(*[m.to(torch.bfloat16) for m in _net()])
+    ref.load_state_dict({k: v.bfloat16() for k, v in model.state_dict().items()})
+    grads = []
+    for x in xs:
+        ref.zero_grad()
+        ref(x.bfloat16()).float().square().sum().backward()
+        grads.append(ref[0].weight.grad.float())
+    for x in xs:
+        model(x).float().square().sum().backward()
+    assert torch.equal(first_layer.grad, grads[0] + grads[1])
