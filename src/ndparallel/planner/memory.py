@@ -50,7 +50,7 @@ it): reduce(x) = 4x * (1 + 1/f) (+ 4x when f = 1). The moments:
 
 ``allocated`` (everything but the overhead) is what ``torch.cuda.max_memory_allocated`` measures; on the
 H200 it is within 0.01% of every measured world-1 eager case (1B and 3B, three checkpointing modes,
-sequences of 2k to 128k tokens, LoRA), see ``benchmarks/planner_validation.md``; with torch.compile
+sequences of 2k to 128k tokens) and 0.3% of the LoRA ones, see ``benchmarks/planner_validation.md``; with torch.compile
 (``Workload.compile``) within 5% (activations.py says what compile changes).
 """
 
@@ -177,10 +177,8 @@ def memory_moments(
     p_local = local_params(model, layout)
     if rank:
         adapters = lora_params(model, rank) / (t * f)
-        # Conservative since freeze.store_frozen_in: the engine now stores the frozen base in the compute dtype
-        # (e bytes, not 4). Kept at 4 until the H200 LoRA peaks (calibration rows) are measured again with
-        # `gpu_memory_sweep.py --cases 1b:4096:2:none:lora,1b:4096:2:selective:lora`.
-        master, trainable_local, trainable_tp = 4 * (p_local + adapters), adapters, lora_params(model, rank) / t
+        # The frozen base is stored in the compute dtype (freeze.store_frozen_in): e bytes, not 4.
+        master, trainable_local, trainable_tp = e * p_local + 4 * adapters, adapters, lora_params(model, rank) / t
         unit_trainable, embed_trainable = adapter_layer_tp, 0.0
     else:
         master, trainable_local = 4 * p_local, p_local
@@ -192,7 +190,9 @@ def memory_moments(
     optimizer, grads_all = 8 * trainable_local, 4 * trainable_local
 
     layer_w, vocab_w = e * (layer_tp + adapter_layer_tp), e * (vocab_tp + h)
-    if single:  # untied: lm_head's unit was freed after its backward
+    if single and rank:  # the one-rank path computes with the stored frozen base: only adapters are cast
+        w_forward = w_layer = e * lora_params(model, rank) / t
+    elif single:  # untied: lm_head's unit was freed after its backward
         w_forward = e * all_tp
         w_layer = w_forward - (0.0 if model.tied else vocab_w)
     else:

@@ -36,8 +36,8 @@ class Workload:
     activation_checkpointing: str = "auto"
     """'none', 'full', 'selective', or 'auto' to consider all three."""
     lora_rank: int | None = None
-    """LoRA rank r: base weights frozen (kept in fp32 as the trainer builds them, but without gradients or
-    optimizer state), adapters on all seven linears of each layer."""
+    """LoRA rank r: base weights frozen (stored in the compute dtype, as ``freeze.store_frozen_in`` keeps them,
+    without gradients or optimizer state), adapters on all seven linears of each layer."""
     cp_methods: tuple[str, ...] = CP_METHODS
     """CP methods to consider when cp > 1."""
     gradient_sync: str = "auto"
