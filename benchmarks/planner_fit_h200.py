@@ -72,7 +72,7 @@ def h200_rows() -> list[dict]:
             if r.get("status") != "ok":
                 continue
             key = (r["shape"], r["seq"], r["micro_batch"], r["ac"], bool(r.get("compile")), bool(r.get("lora")), None)
-            rows[key] = {"key": key, "tokens_per_s": r["tokens_per_s"], "source": name}
+            rows[key] = {"key": key, "tokens_per_s": r["tokens_per_s"], "source": name, "fsdp": True}
     for line in open(os.path.join(RESULTS, "h200_bench.jsonl")):
         r = json.loads(line)
         a = r["args"]
@@ -81,7 +81,12 @@ def h200_rows() -> list[dict]:
         for res in r["results"]:
             if res["path"] == "ndparallel" and a["compile"]:
                 key = (a["shape"], a["seq"], a["micro_batch"], a["ac"], True, False, None)
-                rows[key] = {"key": key, "tokens_per_s": res["tokens_per_s"], "source": "h200_bench.jsonl"}
+                rows[key] = {
+                    "key": key,
+                    "tokens_per_s": res["tokens_per_s"],
+                    "source": "h200_bench.jsonl",
+                    "fsdp": True,
+                }
     for line in open(os.path.join(RESULTS, "h200_long_rows.jsonl")):  # eager, one row per step (bench_long_rows)
         r = json.loads(line)
         if r.get("status") != "ok":
@@ -92,11 +97,12 @@ def h200_rows() -> list[dict]:
         else:
             seq, batch, doc = length, 1, int(kind[7:]) if kind.startswith("packed-") else None
         key = (r["shape"], seq, batch, r["ac"], False, False, doc)
-        rows[key] = {"key": key, "tokens_per_s": r["tokens_per_s"], "source": "h200_long_rows.jsonl"}
+        # measured on the flat one-rank path (2026-12-01), the earlier files on FSDP over a mesh of one
+        rows[key] = {"key": key, "tokens_per_s": r["tokens_per_s"], "source": "h200_long_rows.jsonl", "fsdp": False}
     return list(rows.values())
 
 
-def predict(key: tuple, eff: Efficiency, *, fp8: bool = False) -> float:
+def predict(key: tuple, eff: Efficiency, *, fp8: bool = False, fsdp: bool = True) -> float:
     shape, seq, b, ac, compiled, lora, doc = key
     cluster = Cluster(nodes=1, gpus_per_node=1, gpu=GPUS["h200"], efficiency=eff, measured=True)
     work = Workload(
@@ -108,6 +114,7 @@ def predict(key: tuple, eff: Efficiency, *, fp8: bool = False) -> float:
         lora_rank=16 if lora else None,
         fp8=fp8,
         doc_len=doc,
+        single_rank_fsdp=fsdp,
     )
     row = plan(
         load_model_shape(shape),
@@ -141,7 +148,7 @@ def efficiency(params: dict[str, float]) -> Efficiency:
 
 def loss(params: dict[str, float], rows: list[dict]) -> float:
     eff = efficiency(params)
-    errors = [math.log(predict(r["key"], eff) / r["tokens_per_s"]) for r in rows]
+    errors = [math.log(predict(r["key"], eff, fsdp=r["fsdp"]) / r["tokens_per_s"]) for r in rows]
     return sum(e * e for e in errors) / len(errors)
 
 
@@ -181,7 +188,7 @@ def main() -> int:
     worst = 0.0
     for r in sorted(rows, key=lambda r: tuple(str(x) for x in r["key"])):
         shape, seq, b, ac, compiled, lora, doc = r["key"]
-        got = predict(r["key"], eff)
+        got = predict(r["key"], eff, fsdp=r["fsdp"])
         err = got / r["tokens_per_s"] - 1
         worst = max(worst, abs(err))
         print(

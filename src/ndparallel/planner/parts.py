@@ -34,6 +34,12 @@ fsdp_copies FSDP2 copies into and out of its collective buffers, even on one ran
             gradient into the unsharded fp32 one instead of reducing it: 10 bytes per trainable parameter.
 optimizer   fused AdamW (28 bytes per local trainable parameter: read p, g, m, v, write p, m, v) and the
             gradient clipping (12: a norm read, a scale read and write), once per step.
+one rank    the flat path (no FSDP, ``parallel/single_rank.py``) has no collective buffers: under
+            ``fsdp_copies`` it moves the upcast of the bf16 gradients into the fp32 buffer (6 bytes per
+            trainable parameter; 10 for each later micro-batch, added in fp32), and its optimizer is
+            ``FlatAdamW``: 30 bytes (AdamW and the bf16 copy's refresh in one kernel, the clipping
+            coefficient applied in it) plus the norm's read (4). ``Workload.single_rank_fsdp`` models
+            FSDP on a mesh of one instead (the H200 rows measured before the flat path existed).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from ndparallel.planner.workload import Workload
 KINDS = ("linear", "attention", "pointwise", "loss", "fsdp_copies", "optimizer")
 LOSS_BYTES_PER_LOGIT = {False: 78, True: 10}  # eager, compiled (bf16 logits)
 ADAMW_BYTES, CLIP_BYTES = 28, 12
+FLAT_ADAMW_BYTES, FLAT_NORM_BYTES, UPCAST_BYTES, ACCUMULATE_BYTES = 30, 4, 6, 10  # the one-rank path
 
 
 @dataclass(frozen=True)
@@ -212,9 +219,23 @@ def fsdp_copy_s(
     return rates.stream_s(moved)
 
 
-def optimizer_s(model: ModelShape, layout: Layout, workload: Workload, rates: Rates) -> float:
+def flat_path(layout: Layout, workload: Workload) -> bool:
+    """One rank without FSDP (the engine's default for a world of one)."""
+    return layout.world_size == 1 and not workload.single_rank_fsdp
+
+
+def _trainable_local(model: ModelShape, layout: Layout, workload: Workload) -> float:
     if workload.lora_rank:
-        trainable = lora_params(model, workload.lora_rank) / (layout.tp * layout.fsdp_size)
-    else:
-        trainable = local_params(model, layout)
-    return rates.stream_s(trainable * (ADAMW_BYTES + CLIP_BYTES))
+        return lora_params(model, workload.lora_rank) / (layout.tp * layout.fsdp_size)
+    return local_params(model, layout)
+
+
+def flat_upcast_s(model: ModelShape, layout: Layout, workload: Workload, rates: Rates, *, micro_batches: int) -> float:
+    """The one-rank path's gradient upcast (first micro-batch) and fp32 accumulation (later ones)."""
+    trainable = _trainable_local(model, layout, workload)
+    return rates.stream_s(trainable * (UPCAST_BYTES + ACCUMULATE_BYTES * (micro_batches - 1)))
+
+
+def optimizer_s(model: ModelShape, layout: Layout, workload: Workload, rates: Rates) -> float:
+    per_param = FLAT_ADAMW_BYTES + FLAT_NORM_BYTES if flat_path(layout, workload) else ADAMW_BYTES + CLIP_BYTES
+    return rates.stream_s(_trainable_local(model, layout, workload) * per_param)

@@ -24,7 +24,16 @@ from ndparallel.layout import Layout
 from ndparallel.planner.comm import AxisComm
 from ndparallel.planner.hardware import Cluster
 from ndparallel.planner.memory import lora_params
-from ndparallel.planner.parts import KINDS, MicroBatch, attention_pairs, fsdp_copy_s, micro_batch_parts, optimizer_s
+from ndparallel.planner.parts import (
+    KINDS,
+    MicroBatch,
+    attention_pairs,
+    flat_path,
+    flat_upcast_s,
+    fsdp_copy_s,
+    micro_batch_parts,
+    optimizer_s,
+)
 from ndparallel.planner.shapes import ModelShape
 from ndparallel.planner.workload import Workload
 
@@ -98,15 +107,18 @@ def step_time(
     resharded = layout.dp_replicate * layout.fsdp_size > 1  # parallel/fsdp.py: one rank keeps units gathered
     reductions = m if gradient_sync == "every_micro_batch" else 1
     parts = {kind: m * seconds for kind, seconds in per_mb.items()}
-    parts["fsdp_copies"] = fsdp_copy_s(
-        model,
-        layout,
-        workload,
-        rates,
-        gathers=m * (2 if resharded else 1),
-        reductions=reductions,
-        accumulations=m - reductions,
-    )
+    if flat_path(layout, workload):
+        parts["fsdp_copies"] = flat_upcast_s(model, layout, workload, rates, micro_batches=m)
+    else:
+        parts["fsdp_copies"] = fsdp_copy_s(
+            model,
+            layout,
+            workload,
+            rates,
+            gathers=m * (2 if resharded else 1),
+            reductions=reductions,
+            accumulations=m - reductions,
+        )
     parts["optimizer"] = optimizer_s(model, layout, workload, rates)
     parts = {kind: parts[kind] for kind in KINDS}
 

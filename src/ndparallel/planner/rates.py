@@ -89,8 +89,8 @@ H200_EFFICIENCY = Efficiency(
     attention_half_rows=595.6,
     block_attention={64: (0.286, 0.2032)},
     stream=0.73,
-    pointwise_eager=0.479,
-    compiled_pointwise=0.5,
+    pointwise_eager=0.471,
+    compiled_pointwise=0.491,
     source="H200 measurements (benchmarks/planner_fit_h200.py)",
 )
 

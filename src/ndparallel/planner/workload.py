@@ -50,6 +50,9 @@ class Workload:
     doc_len: int | None = None
     """Packed rows of documents this long on average (attention does not cross documents); None: each row
     is one sequence of seq_len tokens."""
+    single_rank_fsdp: bool = False
+    """A world of one rank wrapped in FSDP2 (``ParallelOptions.single_rank_fsdp``). By default one rank runs the
+    engine's flat path (``parallel/single_rank.py``): no FSDP copies, ``FlatAdamW`` with clipping folded in."""
 
     def __post_init__(self) -> None:
         if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
