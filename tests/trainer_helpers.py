@@ -101,6 +101,13 @@ def resume_on(layout: dict, config: dict, checkpoint: Path, output_dir: Path) ->
     return run_train(world, resumed)
 
 
+def resume_at_step_2(tmp: Path, config: dict, layout: dict) -> list[dict]:
+    """Resume the step-2 checkpoint of ``train_one_and_many``'s layout run (under ``tmp``) on ``layout``, in an
+    output directory of its own; rank 0's records."""
+    out = tmp / f"resumed-{'-'.join(f'{k}{v}' for k, v in sorted(layout.items()))}"
+    return resume_on(layout, config, tmp / "par" / "checkpoints" / "step-2", out)
+
+
 def layout_config(config: dict, *, r=1, s=1, c=1, t=1, method="allgather") -> dict:
     """``config`` on layout (r, s, c, t), with micro_batch_size keeping the same global batch."""
     global_rows = config["micro_batch_size"] * config.get("dp_replicate_size", 1) * _shard(config)

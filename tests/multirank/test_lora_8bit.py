@@ -13,7 +13,7 @@ from trainer_helpers import (
     layout_config,
     losses,
     plain_reference,
-    resume_on,
+    resume_at_step_2,
     tiny_config,
     train_one_and_many,
 )
@@ -50,8 +50,7 @@ def test_eight_bit_lora_matches_plain_peft_on_int8_weights(eight_bit_runs, parit
 def test_eight_bit_checkpoint_resumes_on_another_layout(eight_bit_runs, layout):
     """The checkpoint holds adapters and optimizer state only; the int8 base is rebuilt from base_model."""
     tmp, config, _, _, parallel = eight_bit_runs
-    out = tmp / f"resumed-{'-'.join(f'{k}{v}' for k, v in sorted(layout.items()))}"
-    resumed = resume_on(layout, config, tmp / "par" / "checkpoints" / "step-2", out)
+    resumed = resume_at_step_2(tmp, config, layout)
     assert [r["step"] for r in resumed] == [3, 4]
     assert max_rel_diff(losses(resumed), losses(parallel)[2:]) < 1e-5
 

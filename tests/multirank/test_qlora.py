@@ -13,7 +13,7 @@ from trainer_helpers import (
     layout_config,
     losses,
     plain_reference,
-    resume_on,
+    resume_at_step_2,
     tiny_config,
     train_one_and_many,
 )
@@ -55,8 +55,7 @@ def test_qlora_checkpoint_resumes_on_another_layout(qlora_runs, layout):
     """The checkpoint holds adapters and optimizer state only; the 4-bit base is rebuilt from base_model.
     dp_replicate 2 alone leaves nothing to shard: FSDP leaves the 4-bit weights whole on each rank."""
     tmp, config, parallel_config, _, parallel = qlora_runs
-    out = tmp / f"resumed-{'-'.join(f'{k}{v}' for k, v in sorted(layout.items()))}"
-    resumed = resume_on(layout, config, tmp / "par" / "checkpoints" / "step-2", out)
+    resumed = resume_at_step_2(tmp, config, layout)
     assert [r["step"] for r in resumed] == [3, 4]
     assert max_rel_diff(losses(resumed), losses(parallel)[2:]) < 1e-5
 

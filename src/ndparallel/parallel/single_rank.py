@@ -136,6 +136,8 @@ class SingleRankParams:
         self._make_compute_copies()
 
     def _grad_view(self, slot: Slot) -> torch.Tensor:
+        # empty, not zeros (a memset per step): every view is written before it is read; the alignment gaps
+        # between views keep what was there, and the fused update's results there belong to no parameter
         if self.grad_flat is None:
             master = self.master_flat
             self.grad_flat = torch.empty(self.trainable_end, dtype=master.dtype, device=master.device)
@@ -182,17 +184,17 @@ class SingleRankParams:
     def finish_backward(self) -> None:
         """Upcast every waiting bf16 gradient into the flat fp32 buffer (one multi-tensor copy) and free it."""
         waiting = [s for s in self.slots if s.compute is not None and s.compute.grad is not None]
-        if not waiting:
-            return
+        fresh = []
         for slot in waiting:
-            if slot.master.grad is not None:  # accumulated meanwhile (a backward without this callback)
+            if slot.master.grad is None:
+                fresh.append(slot)
+            else:  # the master got a gradient meanwhile (a user's assignment): add, never overwrite
                 slot.master.grad.add_(slot.compute.grad)
-                slot.compute.grad = None
-        waiting = [s for s in waiting if s.compute.grad is not None]
-        views = [self._grad_view(s) for s in waiting]
-        _compat.copy_tensors_(views, [s.compute.grad for s in waiting])
-        for slot, view in zip(waiting, views):
+        views = [self._grad_view(s) for s in fresh]
+        _compat.copy_tensors_(views, [s.compute.grad for s in fresh])
+        for slot, view in zip(fresh, views):
             slot.master.grad = view
+        for slot in waiting:
             slot.compute.grad = None
 
     def _master_grad_hook(self, slot: Slot):
