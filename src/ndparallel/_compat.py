@@ -173,6 +173,12 @@ def copy_tensors_(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> N
         torch._foreach_copy_(targets, sources)
 
 
+def float32_norms(tensors: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """Each tensor's ``norm_type`` norm accumulated and returned in float32, whatever the tensors' dtype (the
+    optimizers' foreach op; bf16 gradients are read as they are, never upcast in memory)."""
+    return list(torch._foreach_norm(tensors, norm_type, dtype=torch.float32))
+
+
 def scaled_mm(
     a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:

@@ -13,6 +13,13 @@ by it in registers: the same float32 products an in-place scale would store, wit
 writing every gradient once more (8 bytes per parameter: ~6 ms of a 3B step on an H200). The
 gradients themselves stay unscaled until ``zero_grad``.
 
+``master_grads=False`` skips the fp32 gradients altogether: after a step's only micro-batch autograd's
+bf16 gradients wait on the compute copies (``SingleRankParams.defer_upcast``), the clipping norm reads
+them in bf16 and the update, one Triton kernel per tensor (``kernels/adamw.py``), upcasts them in
+registers: 28 bytes per parameter instead of 40 and no 4-byte-per-parameter gradient buffer, the same
+numbers. The parameters' ``.grad`` then stay None: clip with ``ndparallel.clip_grad_norm_(...,
+optimizer=)``, which knows where the gradients are; ``torch.nn.utils.clip_grad_norm_`` would see none.
+
 The math, the hyper-parameters and the ``state_dict`` are torch's AdamW (decoupled weight decay,
 bias-corrected moments, per-parameter ``step``, ``exp_avg``, ``exp_avg_sq``), so checkpoints move
 between this optimizer and ``torch.optim.AdamW`` (and so between one rank and FSDP layouts). Masters and
@@ -82,9 +89,11 @@ class FlatAdamW(torch.optim.AdamW):
         eps: float = 1e-8,
         weight_decay: float = 0.01,
         compiled: bool | None = None,
+        master_grads: bool = True,
     ) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False, fused=False)
         self.flat = flat
+        flat.defer_upcast = not master_grads
         self.compiled = compiled
         self._plans: dict[int, _GroupPlan] = {}
         self._grad_scale: torch.Tensor | None = None
@@ -106,8 +115,24 @@ class FlatAdamW(torch.optim.AdamW):
         mine = {id(p) for group in self.param_groups for p in group["params"] if p.grad is not None}
         return mine == {id(p) for p in params}
 
+    def waiting_grads_of(self, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """The bf16 gradients this optimizer will read for ``params`` (``master_grads=False``), when these are
+        exactly its parameters whose gradients wait; otherwise None, after upcasting any waiting gradient into
+        the parameters' ``.grad`` (so that whoever asked finds them there)."""
+        waiting = self.flat.waiting_grads()
+        if not waiting:
+            return None
+        by_master = {id(slot.master): grad for slot, grad in waiting}
+        mine = {id(p) for group in self.param_groups for p in group["params"]}
+        asked = {id(p) for p in params}
+        if asked == set(by_master) and asked <= mine and not any(p.grad is not None for p in params):
+            return [by_master[id(p)] for p in params]
+        self.flat.upcast_waiting()
+        return None
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._grad_scale = None  # a skipped step (nan_policy: skip) leaves no scale for the next one
+        self.flat.drop_waiting()
         super().zero_grad(set_to_none=set_to_none)
         if set_to_none:
             self.flat.release_grads()  # the next backward allocates the gradient buffer after its peak
@@ -131,6 +156,8 @@ class FlatAdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         scale, self._grad_scale = self._grad_scale, None
+        if self._step_waiting(scale):
+            return loss
         for index, group in enumerate(self.param_groups):
             if group.get("amsgrad") or group.get("maximize") or group.get("capturable"):
                 raise ConfigError(
@@ -148,6 +175,26 @@ class FlatAdamW(torch.optim.AdamW):
                 self._plans.pop(index, None)
                 self._step_each(group, with_grad, group_scale)
         return loss
+
+    def _step_waiting(self, scale: torch.Tensor | None) -> bool:
+        """Update every group from the waiting bf16 gradients, which are then freed; False (after upcasting
+        them) unless every parameter of every group has one and each group is one range of the buffers."""
+        waiting = self.flat.waiting_grads()
+        if not waiting:
+            return False
+        grads = {id(slot.master): grad for slot, grad in waiting}
+        plans = []
+        for index, group in enumerate(self.param_groups):
+            plan = self._plan(index, group) if group["params"] else None
+            if plan is None or any(id(p) not in grads or p.grad is not None for p in group["params"]):
+                self.flat.upcast_waiting()
+                return False
+            plans.append((plan, group))
+        for plan, group in plans:
+            group_scale = _one(plan.master.device) if scale is None else scale.to(plan.master.device)
+            plan.step_from(group, [grads[id(p)] for p in plan.params], self._use_compiled(plan), group_scale)
+        self.flat.drop_waiting()
+        return True
 
     def _use_compiled(self, plan: "_GroupPlan") -> bool:
         return self.compiled if self.compiled is not None else plan.master.is_cuda
@@ -256,6 +303,27 @@ class _GroupPlan:
                 scale,
                 None if self.compute is None else self.compute[s:e],
             )
+        if self.compute is not None:
+            self.flat.mark_synced(self.start, self.end)
+
+    def step_from(self, group: dict, grads: list[torch.Tensor], kernel: bool, scale: torch.Tensor) -> None:
+        """The step from per-parameter gradients in the compute dtype (``grads[i]`` is ``params[i]``'s): per
+        tensor, upcast in the update (``kernel``: the Triton kernel; else the eager update on ``grad.float()``)."""
+        from ndparallel.kernels.adamw import adamw_from_low_precision_grad_
+
+        self.step_count += 1
+        hyper = _hyper(group, float(self.step_count), self.master.device)
+        flat = (self.master, self.exp_avg, self.exp_avg_sq, self.compute)
+        for offset, grad in zip(self._offsets, grads):
+            offset -= self.start
+            if kernel:  # the flat group buffers and the tensor's offset in them: no views made per tensor
+                master, exp_avg, exp_avg_sq, compute = flat
+                adamw_from_low_precision_grad_(master, grad, exp_avg, exp_avg_sq, hyper, scale, compute, offset=offset)
+            else:
+                master, exp_avg, exp_avg_sq, compute = (
+                    None if t is None else t[offset : offset + grad.numel()] for t in flat
+                )
+                adamw_update_(master, grad.reshape(-1).to(master.dtype), exp_avg, exp_avg_sq, hyper, scale, compute)
         if self.compute is not None:
             self.flat.mark_synced(self.start, self.end)
 

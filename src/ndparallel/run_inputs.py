@@ -197,4 +197,5 @@ def build_run_optimizer(model: torch.nn.Module, cfg: TrainConfig, device_type: s
         betas=betas,
         eps=eps,
         fused=None if cfg.optimizer != "adamw_torch" else False,
+        master_grads=False,  # the step only clips (clip_grad_norm_ with optimizer=) and steps: no fp32 .grad needed
     )

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from ndparallel import _compat
 from ndparallel.errors import ConfigError
+from ndparallel.kernels import grad_norm as triton_norm
 from ndparallel.loss import cross_entropy_sum, vocab_offset
 from ndparallel.optim import FlatAdamW
 from ndparallel.parallel.float8 import fp8_post_step_hook
@@ -126,6 +127,11 @@ def clip_grad_norm_(
     memory less) and the ``.grad`` tensors keep their unclipped values until ``zero_grad``; the updated
     weights are the same.
     """
+    parameters = list(parameters)
+    if isinstance(optimizer, FlatAdamW):
+        waiting = optimizer.waiting_grads_of(parameters)
+        if waiting is not None:  # master_grads=False: the bf16 gradients the update will read
+            return _clip_waiting(waiting, max_norm, norm_type, optimizer)
     with_grad = [p for p in parameters if p.grad is not None]
     grads = [p.grad for p in with_grad]
     deferred = isinstance(optimizer, FlatAdamW) and optimizer.covers_exactly(with_grad)
@@ -155,6 +161,21 @@ def clip_grad_norm_(
     return total
 
 
+def _clip_waiting(grads: list[torch.Tensor], max_norm, norm_type: float, optimizer: FlatAdamW) -> torch.Tensor:
+    """The norm of the gradients ``optimizer`` reads in bf16 (accumulated in float32, as of their exact
+    float32 upcast) and its clipping coefficient, handed to the update."""
+    if triton_norm.supported(grads, norm_type):
+        total = triton_norm.total_norm(grads, norm_type)
+    else:
+        norms = torch.stack(_compat.float32_norms(grads, norm_type))
+        total = norms.max() if norm_type == float("inf") else torch.linalg.vector_norm(norms, norm_type)
+    if optimizer.pending_grad_scale is not None:  # clipped before: the gradients it will see
+        total = total * optimizer.pending_grad_scale
+    if max_norm is not None:
+        optimizer.defer_grad_scale(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    return total
+
+
 def build_optimizer(
     model: nn.Module,
     *,
@@ -163,17 +184,23 @@ def build_optimizer(
     betas: tuple[float, float] = (0.9, 0.95),
     eps: float = 1e-8,
     fused: bool | None = None,
+    master_grads: bool = True,
 ) -> torch.optim.AdamW:
     """AdamW over the trainable (sharded) parameters; no weight decay on norms and biases (1-D tensors).
 
     Build it after ``parallelize`` so it holds the sharded parameters. On one rank (no FSDP) it is
     ``ndparallel.optim.FlatAdamW``: the same math and state, one fused update per group. ``fused=False``
     asks for torch's unfused AdamW everywhere.
+
+    ``master_grads=False`` (one rank; what the trainer uses): the optimizer reads autograd's bf16 gradients
+    where autograd left them instead of their fp32 upcast in the parameters' ``.grad``, which stay None:
+    10 bytes per parameter less memory traffic a step, the same updates. Clip with
+    ``clip_grad_norm_(..., optimizer=)``. No effect on FSDP layouts.
     """
     groups = decay_groups(model, weight_decay)
     flat = single_rank_state(model)
     if flat is not None and fused is not False:
-        optimizer = FlatAdamW(groups, flat=flat, lr=lr, betas=betas, eps=eps)
+        optimizer = FlatAdamW(groups, flat=flat, lr=lr, betas=betas, eps=eps, master_grads=master_grads)
     else:
         params = [p for group in groups for p in group["params"]]
         if fused is None:

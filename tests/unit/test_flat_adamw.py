@@ -202,3 +202,56 @@ def test_no_fp32_gradient_buffer_exists_during_a_bf16_backward():
     for x in xs:
         model(x).float().square().sum().backward()
     assert torch.equal(first_layer.grad, grads[0] + grads[1])
+
+
+def _bf16_run(master_grads: bool, *, micro_batches: int, steps: int = 3, max_norm: float = 0.5):
+    """Steps of a bf16-compute model with clipping folded in; returns (model, clip norms, .grad after backward)."""
+    from ndparallel.step import clip_grad_norm_
+
+    model = _net()
+    flat = apply_single_rank(model, param_dtype=torch.bfloat16)
+    opt = FlatAdamW(_groups(model), flat=flat, lr=1e-2, betas=(0.9, 0.95), master_grads=master_grads)
+    norms, grads_seen = [], []
+    for step in range(steps):
+        for i in range(micro_batches):
+            x = torch.randn(6, 8, generator=torch.Generator().manual_seed(10 * step + i))
+            (model(x).float().sum(-1).square().mean() * 50).backward()
+        grads_seen.append([p.grad is not None for p in model.parameters()])
+        norms.append(float(clip_grad_norm_(list(model.parameters()), max_norm, optimizer=opt)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model, flat, norms, grads_seen
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_reading_bf16_gradients_where_autograd_left_them_gives_the_same_steps(micro_batches):
+    """master_grads=False: after a step's only micro-batch no fp32 gradient is made (.grad stays None), the
+    norm and the update read the bf16 gradients; norms and weights equal the fp32-gradient path's. With two
+    micro-batches the second forward upcasts the first's gradients and accumulates in fp32, as before."""
+    ref, _, ref_norms, ref_seen = _bf16_run(True, micro_batches=micro_batches)
+    got, flat, got_norms, got_seen = _bf16_run(False, micro_batches=micro_batches)
+    assert max(ref_norms) > 0.5  # clipping changes every step
+    assert got_norms == pytest.approx(ref_norms, rel=1e-6)
+    for a, b in zip(ref.parameters(), got.parameters()):
+        assert torch.equal(a, b)
+    assert all(all(seen) for seen in ref_seen)
+    assert all(all(seen) == (micro_batches == 2) for seen in got_seen)  # one micro-batch: nothing upcast
+    assert flat.grad_flat is None and not flat.waiting_grads()  # consumed by the step, nothing kept
+    assert all(s.compute.grad is None for s in flat.slots)
+
+
+def test_waiting_bf16_gradients_are_upcast_for_anyone_else_who_asks():
+    """Clipping a subset (or any parameter list that is not the optimizer's) finds the gradients in .grad:
+    the waiting ones are upcast first, so nothing is lost or double counted."""
+    from ndparallel.step import clip_grad_norm_
+
+    model = _net()
+    flat = apply_single_rank(model, param_dtype=torch.bfloat16)
+    opt = FlatAdamW(_groups(model), flat=flat, lr=1e-2, master_grads=False)
+    model(torch.randn(6, 8)).float().sum().backward()
+    assert all(p.grad is None for p in model.parameters()) and flat.waiting_grads()
+    expected = {id(s.master): s.compute.grad.float() for s, _ in flat.waiting_grads()}
+    clip_grad_norm_(list(model[0].parameters()), None, optimizer=opt)
+    assert not flat.waiting_grads()
+    for p in model.parameters():
+        assert torch.equal(p.grad, expected[id(p)])

@@ -21,6 +21,10 @@ This module computes the same numbers with the least memory traffic:
   ones appear layer by layer, as FSDP's do; ``FlatAdamW.zero_grad()`` lets the flat buffer go. A flat
   gradient buffer kept from step to step held 4 bytes per parameter at that peak (3B on the H200: 78.8
   GiB against Accelerate's 67.8).
+  With ``defer_upcast`` (``build_optimizer(..., master_grads=False)``) the bf16 gradients of a step's
+  only micro-batch are not upcast at all: they wait on the compute copies and ``FlatAdamW`` reads them
+  (``waiting_grads``), upcasting in its kernel; the masters' ``.grad`` stay None. A second micro-batch
+  upcasts them first (``upcast_waiting``) and accumulates in fp32 as above.
 
 Between a forward and the end of its backward the modules hold the compute copies (as FSDP's modules
 hold their unsharded parameters); ``state_dict()`` swaps the masters back first in any case.
@@ -76,9 +80,12 @@ class SingleRankParams:
     swapped_in: bool = False
     ties: list[list[tuple[nn.Module, str]]] = field(default_factory=list)
     """Every tensor registered under more than one (module, name), buffers' or not (``shared_owners``)."""
+    defer_upcast: bool = False
+    """Leave a step's first bf16 gradients on the compute copies for the optimizer (``FlatAdamW``) to read."""
     _hooks: list = field(default_factory=list)
     _grad_hooks: list = field(default_factory=list)
     _backward_pending: bool = False
+    _grads_waiting: bool = False
 
     # ----- layout --------------------------------------------------------------------------------
 
@@ -112,6 +119,7 @@ class SingleRankParams:
     def allocate(self, *, keep_values: bool) -> None:
         """Give every master a view of a new flat buffer on its device (values copied if ``keep_values``)."""
         self.swap_out()
+        self.upcast_waiting()  # the compute copies are made anew below
         tie_again(self.ties)  # to_empty / .to() re-created the parameters: shared ones are shared again
         self.slots = collect_slots(self.model)  # the parameters registered now (to_empty replaces them)
         device = self.slots[0].master.device
@@ -182,7 +190,29 @@ class SingleRankParams:
         return hook
 
     def finish_backward(self) -> None:
+        """At the end of a backward: upcast the bf16 gradients into the masters' fp32 ``.grad`` or, with
+        ``defer_upcast`` and no fp32 gradient yet (a step's first micro-batch), leave them for the optimizer."""
+        if self.defer_upcast and not any(slot.master.grad is not None for slot in self.slots):
+            self._grads_waiting = any(slot.compute is not None and slot.compute.grad is not None for slot in self.slots)
+            return
+        self.upcast_waiting()
+
+    def waiting_grads(self) -> list[tuple[Slot, torch.Tensor]]:
+        """The bf16 gradients left on the compute copies (``defer_upcast``), by slot; empty when none wait."""
+        if not self._grads_waiting:
+            return []
+        return [(s, s.compute.grad) for s in self.slots if s.compute is not None and s.compute.grad is not None]
+
+    def drop_waiting(self) -> None:
+        """Free the waiting bf16 gradients (consumed by the optimizer's step, or ``zero_grad``)."""
+        for slot in self.slots:
+            if slot.compute is not None:
+                slot.compute.grad = None
+        self._grads_waiting = False
+
+    def upcast_waiting(self) -> None:
         """Upcast every waiting bf16 gradient into the flat fp32 buffer (one multi-tensor copy) and free it."""
+        self._grads_waiting = False
         waiting = [s for s in self.slots if s.compute is not None and s.compute.grad is not None]
         fresh = []
         for slot in waiting:
@@ -245,6 +275,8 @@ class SingleRankParams:
             self.allocate(keep_values=True)
         if self.compute_dtype is None:
             return None
+        if self._grads_waiting:  # a second micro-batch: its gradients add to these in fp32
+            self.upcast_waiting()
         if not self.swapped_in:
             self.refresh_stale()
             self.swap_in()
