@@ -6,8 +6,9 @@ logits as the model produced them (bf16 under mixed precision) plus one float pe
 log-sum-exp); the float32 softmax is recomputed chunk by chunk in backward and never exists in full.
 
 Speed: each chunk is read once in forward (row max, sum of exponentials and the target's logit in one
-pass) and once in backward (softmax minus one-hot, written as the gradient). With ``compiled=True`` these
-two per-chunk functions are compiled, so each pass is one fused kernel.
+pass) and once in backward (softmax minus one-hot, written as the gradient). With ``compiled=True`` each
+pass is one kernel over all rows on CUDA (``kernels/cross_entropy.py``: Triton, no temporaries, so no
+chunks); elsewhere the two per-chunk functions are compiled.
 
 Tensor parallelism: the logits are split along the vocabulary, (N, V/t) per rank. Each rank's (max,
 sum-exp) pair is combined over tp as in an online softmax, and the target's logit comes from the rank
@@ -22,6 +23,8 @@ import functools
 
 import torch
 import torch.distributed as dist
+
+from ndparallel.kernels import cross_entropy as triton_ce
 
 IGNORE_INDEX = -100
 """The label of a token that takes no loss (transformers' convention); the one definition."""
@@ -65,18 +68,25 @@ def _chunk_stats(chunk: torch.Tensor, label: torch.Tensor):
     x = chunk.to(_math_dtype(chunk))
     row_max = x.amax(dim=-1)
     sum_exp = (x - row_max[:, None]).exp().sum(dim=-1)
-    target = x.gather(-1, label[:, None]).squeeze(-1)
+    # gathered from the chunk as it is, then upcast (exact): gathering from ``x`` made the compiled kernel
+    # write the whole float32 upcast of the chunk to memory first
+    target = chunk.gather(-1, label[:, None]).squeeze(-1).to(x.dtype)
     return row_max, sum_exp, target
 
 
-def _chunk_grad(
-    chunk: torch.Tensor, lse: torch.Tensor, label: torch.Tensor, scale: torch.Tensor, target_scale: torch.Tensor
-) -> torch.Tensor:
-    """d loss / d logits of a chunk: (softmax - one_hot(label)) * scale, in the logits' dtype."""
+def _chunk_grad_(
+    out: torch.Tensor,
+    chunk: torch.Tensor,
+    lse: torch.Tensor,
+    label: torch.Tensor,
+    scale: torch.Tensor,
+    target_scale: torch.Tensor,
+) -> None:
+    """d loss / d logits of a chunk, written into ``out``: (softmax - one_hot(label)) * scale, in the logits'
+    dtype. (On CUDA, compiled, ``kernels/cross_entropy.py`` computes the same in one pass.)"""
     x = chunk.to(lse.dtype)
     grad = (x - lse[:, None]).exp() * scale[:, None]
-    grad = grad.scatter_add(-1, label[:, None], -target_scale[:, None])
-    return grad.to(chunk.dtype)
+    out.copy_(grad.scatter_add(-1, label[:, None], -target_scale[:, None]))
 
 
 @functools.cache
@@ -95,12 +105,15 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         local_label = labels - vocab_start
         here = (local_label >= 0) & (local_label < local_vocab)
         safe_label = local_label.clamp(0, local_vocab - 1)
-
-        row_max = torch.empty(n, dtype=dtype, device=logits.device)
-        sum_exp = torch.empty(n, dtype=dtype, device=logits.device)
-        target = torch.empty(n, dtype=dtype, device=logits.device)
-        for rows in _chunks(n, chunk_rows):
-            row_max[rows], sum_exp[rows], target[rows] = stats(logits[rows], safe_label[rows])
+        if compiled and triton_ce.supported(logits):
+            logits = logits.contiguous()
+            row_max, sum_exp, target = triton_ce.row_stats(logits, safe_label)
+        else:
+            row_max = torch.empty(n, dtype=dtype, device=logits.device)
+            sum_exp = torch.empty(n, dtype=dtype, device=logits.device)
+            target = torch.empty(n, dtype=dtype, device=logits.device)
+            for rows in _chunks(n, chunk_rows):
+                row_max[rows], sum_exp[rows], target[rows] = stats(logits[rows], safe_label[rows])
         target = target * here
         if group is not None:
             # Online-softmax combination of the ranks' vocabulary slices.
@@ -119,12 +132,15 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         logits, lse, safe_label, target_here, valid = ctx.saved_tensors
-        grad_fn = _compiled(_chunk_grad) if ctx.compiled else _chunk_grad
+        grad_fn = _compiled(_chunk_grad_) if ctx.compiled else _chunk_grad_
         scale = grad_loss.to(lse.dtype) * valid
         target_scale = scale * target_here
         grad = torch.empty_like(logits)
+        if ctx.compiled and triton_ce.supported(logits):
+            triton_ce.softmax_grad_(grad, logits, lse, safe_label, scale, target_scale)
+            return grad, None, None, None, None, None
         for rows in _chunks(logits.shape[0], ctx.chunk_rows):
-            grad[rows] = grad_fn(logits[rows], lse[rows], safe_label[rows], scale[rows], target_scale[rows])
+            grad_fn(grad[rows], logits[rows], lse[rows], safe_label[rows], scale[rows], target_scale[rows])
         return grad, None, None, None, None, None
 
 
