@@ -20,7 +20,7 @@ import torch
 
 from ndparallel.errors import ConfigError
 from ndparallel.loss import IGNORE_INDEX
-from ndparallel.parallel.context import SEGMENTS_HOST_KWARG, SINGLE_KWARG
+from ndparallel.parallel.context import SEGMENTS_HOST_KWARG, SINGLE_KWARG, full_rows_mask
 from ndparallel.parallel.cp_layout import cp_shard, segment_ids_from, single_segment
 from ndparallel.topology import Topology
 
@@ -49,6 +49,8 @@ class Batch:
         inputs[SINGLE_KWARG] = self.single_segment
         if self.segments_host is not None:
             inputs[SEGMENTS_HOST_KWARG] = self.segments_host
+        if self.single_segment:  # whole rows: tells transformers there is no padding, so it skips a device sync
+            inputs["attention_mask"] = full_rows_mask(*self.input_ids.shape, self.input_ids.device)
         return inputs
 
     @property

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from harness import run_ranks
 from scenarios import make_model, reference_mask
+from transformers import masking_utils
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 import ndparallel as ndp
@@ -21,6 +22,14 @@ def _check_entry() -> dict:
         return sdpa_mask(**kwargs)
 
     ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["sdpa"] = spy
+    packed_checks = []
+    find_packed = masking_utils.find_packed_sequence_indices
+
+    def packed_spy(position_ids):  # transformers' check for packed documents (a device sync on CUDA)
+        packed_checks.append(1)
+        return find_packed(position_ids)
+
+    masking_utils.find_packed_sequence_indices = packed_spy
     topo = ndp.Topology.build(ndp.ParallelismConfig(dp_shard_size=1))
     reference = make_model("mistral", sliding_window=24).eval()
     model = make_model("mistral", sliding_window=24).eval()
@@ -36,6 +45,16 @@ def _check_entry() -> dict:
         want = reference(**reference_mask({"input_ids": ids, "position_ids": pos}, window=24)).logits
         diffs["prepared packed batch"] = float((got - want).abs().max())
         diffs["masks built for it"] = len(calls)
+
+        calls.clear()
+        packed_checks.clear()
+        whole = ndp.prepare_batch(ids, topo)  # whole rows: an all-ones mask transformers need not check
+        got = model(**whole.model_inputs()).logits
+        diffs["masks built or packing checks for whole rows"] = len(calls) + len(packed_checks)
+        diffs["prepared whole rows"] = float((got - reference(input_ids=ids).logits).abs().max())
+        calls.clear()
+        model(input_ids=ids, attention_mask=torch.ones_like(ids))  # a caller's own all-ones mask: as before
+        diffs["masks built for a caller's all-ones mask"] = len(calls)
 
         calls.clear()
         got = model(input_ids=ids, position_ids=pos).logits  # plain call, packed position ids, no mask
@@ -63,5 +82,8 @@ def test_no_mask_for_our_batches_and_plain_calls_unchanged():
     assert diffs["masks built for it"] == 0, diffs
     assert diffs["masks built for the plain packed call"] == 0, diffs
     assert diffs["padding masks built"] >= 1, diffs
-    for name in ("prepared packed batch", "plain packed call", "plain padded call", "KV-cache call"):
+    assert diffs["masks built or packing checks for whole rows"] == 0, diffs
+    assert diffs["masks built for a caller's all-ones mask"] >= 1, diffs
+    names = ("prepared packed batch", "prepared whole rows", "plain packed call", "plain padded call", "KV-cache call")
+    for name in names:
         assert diffs[name] < 1e-5, (name, diffs)

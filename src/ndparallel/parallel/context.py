@@ -14,7 +14,11 @@ tensor (``attention_plan.cached_plan``) and goes away with the batch.
 
 transformers builds no attention mask for our batches: the mask function registered for our attention
 returns None unless the caller passed its own padding mask or decodes with a KV cache (plain calls,
-handled exactly as transformers' SDPA would).
+handled exactly as transformers' SDPA would). A batch of whole rows (one document each) passes
+``full_rows_mask``, an all-ones padding mask the mask function recognizes: without any mask, transformers
+looks for packed documents in the position ids first, and that check waits for the GPU (a ``.all()``
+read back to the host, ~2 ms of idle GPU a step on an H200). Packed rows keep that check: it is what
+makes an eager-attention fallback exact for them.
 """
 
 from __future__ import annotations
@@ -203,12 +207,29 @@ def _context_attention(query, key, value, segments_host, single, setup, scale, w
     return context_attention(query, key, value, context, scale=scale, window=window, sinks=sinks)
 
 
+@functools.lru_cache(maxsize=16)
+def full_rows_mask(batch: int, seq: int, device: torch.device) -> torch.Tensor:
+    """The padding mask of ``batch`` whole rows of ``seq`` tokens (all ones), one tensor per shape and device:
+    ``_mask_unless_padding`` knows it by identity and builds nothing for it."""
+    return torch.ones(batch, seq, dtype=torch.bool, device=device)
+
+
+def _is_full_rows_mask(mask) -> bool:
+    return (
+        isinstance(mask, torch.Tensor)
+        and mask.dim() == 2
+        and mask.dtype == torch.bool
+        and mask is full_rows_mask(mask.shape[0], mask.shape[1], mask.device)
+    )
+
+
 def _mask_unless_padding(**kwargs):
     """transformers' mask for our attention: none for a batch of whole rows without a 2-D padding mask
-    (ndparallel's batches: the attention plans from their segment ids); transformers' SDPA mask when a plain
-    call passes its own padding mask or decodes with a KV cache."""
+    (ndparallel's batches: the attention plans from their segment ids) or with ``full_rows_mask``;
+    transformers' SDPA mask when a plain call passes its own padding mask or decodes with a KV cache."""
     square = kwargs.get("q_length") == kwargs.get("kv_length") and not kwargs.get("kv_offset")
-    if kwargs.get("attention_mask") is None and square:
+    mask = kwargs.get("attention_mask")
+    if square and (mask is None or _is_full_rows_mask(mask)):
         return None
     return ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](**kwargs)
 
