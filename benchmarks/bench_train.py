@@ -12,6 +12,9 @@ gradient clipping and MFU formula for every row.
 Rows (``--rows``, default ``ndparallel,accelerate-compile,fsdp2-compile``):
 
   ndparallel              per-block torch.compile, compiled fused loss (one rank: flat buffers, no FSDP)
+                          and, as the trainer, ``build_optimizer(master_grads=False)`` (AdamW reads the bf16
+                          gradients: no fp32 .grad)
+  ndparallel-master-grads the same with fp32 gradients in the parameters' .grad (the library default) [extra]
   ndparallel-fsdp         the same, FSDP2 even on one rank (the path before the one-rank work) [extra]
   ndparallel-eager        no compile [extra]
   ndparallel-fp8[-all|-head|-rowwise]  fp8: true, tensorwise, the default rule; -all: every decoder
@@ -66,6 +69,7 @@ PEER_BEST = ("accelerate-compile", "fsdp2-compile")
 DEFAULT_ROWS = "ndparallel,accelerate-compile,fsdp2-compile"
 NDP_ROWS = {  # name -> ParallelOptions overrides
     "ndparallel": {"compile": True},
+    "ndparallel-master-grads": {"compile": True, "master_grads": True},
     "ndparallel-fsdp": {"compile": True, "single_rank_fsdp": True},
     "ndparallel-eager": {"compile": False},
     "ndparallel-fp8": {"compile": True, "fp8": {}},
@@ -133,6 +137,7 @@ def build_ndparallel_row(
     fsdp_wrap="block",
     single_rank_fsdp: bool = False,
     fp8=None,
+    master_grads: bool = False,
 ) -> Row:
     fp8_spec = None if fp8 is None else ndp.Fp8Spec(**fp8)
     options = ndp.ParallelOptions(
@@ -147,7 +152,7 @@ def build_ndparallel_row(
     ndp.parallelize(model, topo, options=options)
     materialize(model, topo.device, weights_dir=None, seed=0)
     model.train()
-    opt = ndp.build_optimizer(model, lr=1e-4, weight_decay=0.1)
+    opt = ndp.build_optimizer(model, lr=1e-4, weight_decay=0.1, master_grads=master_grads)
     trainable = [p for p in model.parameters() if p.requires_grad]
     rows = micro_batch * topo.layout.batch_size
 
@@ -176,7 +181,9 @@ def _hf_phases(
     """Step i of a peer: transformers' loss (labels=input_ids), backward, clip, optimizer step."""
 
     def phases(i: int) -> list:
-        ids = synthetic(rows, seq, vocab, i)[rank_rows].to(device)
+        ids = synthetic(rows, seq, vocab, i)[rank_rows]
+        if device.type == "cuda":  # pinned and asynchronous, as a DataLoader(pin_memory=True) gives them (and ours)
+            ids = ids.pin_memory().to(device, non_blocking=True)
         return [
             ("forward+backward", lambda: backward(forward(input_ids=ids, labels=ids, use_cache=False).loss)),
             ("clip", lambda: clip(params, 1.0)),

@@ -18,6 +18,11 @@
 #   bench-1b / -3b     issue 18: ndparallel vs Accelerate + compile (bench_train.py), ndparallel's step profiled
 #   lora-mem           issue 19: the planner's 1B LoRA peak-memory rows again (frozen base now stored in bf16)
 #   qat                issue 15: the trainer on 1B with qat (int8 inputs, int4 weights) and without, compiled
+#   kernel             issue 18: the AdamW kernel that reads bf16 gradients vs the eager update (bf16_grad_adamw.py)
+#   loss               issue 18: the chunked cross-entropy alone, per kernel (bench_loss.py)
+#   syncs-1b           issue 18: every synchronizing CUDA call of a step, ndparallel and plain FSDP2 (sync_points.py)
+#   final-1b / -3b     issue 18: ndparallel vs both peers at their best (and fp8 at 3B), ndparallel profiled
+#   grads-1b / -3b     issue 18: bench with and without fp32 .grad (master_grads), against Accelerate + compile
 # Everything printed goes to $OUT/session.log; each part writes its own files under $OUT.
 BUDGET=${BUDGET:-560}
 PARTS=${PARTS:-ckpt-1b checks adam8 diag 3b selfcheck-1b}
@@ -47,4 +52,14 @@ SMOKE=(python3 -m ndparallel.cli train benchmarks/gpu_trainer_smoke.yaml --set m
 part qat 140 bash -c "${SMOKE[*]} --set output_dir=/tmp/ndp-qat --set qat.activation_dtype=int8 \
   --set qat.weight_dtype=int4 && cp /tmp/ndp-qat/metrics.jsonl $OUT/qat_metrics.jsonl && ${SMOKE[*]} \
   --set output_dir=/tmp/ndp-noqat && cp /tmp/ndp-noqat/metrics.jsonl $OUT/noqat_metrics.jsonl"
+part kernel 60 python3 tests/gpu/bf16_grad_adamw.py --out "$OUT"
+part loss 40 python3 benchmarks/bench_loss.py
+part syncs-1b 90 python3 benchmarks/sync_points.py --shape 1b --seq 4096 --micro-batch 2 --rows ndparallel,fsdp2-compile
+GRADS_ROWS=ndparallel,ndparallel-master-grads,accelerate-compile
+part grads-1b 110 "${BENCH[@]}" --shape 1b --seq 4096 --micro-batch 2 --rows "$GRADS_ROWS" "${PROFILE[@]}"
+part grads-3b 150 "${BENCH[@]}" --shape 3b --seq 8192 --micro-batch 1 --rows "$GRADS_ROWS" "${PROFILE[@]}"
+part final-1b 110 "${BENCH[@]}" --shape 1b --seq 4096 --micro-batch 2 --rows ndparallel,accelerate-compile,fsdp2-compile \
+  "${PROFILE[@]}"
+part final-3b 190 "${BENCH[@]}" --shape 3b --seq 8192 --micro-batch 1 \
+  --rows ndparallel,accelerate-compile,fsdp2-compile,ndparallel-fp8 "${PROFILE[@]}"
 echo "[$(date +%T)] session done in $SECONDS s"
