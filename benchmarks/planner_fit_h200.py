@@ -115,6 +115,7 @@ def predict(key: tuple, eff: Efficiency, *, fp8: bool = False, fsdp: bool = True
         fp8=fp8,
         doc_len=doc,
         single_rank_fsdp=fsdp,
+        master_grads=True,  # every fitted row ran before AdamW read bf16 gradients in place (2026-12-02)
     )
     row = plan(
         load_model_shape(shape),

@@ -76,7 +76,7 @@ def test_packed_documents_cp_and_compile():
         assert ratio > 1.2, (work, layout)  # H200: FlashAttention 2's varlen kernel is slower than cuDNN's
     eager, compiled = (Workload(seq_len=4096, global_batch_rows=1, compile=c) for c in (False, True))
     assert pointwise_s(mb(compiled), H100) == pytest.approx(pointwise_s(mb(eager), H100) * 0.5, rel=0.05)
-    assert loss_s(mb(compiled), H100) == pytest.approx(loss_s(mb(eager), H100) * 10 / 78)
+    assert loss_s(mb(compiled), H100) == pytest.approx(loss_s(mb(eager), H100) * 6 / 78)
     assert layer_pointwise_bytes(M, 1, 2) == (2 * 32 + 12) * 256 + 10 * 2 * 384 + 4 * 256 + 10 * 1024
 
 
@@ -165,22 +165,29 @@ def test_best_layout_names_the_gpu_it_planned_for():
 
 
 def test_one_rank_runs_the_flat_path_without_fsdp_copies():
-    """A world of one is modelled as the engine runs it (no FSDP copies, FlatAdamW with clipping folded in):
-    24 bytes per parameter less than FSDP on a mesh of one, so faster; the flat path's H200 runs of
-    2026-12-01 (not fitted on) are reproduced within 5% (1B 57,200, 3B 21,391 tokens/s, compiled)."""
-    measured = {("1b", 4096, 2): 57_200, ("3b", 8192, 1): 21_391}  # benchmarks/results/h200_bench_session4_final.jsonl
+    """A world of one is modelled as the engine runs it: no FSDP copies (24 bytes per parameter less than FSDP
+    on a mesh of one) and FlatAdamW with clipping folded in; the trainer's step (master_grads False) makes no
+    fp32 gradient (10 bytes less again). The H200 runs of both flat variants, not fitted on, are reproduced
+    within 5%: fp32 .grad on 2026-12-01 (1B 57,200, 3B 21,391 tokens/s), bf16 gradients read in place on
+    2026-12-02 (59,802, 21,740; benchmarks/results/h200_bench_session4_final.jsonl, _session5_final.jsonl)."""
+    measured = {  # (shape, seq, micro-batch): {master_grads: tokens/s}
+        ("1b", 4096, 2): {True: 57_200, False: 59_802},
+        ("3b", 8192, 1): {True: 21_391, False: 21_740},
+    }
     cluster = Cluster(nodes=1, gpus_per_node=1, gpu=GPUS["h200"])
-    for (shape, seq, b), tokens_per_s in measured.items():
+    for (shape, seq, b), runs in measured.items():
         speeds = {}
-        for fsdp in (False, True):
+        for path in ("fsdp", True, False):
             work = Workload(
                 seq_len=seq,
                 global_batch_rows=b,
                 micro_batch_sizes=(b,),
                 activation_checkpointing="none",
                 compile=True,
-                single_rank_fsdp=fsdp,
+                single_rank_fsdp=path == "fsdp",
+                master_grads=path is True,
             )
-            speeds[fsdp] = plan(PRESETS[f"llama-{shape}"], cluster, work)[0].tokens_per_s_per_gpu
-        assert speeds[False] > 1.03 * speeds[True]
-        assert abs(speeds[False] / tokens_per_s - 1) <= 0.05, (shape, speeds[False])
+            speeds[path] = plan(PRESETS[f"llama-{shape}"], cluster, work)[0].tokens_per_s_per_gpu
+        assert speeds[False] > speeds[True] > 1.03 * speeds["fsdp"]
+        for master_grads, tokens_per_s in runs.items():
+            assert abs(speeds[master_grads] / tokens_per_s - 1) <= 0.05, (shape, master_grads, speeds)

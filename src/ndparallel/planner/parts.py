@@ -24,8 +24,9 @@ pointwise   the eager elementwise ops of a layer, bytes per token of the rank (`
             checkpointing recomputes the forward; torch.compile runs them in ``compiled_pointwise`` of the
             eager time. fp8 adds its casts; CP adds its merges and reorders (``cp_bytes``).
 loss        the chunked cross-entropy over n x V/t logits: 78 bytes per logit eager (forward: upcast, max,
-            subtract, exp, sum; backward: upcast, subtract, exp, scale, scatter, downcast, copy), 10 compiled
-            (one read forward, one read and one write backward, and the copy into the gradient).
+            subtract, exp, sum; backward: upcast, subtract, exp, scale, scatter, downcast, copy), 6 compiled
+            (the Triton kernels of ``kernels/cross_entropy.py``: one read forward, one read and one write
+            backward).
 fsdp_copies FSDP2 copies into and out of its collective buffers, even on one rank: per all-gather
             (6/f + 4) bytes per gathered parameter (fp32 shard cast into the bf16 input, output copied out),
             per reduction (6 + 8/f) per trainable one (bf16 gradient into the fp32 input, the output
@@ -38,8 +39,12 @@ one rank    the flat path (no FSDP, ``parallel/single_rank.py``) has no collecti
             ``fsdp_copies`` it moves the upcast of the bf16 gradients into the fp32 buffer (6 bytes per
             trainable parameter; 10 for each later micro-batch, added in fp32), and its optimizer is
             ``FlatAdamW``: 30 bytes (AdamW and the bf16 copy's refresh in one kernel, the clipping
-            coefficient applied in it) plus the norm's read (4). ``Workload.single_rank_fsdp`` models
-            FSDP on a mesh of one instead (the H200 rows measured before the flat path existed).
+            coefficient applied in it) plus the norm's read (4). The trainer's step (one micro-batch,
+            ``Workload.master_grads`` False: ``build_optimizer(master_grads=False)``) makes no fp32 gradient:
+            no upcast, and the norm (2) and the update (28) read the bf16 gradients. With accumulation the
+            first micro-batch's gradients are upcast at the second's forward, as above.
+            ``Workload.single_rank_fsdp`` models FSDP on a mesh of one instead (the H200 rows measured
+            before the flat path existed).
 """
 
 from __future__ import annotations
@@ -54,9 +59,10 @@ from ndparallel.planner.shapes import ModelShape
 from ndparallel.planner.workload import Workload
 
 KINDS = ("linear", "attention", "pointwise", "loss", "fsdp_copies", "optimizer")
-LOSS_BYTES_PER_LOGIT = {False: 78, True: 10}  # eager, compiled (bf16 logits)
+LOSS_BYTES_PER_LOGIT = {False: 78, True: 6}  # eager, compiled (bf16 logits)
 ADAMW_BYTES, CLIP_BYTES = 28, 12
 FLAT_ADAMW_BYTES, FLAT_NORM_BYTES, UPCAST_BYTES, ACCUMULATE_BYTES = 30, 4, 6, 10  # the one-rank path
+IN_PLACE_ADAMW_BYTES, IN_PLACE_NORM_BYTES = 28, 2  # ... when AdamW reads the bf16 gradients (master_grads False)
 
 
 @dataclass(frozen=True)
@@ -230,12 +236,24 @@ def _trainable_local(model: ModelShape, layout: Layout, workload: Workload) -> f
     return local_params(model, layout)
 
 
+def grads_read_in_place(layout: Layout, workload: Workload, micro_batches: int) -> bool:
+    """The one-rank step whose AdamW reads autograd's bf16 gradients (no fp32 gradient is made)."""
+    return flat_path(layout, workload) and not workload.master_grads and micro_batches == 1
+
+
 def flat_upcast_s(model: ModelShape, layout: Layout, workload: Workload, rates: Rates, *, micro_batches: int) -> float:
     """The one-rank path's gradient upcast (first micro-batch) and fp32 accumulation (later ones)."""
+    if grads_read_in_place(layout, workload, micro_batches):
+        return 0.0
     trainable = _trainable_local(model, layout, workload)
     return rates.stream_s(trainable * (UPCAST_BYTES + ACCUMULATE_BYTES * (micro_batches - 1)))
 
 
-def optimizer_s(model: ModelShape, layout: Layout, workload: Workload, rates: Rates) -> float:
-    per_param = FLAT_ADAMW_BYTES + FLAT_NORM_BYTES if flat_path(layout, workload) else ADAMW_BYTES + CLIP_BYTES
+def optimizer_s(model: ModelShape, layout: Layout, workload: Workload, rates: Rates, *, micro_batches: int) -> float:
+    if grads_read_in_place(layout, workload, micro_batches):
+        per_param = IN_PLACE_ADAMW_BYTES + IN_PLACE_NORM_BYTES
+    elif flat_path(layout, workload):
+        per_param = FLAT_ADAMW_BYTES + FLAT_NORM_BYTES
+    else:
+        per_param = ADAMW_BYTES + CLIP_BYTES
     return rates.stream_s(_trainable_local(model, layout, workload) * per_param)

@@ -119,7 +119,7 @@ def step_time(
             reductions=reductions,
             accumulations=m - reductions,
         )
-    parts["optimizer"] = optimizer_s(model, layout, workload, rates)
+    parts["optimizer"] = optimizer_s(model, layout, workload, rates, micro_batches=m)
     parts = {kind: parts[kind] for kind in KINDS}
 
     exposed: dict[str, float] = {}

@@ -77,7 +77,7 @@ class Efficiency:
 
 
 # Measured on one H200 (torch 2.11.0+cu130, transformers 5.17; benchmarks/results/, fitted by
-# benchmarks/planner_fit_h200.py: 33 whole-step rows, rms log error 0.051). matmul and SDPA's attention
+# benchmarks/planner_fit_h200.py: 33 whole-step rows, rms log error 0.049). matmul and SDPA's attention
 # (head_dim 64 and 128) come from the kernel times of the profiled 1B and 3B steps; the kernel of packed rows
 # and CP blocks (FlashAttention 2) from ``plan --measure`` run on the H200 (head_dim 64; head_dim 128 takes
 # the nearest); stream from the fused-AdamW kernel; the rest from whole-step throughputs of the 1B and 3B
@@ -90,7 +90,7 @@ H200_EFFICIENCY = Efficiency(
     block_attention={64: (0.286, 0.2032)},
     stream=0.73,
     pointwise_eager=0.471,
-    compiled_pointwise=0.491,
+    compiled_pointwise=0.507,
     source="H200 measurements (benchmarks/planner_fit_h200.py)",
 )
 

@@ -53,6 +53,9 @@ class Workload:
     single_rank_fsdp: bool = False
     """A world of one rank wrapped in FSDP2 (``ParallelOptions.single_rank_fsdp``). By default one rank runs the
     engine's flat path (``parallel/single_rank.py``): no FSDP copies, ``FlatAdamW`` with clipping folded in."""
+    master_grads: bool = False
+    """On that flat path, fp32 gradients in the parameters' ``.grad`` (``build_optimizer``'s default, for a user's
+    own loop). False is the trainer's: AdamW reads the bf16 gradients where autograd left them."""
 
     def __post_init__(self) -> None:
         if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
