@@ -269,8 +269,12 @@ def train_parallel(
     gradient_sync: str = "every_micro_batch",
     build=None,
     eps: float = EPS,
+    master_grads: bool = True,
 ) -> dict:
     """The same run through ndparallel on this rank's part of ``layout``. Rank 0 returns the full weights.
+
+    ``master_grads=False``: ``build_optimizer``'s one-rank mode that reads bf16 gradients in place (the
+    trainer's); clipping then goes through the optimizer, which knows where the gradients are.
 
     ``gradient_sync``: when FSDP reduces the gradients of accumulated micro-batches (``set_gradient_sync``).
     ``build``: the model factory (default ``make_model``); the router loss of MoE models is added (zero otherwise).
@@ -279,7 +283,7 @@ def train_parallel(
     model = (build or make_model)(family, **(model_kwargs or {}))
     ndp.parallelize(model, topo, options=ndp.ParallelOptions(**{"param_dtype": None, **(options or {})}), lora=lora)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = ndp.build_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY, eps=eps)
+    opt = ndp.build_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY, eps=eps, master_grads=master_grads)
     losses, norms = [], []
     for step in batches:
         prepared = [ndp.prepare_batch(topology=topo, **mb) for mb in step]
@@ -294,7 +298,7 @@ def train_parallel(
             )
             loss.backward()
             total += loss.detach()
-        norms.append(float(ndp.clip_grad_norm_(trainable, max_norm)))
+        norms.append(float(ndp.clip_grad_norm_(trainable, max_norm, optimizer=None if master_grads else opt)))
         opt.step()
         opt.zero_grad()
         losses.append(float(ndp.reduce_loss(total, topo)))

@@ -8,6 +8,7 @@ backward must find the compute copies), against ``single_rank_fsdp=True`` (the F
 
 from __future__ import annotations
 
+import pytest
 from harness import run_ranks
 from scenarios import make_batches, max_rel_diff, max_weight_diff, train_parallel
 
@@ -32,6 +33,28 @@ def test_bf16_without_fsdp_matches_fsdp_on_one_rank(parity_record):
     parity_record({"loss": max_rel_diff(flat["losses"], fsdp["losses"]), "weights": weight_diff})
     assert weight_diff <= 1e-6, f"weights differ by {weight_diff:.2e} in {where}"
     assert all(w.dtype.is_floating_point and w.element_size() == 4 for w in flat["weights"].values())  # fp32 masters
+
+
+def _train_bf16_grads(master_grads: bool, micro: int) -> dict:
+    batches = make_batches(steps=2, micro=micro, rows=8, seq=32, pad=True)
+    options = {"param_dtype": "bfloat16", "activation_checkpointing": "full"}
+    return train_parallel(
+        "llama", {"dp_shard_size": 1}, batches, model_kwargs={"tied": True}, options=options, master_grads=master_grads
+    )
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_adamw_reading_bf16_gradients_in_place_matches_fp32_gradients(micro, parity_record):
+    """The trainer's one-rank mode (build_optimizer(master_grads=False): no fp32 gradient after a step's only
+    micro-batch; with two, the first's are upcast at the second's forward) against fp32 .grad, on a tied,
+    checkpointed bf16 model: same losses, norms to float32 rounding, weights to 1e-6."""
+    in_place = run_ranks(1, _train_bf16_grads, False, micro)[0]
+    fp32 = run_ranks(1, _train_bf16_grads, True, micro)[0]
+    assert in_place["losses"] == fp32["losses"]
+    assert in_place["grad_norms"] == pytest.approx(fp32["grad_norms"], rel=1e-6)
+    weight_diff, where = max_weight_diff(fp32["weights"], in_place["weights"])
+    parity_record({"loss": max_rel_diff(in_place["losses"], fp32["losses"]), "weights": weight_diff})
+    assert weight_diff <= 1e-6, f"weights differ by {weight_diff:.2e} in {where}"
 
 
 def _built_from_meta() -> dict:
