@@ -156,14 +156,15 @@ class FlatAdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         scale, self._grad_scale = self._grad_scale, None
-        if self._step_waiting(scale):
-            return loss
-        for index, group in enumerate(self.param_groups):
+        for group in self.param_groups:
             if group.get("amsgrad") or group.get("maximize") or group.get("capturable"):
                 raise ConfigError(
                     "FlatAdamW implements AdamW without amsgrad, maximize or capturable; build "
                     "torch.optim.AdamW for those"
                 )
+        if self._step_waiting(scale):
+            return loss
+        for index, group in enumerate(self.param_groups):
             with_grad = [p for p in group["params"] if p.grad is not None]
             if not with_grad:
                 continue
@@ -185,7 +186,9 @@ class FlatAdamW(torch.optim.AdamW):
         grads = {id(slot.master): grad for slot, grad in waiting}
         plans = []
         for index, group in enumerate(self.param_groups):
-            plan = self._plan(index, group) if group["params"] else None
+            if not group["params"]:  # LoRA: no vectors train, the no-decay group is empty
+                continue
+            plan = self._plan(index, group)
             if plan is None or any(id(p) not in grads or p.grad is not None for p in group["params"]):
                 self.flat.upcast_waiting()
                 return False
@@ -318,6 +321,7 @@ class _GroupPlan:
             offset -= self.start
             if kernel:  # the flat group buffers and the tensor's offset in them: no views made per tensor
                 master, exp_avg, exp_avg_sq, compute = flat
+                grad = grad.contiguous()  # autograd's gradients of the contiguous compute views are; a no-op then
                 adamw_from_low_precision_grad_(master, grad, exp_avg, exp_avg_sq, hyper, scale, compute, offset=offset)
             else:
                 master, exp_avg, exp_avg_sq, compute = (

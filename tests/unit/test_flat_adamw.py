@@ -255,3 +255,29 @@ def test_waiting_bf16_gradients_are_upcast_for_anyone_else_who_asks():
     assert not flat.waiting_grads()
     for p in model.parameters():
         assert torch.equal(p.grad, expected[id(p)])
+
+
+@pytest.mark.parametrize("master_grads", [True, False])
+def test_an_empty_group_does_not_stop_the_bf16_gradients_being_read_in_place(master_grads):
+    """LoRA-like: only matrices train, so build_optimizer's no-decay group is empty. The in-place path still
+    runs (no fp32 gradient buffer is ever made) and steps as the fp32-gradient path does."""
+    results = {}
+    for mode in (True, master_grads):
+        model = _net()
+        for p in model.parameters():
+            p.requires_grad_(p.dim() >= 2)
+        flat = apply_single_rank(model, param_dtype=torch.bfloat16)
+        matrices = [p for p in model.parameters() if p.requires_grad]
+        groups = [{"params": matrices, "weight_decay": 0.1}, {"params": [], "weight_decay": 0.0}]
+        opt = FlatAdamW(groups, flat=flat, lr=1e-2, master_grads=mode)
+        made_buffer = False
+        for step in range(2):
+            x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step))
+            model(x).float().square().mean().backward()
+            opt.step()
+            made_buffer = made_buffer or flat.grad_flat is not None
+            opt.zero_grad()
+        results[mode] = ([p.detach().clone() for p in matrices], made_buffer)
+    assert results[master_grads][1] == master_grads  # the fp32 buffer only on the fp32-gradient path
+    for a, b in zip(results[True][0], results[master_grads][0]):
+        assert torch.equal(a, b)
