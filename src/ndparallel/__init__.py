@@ -13,8 +13,8 @@ Library use (the loop you would write, done right)::
     ckpt.save(step, {"model": model, "optimizer": opt}); ckpt.load({"model": model, "optimizer": opt})
 """
 
-import importlib
-
+from ndparallel.batching import IGNORE_INDEX, Batch, prepare_batch, shift_labels
+from ndparallel.checkpoint import Checkpointer, ModelState, OptimizerState
 from ndparallel.errors import (
     CheckpointError,
     ConfigError,
@@ -24,47 +24,24 @@ from ndparallel.errors import (
     NdParallelError,
     NumericsError,
 )
-
-# The public names, imported on first use (PEP 562): ``import ndparallel`` and ``ndparallel train --help`` do
-# not import torch.distributed's FSDP, transformers and what transformers imports (torchao, with its load
-# warnings) until something needs them.
-_LAZY = {
-    "ndparallel.batching": ("IGNORE_INDEX", "Batch", "prepare_batch", "shift_labels"),
-    "ndparallel.checkpoint": ("Checkpointer", "ModelState", "OptimizerState"),
-    "ndparallel.layout": ("Layout",),
-    "ndparallel.lora": ("LoraSpec",),
-    "ndparallel.parallel.cp_layout": ("cp_gather", "cp_shard"),
-    "ndparallel.parallel.float8": ("Fp8Spec",),
-    "ndparallel.parallelism_config": ("ParallelismConfig", "TorchContextParallelConfig", "TorchTensorParallelConfig"),
-    "ndparallel.parallelize": ("ParallelOptions", "parallelize"),
-    "ndparallel.pretrained": ("load_pretrained", "save_pretrained"),
-    "ndparallel.router_loss": ("router_aux_loss",),
-    "ndparallel.step": (
-        "build_optimizer",
-        "clip_grad_norm_",
-        "count_tokens",
-        "gather_logits",
-        "reduce_loss",
-        "set_gradient_sync",
-        "token_loss",
-    ),
-    "ndparallel.topology": ("Topology", "init_distributed"),
-}
-_MODULE_OF = {name: module for module, names in _LAZY.items() for name in names}
-
-
-def __getattr__(name: str):
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module 'ndparallel' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # the next access is a plain lookup
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_MODULE_OF})
-
+from ndparallel.layout import Layout
+from ndparallel.lora import LoraSpec
+from ndparallel.parallel.cp_layout import cp_gather, cp_shard
+from ndparallel.parallel.float8 import Fp8Spec
+from ndparallel.parallelism_config import ParallelismConfig, TorchContextParallelConfig, TorchTensorParallelConfig
+from ndparallel.parallelize import ParallelOptions, parallelize
+from ndparallel.pretrained import load_pretrained, save_pretrained
+from ndparallel.router_loss import router_aux_loss
+from ndparallel.step import (
+    build_optimizer,
+    clip_grad_norm_,
+    count_tokens,
+    gather_logits,
+    reduce_loss,
+    set_gradient_sync,
+    token_loss,
+)
+from ndparallel.topology import Topology, init_distributed
 
 __version__ = "0.1.0"
 
