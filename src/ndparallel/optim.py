@@ -168,7 +168,7 @@ class FlatAdamW(torch.optim.AdamW):
             with_grad = [p for p in group["params"] if p.grad is not None]
             if not with_grad:
                 continue
-            group_scale = _one(with_grad[0].device) if scale is None else scale.to(with_grad[0].device)
+            group_scale = _scale_on(scale, with_grad[0].device)
             plan = self._plan(index, group) if len(with_grad) == len(group["params"]) else None
             if plan is not None and plan.grads_in_place():
                 plan.step(group, self._use_compiled(plan), group_scale)
@@ -194,7 +194,7 @@ class FlatAdamW(torch.optim.AdamW):
                 return False
             plans.append((plan, group))
         for plan, group in plans:
-            group_scale = _one(plan.master.device) if scale is None else scale.to(plan.master.device)
+            group_scale = _scale_on(scale, plan.master.device)
             plan.step_from(group, [grads[id(p)] for p in plan.params], self._use_compiled(plan), group_scale)
         self.flat.drop_waiting()
         return True
@@ -332,8 +332,9 @@ class _GroupPlan:
             self.flat.mark_synced(self.start, self.end)
 
 
-def _one(device: torch.device) -> torch.Tensor:
-    return torch.ones((), dtype=torch.float32, device=device)
+def _scale_on(scale: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The clipping coefficient on ``device`` (1 when not clipping)."""
+    return torch.ones((), dtype=torch.float32, device=device) if scale is None else scale.to(device)
 
 
 def _hyper(group: dict, step: float, device: torch.device) -> torch.Tensor:

@@ -128,28 +128,17 @@ def clip_grad_norm_(
     weights are the same.
     """
     parameters = list(parameters)
-    if isinstance(optimizer, FlatAdamW):
-        waiting = optimizer.waiting_grads_of(parameters)
-        if waiting is not None:  # master_grads=False: the bf16 gradients the update will read
-            return _clip_waiting(waiting, max_norm, norm_type, optimizer)
-    with_grad = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in with_grad]
-    deferred = isinstance(optimizer, FlatAdamW) and optimizer.covers_exactly(with_grad)
-    by_mesh: dict = defaultdict(list)
-    for g in grads:
-        by_mesh[_mesh_key(g)].append(g)
-    partials = []
-    for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        partials.append(norm.float())
-    if not partials:
-        return torch.zeros(())
-    if norm_type == float("inf"):
-        total = torch.stack(partials).max()
+    waiting = optimizer.waiting_grads_of(parameters) if isinstance(optimizer, FlatAdamW) else None
+    if waiting is not None:  # master_grads=False: the bf16 gradients the update will read
+        grads, deferred = waiting, True
+        total = _bf16_total_norm(grads, norm_type)
     else:
-        total = torch.stack([p**norm_type for p in partials]).sum() ** (1.0 / norm_type)
+        with_grad = [p for p in parameters if p.grad is not None]
+        grads = [p.grad for p in with_grad]
+        deferred = isinstance(optimizer, FlatAdamW) and optimizer.covers_exactly(with_grad)
+        total = _total_norm_over_meshes(grads, norm_type)
+        if total is None:
+            return torch.zeros(())
     if deferred and optimizer.pending_grad_scale is not None:  # clipped before: the gradients it will see
         total = total * optimizer.pending_grad_scale
     if max_norm is not None:
@@ -161,19 +150,30 @@ def clip_grad_norm_(
     return total
 
 
-def _clip_waiting(grads: list[torch.Tensor], max_norm, norm_type: float, optimizer: FlatAdamW) -> torch.Tensor:
-    """The norm of the gradients ``optimizer`` reads in bf16 (accumulated in float32, as of their exact
-    float32 upcast) and its clipping coefficient, handed to the update."""
+def _total_norm_over_meshes(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor | None:
+    """Each mesh's norm reduced on its own, then combined; None without gradients."""
+    by_mesh: dict = defaultdict(list)
+    for g in grads:
+        by_mesh[_mesh_key(g)].append(g)
+    partials = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        partials.append(norm.float())
+    if not partials:
+        return None
+    if norm_type == float("inf"):
+        return torch.stack(partials).max()
+    return torch.stack([p**norm_type for p in partials]).sum() ** (1.0 / norm_type)
+
+
+def _bf16_total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The norm of one rank's bf16 gradients, accumulated in float32 (as of their exact float32 upcast)."""
     if triton_norm.supported(grads, norm_type):
-        total = triton_norm.total_norm(grads, norm_type)
-    else:
-        norms = torch.stack(_compat.float32_norms(grads, norm_type))
-        total = norms.max() if norm_type == float("inf") else torch.linalg.vector_norm(norms, norm_type)
-    if optimizer.pending_grad_scale is not None:  # clipped before: the gradients it will see
-        total = total * optimizer.pending_grad_scale
-    if max_norm is not None:
-        optimizer.defer_grad_scale(torch.clamp(max_norm / (total + 1e-6), max=1.0))
-    return total
+        return triton_norm.total_norm(grads, norm_type)
+    norms = torch.stack(_compat.float32_norms(grads, norm_type))
+    return norms.max() if norm_type == float("inf") else torch.linalg.vector_norm(norms, norm_type)
 
 
 def build_optimizer(

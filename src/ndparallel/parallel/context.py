@@ -207,20 +207,28 @@ def _context_attention(query, key, value, segments_host, single, setup, scale, w
     return context_attention(query, key, value, context, scale=scale, window=window, sinks=sinks)
 
 
-@functools.lru_cache(maxsize=16)
+_FULL_ROWS: dict[tuple, torch.Tensor] = {}
+_FULL_ROWS_KEPT = 16  # shapes; a run has one or two
+
+
 def full_rows_mask(batch: int, seq: int, device: torch.device) -> torch.Tensor:
     """The padding mask of ``batch`` whole rows of ``seq`` tokens (all ones), one tensor per shape and device:
     ``_mask_unless_padding`` knows it by identity and builds nothing for it."""
-    return torch.ones(batch, seq, dtype=torch.bool, device=device)
+    key = (batch, seq, torch.device(device))
+    mask = _FULL_ROWS.get(key)
+    if mask is None:
+        if len(_FULL_ROWS) >= _FULL_ROWS_KEPT:
+            _FULL_ROWS.clear()
+        mask = _FULL_ROWS[key] = torch.ones(batch, seq, dtype=torch.bool, device=device)
+    return mask
 
 
 def _is_full_rows_mask(mask) -> bool:
-    return (
-        isinstance(mask, torch.Tensor)
-        and mask.dim() == 2
-        and mask.dtype == torch.bool
-        and mask is full_rows_mask(mask.shape[0], mask.shape[1], mask.device)
-    )
+    """``mask`` is a tensor ``full_rows_mask`` made (looked up, never made here: a caller's masks of other
+    shapes must not allocate anything)."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return False
+    return _FULL_ROWS.get((mask.shape[0], mask.shape[1], mask.device)) is mask
 
 
 def _mask_unless_padding(**kwargs):

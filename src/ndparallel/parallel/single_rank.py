@@ -193,15 +193,16 @@ class SingleRankParams:
         """At the end of a backward: upcast the bf16 gradients into the masters' fp32 ``.grad`` or, with
         ``defer_upcast`` and no fp32 gradient yet (a step's first micro-batch), leave them for the optimizer."""
         if self.defer_upcast and not any(slot.master.grad is not None for slot in self.slots):
-            self._grads_waiting = any(slot.compute is not None and slot.compute.grad is not None for slot in self.slots)
+            self._grads_waiting = bool(self._with_compute_grads())
             return
         self.upcast_waiting()
 
+    def _with_compute_grads(self) -> list[Slot]:
+        return [s for s in self.slots if s.compute is not None and s.compute.grad is not None]
+
     def waiting_grads(self) -> list[tuple[Slot, torch.Tensor]]:
         """The bf16 gradients left on the compute copies (``defer_upcast``), by slot; empty when none wait."""
-        if not self._grads_waiting:
-            return []
-        return [(s, s.compute.grad) for s in self.slots if s.compute is not None and s.compute.grad is not None]
+        return [(s, s.compute.grad) for s in self._with_compute_grads()] if self._grads_waiting else []
 
     def drop_waiting(self) -> None:
         """Free the waiting bf16 gradients (consumed by the optimizer's step, or ``zero_grad``)."""
@@ -213,7 +214,7 @@ class SingleRankParams:
     def upcast_waiting(self) -> None:
         """Upcast every waiting bf16 gradient into the flat fp32 buffer (one multi-tensor copy) and free it."""
         self._grads_waiting = False
-        waiting = [s for s in self.slots if s.compute is not None and s.compute.grad is not None]
+        waiting = self._with_compute_grads()
         fresh = []
         for slot in waiting:
             if slot.master.grad is None:

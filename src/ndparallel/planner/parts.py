@@ -238,7 +238,8 @@ def _trainable_local(model: ModelShape, layout: Layout, workload: Workload) -> f
 
 def grads_read_in_place(layout: Layout, workload: Workload, micro_batches: int) -> bool:
     """The one-rank step whose AdamW reads autograd's bf16 gradients (no fp32 gradient is made)."""
-    return flat_path(layout, workload) and not workload.master_grads and micro_batches == 1
+    bf16 = workload.precision == "bf16"  # in fp32 the gradients are the masters' own: nothing to read in place
+    return flat_path(layout, workload) and bf16 and not workload.master_grads and micro_batches == 1
 
 
 def flat_upcast_s(model: ModelShape, layout: Layout, workload: Workload, rates: Rates, *, micro_batches: int) -> float:
