@@ -143,3 +143,42 @@ def test_lora_keeps_its_frozen_base_in_bf16_on_every_path(parity_record):
     parity_record({"loss": diff})
     assert diff < 2e-3, (sharded["losses"], flat["losses"])  # bf16: two ranks sum their gradients in another order
     assert flat["losses"][-1] < flat["losses"][0]
+
+
+def _trained_then_dropped(param_dtype, master_grads: bool) -> dict:
+    import gc
+    import weakref
+
+    import torch
+
+    import ndparallel as ndp
+    from ndparallel.models.build import materialize, meta_model, model_config_for
+    from ndparallel.train import forward_backward
+
+    topo = ndp.Topology.build(ndp.ParallelismConfig(dp_shard_size=1))
+
+    def train_one_step():
+        config = model_config_for(base_model=None, model_shape="tiny", overrides={}, max_position_embeddings=64)
+        model = meta_model(config)
+        ndp.parallelize(model, topo, options=ndp.ParallelOptions(param_dtype=param_dtype))
+        materialize(model, topo.device, weights_dir=None, seed=0)
+        opt = ndp.build_optimizer(model, lr=1e-3, master_grads=master_grads)
+        batches = [ndp.prepare_batch(torch.randint(0, 256, (2, 64)), topo) for _ in range(2)]
+        forward_backward(model, batches, topo)
+        ndp.clip_grad_norm_(list(model.parameters()), 1.0, optimizer=opt)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return [weakref.ref(p) for p in model.parameters()]
+
+    refs = train_one_step()
+    gc.collect()
+    return {"parameters": len(refs), "alive": sum(ref() is not None for ref in refs)}
+
+
+@pytest.mark.parametrize("param_dtype, master_grads", [("bfloat16", False), ("bfloat16", True), (None, True)])
+def test_a_dropped_model_is_freed(param_dtype, master_grads):
+    """Nothing the flat path installs keeps a model alive once the caller drops it: the gradient hooks sit in
+    the tensors' C++ hook tables, where a strong reference back to the tensor is a cycle Python's gc cannot
+    see (it kept every model built in a process: on the H200, 0.2-0.3 GiB per LoRA 8B model of a sweep)."""
+    got = run_ranks(1, _trained_then_dropped, param_dtype, master_grads)[0]
+    assert got["parameters"] > 0 and got["alive"] == 0, got

@@ -40,6 +40,7 @@ are therefore two contiguous ranges.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -179,10 +180,19 @@ class SingleRankParams:
 
     # ----- gradients -----------------------------------------------------------------------------
 
-    def _compute_grad_hook(self, slot: Slot):
+    # The gradient hooks live in the tensors' C++ hook tables, which Python's garbage collector does not
+    # traverse: a hook that held its slot (and so the tensor it is registered on) strongly would make a
+    # cycle gc cannot see, and every model built in the process would stay in memory after ``del``
+    # (masters and compute copies: the whole model in a full fine-tune). They hold weak references.
+
+    @staticmethod
+    def _compute_grad_hook(slot: Slot):
+        slot_ref = weakref.ref(slot)
+
         def hook(compute: torch.Tensor) -> None:
-            master = slot.master
-            if master.grad is not None:  # a later micro-batch: accumulate in fp32 now, free the bf16 gradient
+            slot = slot_ref()
+            master = None if slot is None else slot.master  # None: the model is gone, the tensor outlived it
+            if master is not None and master.grad is not None:  # a later micro-batch: add in fp32, free bf16
                 master.grad.add_(compute.grad)
                 compute.grad = None
             # first micro-batch of the step: the bf16 gradient waits for finish_backward
@@ -229,8 +239,13 @@ class SingleRankParams:
             slot.compute.grad = None
 
     def _master_grad_hook(self, slot: Slot):
+        owner_ref, slot_ref = weakref.ref(self), weakref.ref(slot)  # weak: see _compute_grad_hook
+
         def hook(master: torch.Tensor) -> None:
-            view = self._grad_view(slot)
+            owner, slot = owner_ref(), slot_ref()
+            if owner is None or slot is None:  # the model is gone and the tensor outlived it: a plain .grad
+                return
+            view = owner._grad_view(slot)
             if master.grad.data_ptr() != view.data_ptr():  # autograd stored a fresh tensor: move it in
                 view.copy_(master.grad)
                 master.grad = view
