@@ -138,6 +138,7 @@ def build_ndparallel_row(
     single_rank_fsdp: bool = False,
     fp8=None,
     master_grads: bool = False,
+    accumulation: int = 1,
 ) -> Row:
     fp8_spec = None if fp8 is None else ndp.Fp8Spec(**fp8)
     options = ndp.ParallelOptions(
@@ -157,14 +158,17 @@ def build_ndparallel_row(
     rows = micro_batch * topo.layout.batch_size
 
     def phases(i: int) -> list:
-        batch = ndp.prepare_batch(synthetic(rows, seq, config.vocab_size, i), topo)
+        batches = [
+            ndp.prepare_batch(synthetic(rows, seq, config.vocab_size, i * accumulation + k), topo)
+            for k in range(accumulation)
+        ]
         return [
-            ("forward+backward", lambda: forward_backward(model, [batch], topo, compiled_loss=compile_)),
+            ("forward+backward", lambda: forward_backward(model, batches, topo, compiled_loss=compile_)),
             ("clip", lambda: ndp.clip_grad_norm_(trainable, 1.0, optimizer=opt)),
             ("optimizer+zero_grad", lambda: (opt.step(), opt.zero_grad(set_to_none=True))),
         ]
 
-    return Row(phases=phases, tokens_per_step=rows * seq, devices=topo.world_size)
+    return Row(phases=phases, tokens_per_step=accumulation * rows * seq, devices=topo.world_size)
 
 
 def _hf_model(config, device: torch.device):
@@ -307,8 +311,11 @@ def build_row(name: str, args, topo, config) -> Row:
             ac=args.ac,
             fp32=args.fp32,
             fsdp_wrap=args.fsdp_wrap,
+            accumulation=getattr(args, "accumulation", 1),
             **{"compile_": NDP_ROWS[name]["compile"], **{k: v for k, v in NDP_ROWS[name].items() if k != "compile"}},
         )
+    if getattr(args, "accumulation", 1) != 1:
+        raise SystemExit(f"--accumulation runs on the ndparallel rows only, not {name!r}")
     compile_ = "-compile" in name
     reshard = not name.endswith("-noreshard")
     if name.startswith("accelerate") and name in PEER_ROWS:
@@ -425,7 +432,8 @@ def report(results: list[dict], args, topo, config) -> None:
     peak = device_peak_flops(topo.device)
     name = torch.cuda.get_device_name() if topo.device.type == "cuda" else "cpu"
     print(
-        f"\n{args.shape} seq {args.seq} x micro-batch {args.micro_batch}, layout {topo.layout.shape} "
+        f"\n{args.shape} seq {args.seq} x micro-batch {args.micro_batch} x accumulation {args.accumulation}, "
+        f"layout {topo.layout.shape} "
         f"(dp_replicate, dp_shard, cp, tp), ac {args.ac}, {name}, torch {torch.__version__}"
     )
     print(f"{'row':24s} {'tokens/s':>10s} {'/device':>9s} {'MFU':>7s} {'peak GiB':>9s} {'ndp÷row':>8s}  kind")
@@ -473,6 +481,9 @@ def parse_args(argv=None):
     p.add_argument("--shape", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=2, help="rows per data-parallel rank")
+    p.add_argument(
+        "--accumulation", type=int, default=1, help="micro-batches per optimizer step (ndparallel rows only)"
+    )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rows", default=DEFAULT_ROWS, help="comma list; see the module docstring")

@@ -3,7 +3,9 @@
     python benchmarks/gpu_memory_sweep.py --out sweep.jsonl                  # the default case list
     python benchmarks/gpu_memory_sweep.py --cases "1b:4096:2:selective" --out x.jsonl
 
-A case is SHAPE:SEQ:MICRO_BATCH:AC[:lora][:cpK]. Each builds the model straight into its layout, runs
+A case is SHAPE:SEQ:MICRO_BATCH:AC[:lora][:nf4|:int8][:cpK] (nf4 / int8: LoRA on a base whose decoder-block
+linears are quantized, ``ParallelOptions.quantized_base``; needs lora).
+Each builds the model straight into its layout, runs
 --steps steps of synthetic full rows, and records peak allocated memory (torch.cuda.max_memory_allocated),
 the median step time, tokens/s and MFU; an out-of-memory case is recorded as such. Feeds
 benchmarks/RESULTS.md and the planner's measurements.json.
@@ -38,6 +40,7 @@ def run_case(case: str, topo, steps: int, compile_: bool) -> dict:
     parts = case.split(":")
     shape, seq, mb, ac = parts[0], int(parts[1]), int(parts[2]), parts[3]
     lora = LoraSpec(r=16, alpha=32, target_linear=True) if "lora" in parts[4:] else None
+    quantized = next((q for q in ("nf4", "int8") if q in parts[4:]), None)
     record = {
         "case": case,
         "shape": shape,
@@ -45,6 +48,7 @@ def run_case(case: str, topo, steps: int, compile_: bool) -> dict:
         "micro_batch": mb,
         "ac": ac,
         "lora": lora is not None,
+        "quantized_base": quantized,
         "compile": compile_,
         "layout": list(topo.layout.shape),
     }
@@ -56,7 +60,10 @@ def run_case(case: str, topo, steps: int, compile_: bool) -> dict:
         config = model_config_for(base_model=None, model_shape=shape, overrides={}, max_position_embeddings=seq)
         model = meta_model(config)
         ndp.parallelize(
-            model, topo, options=ndp.ParallelOptions(activation_checkpointing=ac, compile=compile_), lora=lora
+            model,
+            topo,
+            options=ndp.ParallelOptions(activation_checkpointing=ac, compile=compile_, quantized_base=quantized),
+            lora=lora,
         )
         materialize(model, topo.device, weights_dir=None, seed=0)
         model.train()
@@ -68,7 +75,7 @@ def run_case(case: str, topo, steps: int, compile_: bool) -> dict:
             torch.cuda.synchronize()
             start = time.perf_counter()
             batch = ndp.prepare_batch(ids, topo)
-            forward_backward(model, [batch], topo)
+            forward_backward(model, [batch], topo, compiled_loss=compile_)  # as the trainer does
             ndp.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)

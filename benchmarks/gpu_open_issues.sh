@@ -23,6 +23,11 @@
 #   syncs-1b           issue 18: every synchronizing CUDA call of a step, ndparallel and plain FSDP2 (sync_points.py)
 #   final-1b / -3b     issue 18: ndparallel vs both peers at their best (and fp8 at 3B), ndparallel profiled
 #   grads-1b / -3b     issue 18: bench with and without fp32 .grad (master_grads), against Accelerate + compile
+#   probe-8b           issue 19: plan --measure's kernel rates at the 8B's shapes (head_dim 128), not cached
+#   attn               issue 19: causal attention per SDPA backend and the varlen kernel, 8B heads (attention_backends.py)
+#   qmem               issue 19: peak memory of LoRA on NF4 / int8 / bf16 base weights, 8B and 1B (gpu_memory_sweep.py)
+#   qmem-after         the same after the leak fix (eaddab4), with bf16 references, selective, and compiled
+#   pick-1b            issue 19: the planner's one-GPU pick vs every candidate measured, 1B at 32k (planner_pick_check.py)
 # Everything printed goes to $OUT/session.log; each part writes its own files under $OUT.
 BUDGET=${BUDGET:-560}
 PARTS=${PARTS:-ckpt-1b checks adam8 diag 3b selfcheck-1b}
@@ -62,4 +67,19 @@ part final-1b 110 "${BENCH[@]}" --shape 1b --seq 4096 --micro-batch 2 --rows ndp
   "${PROFILE[@]}"
 part final-3b 190 "${BENCH[@]}" --shape 3b --seq 8192 --micro-batch 1 \
   --rows ndparallel,accelerate-compile,fsdp2-compile,ndparallel-fp8 "${PROFILE[@]}"
+part probe-8b 40 python3 -c "import json, sys; from ndparallel.planner import probe; \
+from ndparallel.planner.shapes import load_model_shape; \
+spec, eff = probe.measure(load_model_shape('8b'), tokens=16384, device='cuda', use_cache=False); \
+json.dump({'gpu': spec.__dict__, 'efficiency': eff.to_dict()}, open(sys.argv[1], 'w'), indent=1); \
+print(json.dumps(eff.to_dict()))" "$OUT/planner_probe_8b.json"
+part attn 60 python3 benchmarks/attention_backends.py --shape 8b --rows 8192,32768 --json "$OUT/attention_backends.jsonl"
+QCASES=8b:4096:1:none:lora:nf4,8b:4096:1:none:lora:int8,8b:4096:1:none:lora,1b:4096:2:none:lora:nf4,1b:4096:2:none:lora:int8
+part qmem 200 python3 benchmarks/gpu_memory_sweep.py --cases "$QCASES" --out "$OUT/h200_memory_sweep_quantized.jsonl"
+QCASES2=8b:4096:1:none:lora:nf4,8b:4096:1:none:lora:int8,8b:4096:1:none:lora,8b:4096:1:selective:lora:nf4
+QCASES2=$QCASES2,1b:4096:2:none:lora:nf4,1b:4096:2:none:lora:int8,1b:4096:2:none:lora
+QCOMPILED=8b:4096:1:none:lora:nf4,8b:4096:1:none:lora:int8,8b:4096:1:none:lora
+part qmem-after 300 bash -c "python3 benchmarks/gpu_memory_sweep.py --cases $QCASES2 --out $OUT/h200_memory_sweep_quantized_after.jsonl \
+  && python3 benchmarks/gpu_memory_sweep.py --compile --steps 6 --cases $QCOMPILED --out $OUT/h200_memory_sweep_quantized_after.jsonl"
+part pick-1b 200 python3 benchmarks/planner_pick_check.py --shape 1b --seq 32768 --global-batch 2 --micro-batch-sizes 1,2 \
+  --out "$OUT"
 echo "[$(date +%T)] session done in $SECONDS s"

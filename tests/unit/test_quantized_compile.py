@@ -1,0 +1,83 @@
+"""Frozen quantized linears keep their codes, not a dequantized weight, for the backward, compiled or not.
+
+Compiled, a backward written as plain tensor code let the graph partitioner compute the dequantization once
+in the forward and save the compute-dtype weight (on the H200 an 8B LoRA peaked above a bf16 base's). The
+input gradient is an opaque operator now (``quantized/int8.py``, ``quantized/nf4.py``); these tests look at
+what autograd saves and at the gradients, against the eager layer and plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ndparallel.quantized import int8, nf4
+
+
+def _linear(fmt: str, out_features: int, in_features: int) -> nn.Linear:
+    torch.manual_seed(0)
+    linear = nn.Linear(in_features, out_features, bias=False)
+    with torch.no_grad():
+        linear.weight.mul_(0.2)
+    if fmt == "int8":
+        int8.to_int8(linear, scale_dtype=torch.float32)
+    else:
+        nf4.to_nf4(linear, "w", shards=1, dtype=torch.float32)
+    return linear
+
+
+def _dequantized(linear: nn.Linear) -> torch.Tensor:
+    if isinstance(linear, int8.Int8Linear):
+        return int8.dequantize(linear.weight, linear.weight_scale, torch.float32)
+    return linear.weight.get_original_weight()
+
+
+def _saved_and_grad(fn, x: torch.Tensor) -> tuple[list[tuple[tuple[int, ...], torch.dtype, str]], torch.Tensor]:
+    saved = []
+
+    def pack(t):
+        saved.append((tuple(t.shape), t.dtype, type(t).__name__))  # an NF4Tensor is the codes (eager)
+        return t
+
+    x = x.detach().requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(x)
+    out.square().sum().backward()
+    return saved, x.grad
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_quantized_linear_saves_no_dequantized_weight(fmt, compiled):
+    pytest.importorskip("torchao")
+    up = _linear(fmt, 512, 128)  # 64 x 256 values: one NF4 scale group per 128 columns' worth
+    down = _linear(fmt, 128, 512)
+
+    def block(x):
+        return down(F.silu(up(x)))
+
+    torch._dynamo.reset()
+    x = torch.randn(16, 128, generator=torch.Generator().manual_seed(1))
+    saved, got = _saved_and_grad(torch.compile(block) if compiled else block, x)
+    weight_shapes = {(512, 128), (128, 512)}
+    full_precision = [
+        (shape, dtype)
+        for shape, dtype, kind in saved
+        if shape in weight_shapes and kind != "NF4Tensor" and dtype.is_floating_point
+    ]
+    assert not full_precision, f"a dequantized weight was kept for the backward: {saved}"
+
+    w_up, w_down = _dequantized(up), _dequantized(down)  # plain PyTorch on the dequantized weights
+    _, expected = _saved_and_grad(lambda x: F.linear(F.silu(F.linear(x, w_up)), w_down), x)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), (got - expected).abs().max()
+
+
+def test_the_nf4_dequantization_is_torchaos_bit_for_bit():
+    pytest.importorskip("torchao")
+    linear = _linear("nf4", 256, 128)
+    w = linear.weight
+    parts = (w.quantized_data, w.quantized_scalers, w.quantization_factor, w.scaler_mean, w.nf4)
+    ours = nf4.dequantize(*parts, w.block_size, w.scaler_block_size, list(w.shape))
+    assert torch.equal(ours, w.get_original_weight())
