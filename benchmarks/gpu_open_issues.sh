@@ -27,6 +27,9 @@
 #   attn               issue 19: causal attention per SDPA backend and the varlen kernel, 8B heads (attention_backends.py)
 #   qmem               issue 19: peak memory of LoRA on NF4 / int8 / bf16 base weights, 8B and 1B (gpu_memory_sweep.py)
 #   qmem-after         the same after the leak fix (eaddab4), with bf16 references, selective, and compiled
+#   qmem-fix           LoRA on NF4 / int8 / bf16 bases after the compiled-dequantization fix (290fbf3): compiled
+#                      8B and 1B, and eager full checkpointing (the dequantization's passes)
+#   qmem-fused         compiled 8B LoRA on NF4 / int8 again, the backward's dequantization compiled (fused.py)
 #   pick-1b            issue 19: the planner's one-GPU pick vs every candidate measured, 1B at 32k (planner_pick_check.py)
 # Everything printed goes to $OUT/session.log; each part writes its own files under $OUT.
 BUDGET=${BUDGET:-560}
@@ -80,6 +83,13 @@ QCASES2=$QCASES2,1b:4096:2:none:lora:nf4,1b:4096:2:none:lora:int8,1b:4096:2:none
 QCOMPILED=8b:4096:1:none:lora:nf4,8b:4096:1:none:lora:int8,8b:4096:1:none:lora
 part qmem-after 300 bash -c "python3 benchmarks/gpu_memory_sweep.py --cases $QCASES2 --out $OUT/h200_memory_sweep_quantized_after.jsonl \
   && python3 benchmarks/gpu_memory_sweep.py --compile --steps 6 --cases $QCOMPILED --out $OUT/h200_memory_sweep_quantized_after.jsonl"
+QFIX=8b:4096:1:none:lora:nf4,8b:4096:1:none:lora:int8,8b:4096:1:none:lora
+QFIX=$QFIX,1b:4096:2:none:lora:nf4,1b:4096:2:none:lora:int8,1b:4096:2:none:lora
+part qmem-fix 300 bash -c "python3 benchmarks/gpu_memory_sweep.py --compile --steps 6 --cases $QFIX \
+  --out $OUT/h200_memory_sweep_quantized_fix.jsonl && python3 benchmarks/gpu_memory_sweep.py \
+  --cases 8b:4096:1:full:lora:nf4,8b:4096:1:full:lora:int8,8b:4096:1:full:lora --out $OUT/h200_memory_sweep_quantized_fix.jsonl"
+part qmem-fused 150 python3 benchmarks/gpu_memory_sweep.py --compile --steps 6 \
+  --cases 8b:4096:1:none:lora:nf4,8b:4096:1:none:lora:int8 --out "$OUT/h200_memory_sweep_quantized_fused.jsonl"
 part pick-1b 200 python3 benchmarks/planner_pick_check.py --shape 1b --seq 32768 --global-batch 2 --micro-batch-sizes 1,2 \
   --out "$OUT"
 echo "[$(date +%T)] session done in $SECONDS s"

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ndparallel.quantized import int8, nf4
+from ndparallel.quantized import fused, int8, nf4
 
 
 def _linear(fmt: str, out_features: int, in_features: int) -> nn.Linear:
@@ -69,6 +69,8 @@ def test_a_quantized_linear_saves_no_dequantized_weight(fmt, compiled):
     ]
     assert not full_precision, f"a dequantized weight was kept for the backward: {saved}"
 
+    if compiled:  # the operator's own dequantization ran compiled (fused.py), not as eager kernels
+        assert fused.compiled.cache_info().currsize > 0
     w_up, w_down = _dequantized(up), _dequantized(down)  # plain PyTorch on the dequantized weights
     _, expected = _saved_and_grad(lambda x: F.linear(F.silu(F.linear(x, w_up)), w_down), x)
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), (got - expected).abs().max()

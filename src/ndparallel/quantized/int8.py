@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
+from ndparallel.quantized.fused import dequantizer
+
 CODE_MAX = 127
 
 
@@ -52,14 +54,15 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
 # keeps the whole compute-dtype weight for the backward (measured on the H200: an 8B LoRA on int8 weights,
 # compiled, peaked at 41.1 GiB, above the 34.6 of a bf16 base). As one node that reads the codes, the backward
 # keeps only the codes and scales, which it holds anyway; the forward's dequantization stays fusible code.
+# ``fused``: called from a compiled backward; the dequantization runs compiled (``fused.py``).
 @torch.library.custom_op("ndparallel::int8_input_grad", mutates_args=())
-def int8_input_grad(grad: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def int8_input_grad(grad: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, fused: bool) -> torch.Tensor:
     """grad @ (codes * scale): the gradient of a frozen int8 linear's input."""
-    return grad @ dequantize(codes, scale, grad.dtype)
+    return grad @ dequantizer(dequantize, fused)(codes, scale, grad.dtype)
 
 
 @int8_input_grad.register_fake
-def _(grad: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _(grad: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, fused: bool) -> torch.Tensor:
     return grad.new_empty((*grad.shape[:-1], codes.shape[1]))
 
 
@@ -79,7 +82,7 @@ class _FrozenInt8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0] and isinstance(codes, DTensor):  # tensor parallelism: DTensor's own ops
             grad_x = grad @ dequantize(codes, scale, grad.dtype)
         elif ctx.needs_input_grad[0]:
-            grad_x = int8_input_grad(grad, codes, scale)
+            grad_x = int8_input_grad(grad, codes, scale, torch.compiler.is_compiling())
         grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
         return grad_x, None, None, grad_bias
 

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from ndparallel import _compat
 from ndparallel.errors import ConfigError
+from ndparallel.quantized.fused import dequantizer
 
 BLOCK = 64
 """Values sharing one scale (QLoRA's and bitsandbytes' block size)."""
@@ -82,7 +83,7 @@ def dequantize(
 
 # The input gradient as one opaque operator, for the reason int8.int8_input_grad gives (compiled, the NF4
 # base's dequantized weights were kept from forward to backward: an 8B LoRA peaked at 37.9 GiB on the H200,
-# above a bf16 base's 34.6).
+# above a bf16 base's 34.6). ``fused``: called from a compiled backward; the dequantization runs compiled.
 @torch.library.custom_op("ndparallel::nf4_input_grad", mutates_args=())
 def nf4_input_grad(
     grad: torch.Tensor,
@@ -94,18 +95,17 @@ def nf4_input_grad(
     block_size: int,
     scaler_block_size: int,
     shape: list[int],
+    fused: bool,
 ) -> torch.Tensor:
     """grad @ W for the NF4 weight W given by its parts: the gradient of a frozen NF4 linear's input."""
-    weight = dequantize(
-        quantized_data, quantized_scalers, quantization_factor, scaler_mean, nf4, block_size, scaler_block_size, shape
-    )
+    parts = (quantized_data, quantized_scalers, quantization_factor, scaler_mean, nf4)
+    weight = dequantizer(dequantize, fused)(*parts, block_size, scaler_block_size, shape)
     return grad @ weight.to(grad.dtype)
 
 
 @nf4_input_grad.register_fake
-def _(
-    grad, quantized_data, quantized_scalers, quantization_factor, scaler_mean, nf4, block_size, scaler_block_size, shape
-):
+def _(grad: torch.Tensor, *parts_and_layout) -> torch.Tensor:
+    shape = parts_and_layout[-2]
     return grad.new_empty((*grad.shape[:-1], shape[1]))
 
 
@@ -125,7 +125,8 @@ class _FrozenNf4Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             parts = [weight.quantized_data, weight.quantized_scalers, weight.quantization_factor]
             parts += [weight.scaler_mean, weight.nf4]
-            grad_x = nf4_input_grad(grad, *parts, weight.block_size, weight.scaler_block_size, list(weight.shape))
+            layout = (weight.block_size, weight.scaler_block_size, list(weight.shape))
+            grad_x = nf4_input_grad(grad, *parts, *layout, torch.compiler.is_compiling())
         grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, None, grad_bias
 

@@ -1,0 +1,28 @@
+"""The dequantization inside a compiled model's input-gradient operator, compiled on its own.
+
+The input gradient of a frozen quantized linear is an opaque operator (``int8.int8_input_grad``,
+``nf4.nf4_input_grad``), so that the compiled layer cannot keep the forward's dequantized weight for the
+backward. Its body is not part of the layer's graph, so its dequantization would run as eager kernels (for
+NF4 a dozen full passes over the weight: on the H200 a compiled 8B QLoRA step took 0.38 s against 0.27 for
+a bf16 base). When the operator is called from a compiled backward (``fused``: the layer was traced), it
+runs the dequantization through a ``torch.compile`` of its own, one fused kernel per weight shape. An
+eager model compiles nothing here.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+
+@functools.cache
+def compiled(fn: Callable) -> Callable:
+    """``fn`` compiled once per process (its shapes recompile as torch.compile decides: static first, then
+    dynamic)."""
+    return torch.compile(fn)
+
+
+def dequantizer(fn: Callable, fused: bool) -> Callable:
+    return compiled(fn) if fused else fn
