@@ -376,43 +376,61 @@ fast), float8 rows 0.92-1.10. Known causes, none corrected:
   does not model, and its casts may cost less than counted.
 - Multi-node FSDP rows (Trainy H200 1.08-1.10, Table 3) depend on the corrected network model (below).
 
-**Context parallel (Table 2, 4 rows): 0.87-1.36, three within 35%, one outside (cp 1 at 32k, 1.36).**
-At these lengths the step is attention. The planner now charges each kernel at what our H200 measured for
-it, as the engine picks it: rows of one document at cp 1 go through SDPA, which runs cuDNN's kernel on
-Hopper (head_dim 128 timed in the profiled 3B step: 0.58 of the peak forward, 0.38 backward at 8192
-rows); every CP method (and every packed row) runs FlashAttention 2's variable-length kernel, timed by
-`plan --measure` on the H200 at 0.29 forward / 0.20 backward (head_dim 64, the only one timed; the 8B's
-head_dim 128 takes it, which if anything makes CP too slow). The same FlashAttention 2 rates predict our
-own packed 16k-196k-token rows within 5% (`planner_fit_h200.py`). The cp 1 row at 32k is the one left
-outside: in December 2024 PyTorch's SDPA ran FlashAttention 2 there (cuDNN's kernel had been made
-opt-in in October 2024, pytorch/pytorch#138522; torchtitan opted in only in March 2025,
-pytorch/torchtitan#1000), where ndparallel on torch 2.11 runs cuDNN's: a difference of implementations,
-not checked here (no H100, and no multi-GPU machine for the cp > 1 rows). The
-published runs also compute the merges in fp32 (`convert_to_f32`) and round-robin load balancing, which
-the planner's CP-merge traffic covers only roughly.
+**Context parallel (Table 2, 4 rows): 1.05-1.59, two within 35% (cp 2 at 64k 1.05, cp 1 at 32k 1.35, just
+outside), two outside (cp 4 at 128k 1.47, cp 8 at 256k 1.59).** At these lengths the step is attention, and
+the planner charges each kernel at what our H200 measured for it, as the engine picks it: rows of one
+document at cp 1 go through SDPA, which runs cuDNN's kernel on Hopper (head_dim 128 from the profiled 3B
+step: 0.62 of the peak forward, 0.40 backward); every CP method (and every packed row) runs FlashAttention
+2's variable-length kernel, now timed at the 8B's own head_dim 128 by `plan --measure` on the H200 (0.38 /
+0.26 at long rows; the same kernel timed alone, `benchmarks/attention_backends.py`: 0.35 / 0.26 at 32k
+rows). Until 2026-12-02 the head_dim-64 rate (0.29 / 0.20) stood in for it, which put the CP rows at
+0.87-1.25: that near-agreement was partly the wrong kernel rate. Two differences of implementation are
+known, one sized:
+- cp 1 at 32k: in December 2024 PyTorch's SDPA ran FlashAttention 2 there (cuDNN's kernel had been made
+  opt-in in October 2024, pytorch/pytorch#138522; torchtitan opted in only in March 2025,
+  pytorch/torchtitan#1000), where ndparallel on torch 2.11 runs cuDNN's. On the H200 at the 8B's heads
+  (`attention_backends.py`, 32k rows) SDPA's FlashAttention 2 runs at 0.35 / 0.26 of the peak and cuDNN's at
+  0.62 / 0.43. Charged at FlashAttention 2's rate, as torchtitan ran, the row predicts 4,258 tokens/s:
+  **1.09**. The 1.35 is then ndparallel's kernel choice, not a modelling error (unverified on an H100).
+- cp 4 and 8: the excess grows with the CP degree (1.05, 1.47, 1.59) and is not explained. Candidates not
+  modelled: torchtitan's ring ran one SDPA call per ring step with an fp32 merge of the outputs
+  (`convert_to_f32`) and round-robin load balancing; the 500 W power cap slows an attention-bound step more
+  than the mid-range peak assumes. No multi-GPU machine was lent to time ndparallel's own CP at these sizes.
 
 **Memory.** No source reports allocated memory, so the 15% criterion has no row to apply to. Beside
-the reserved figures: the 8B FSDP rows (76 and 74 GiB predicted vs 82.4 and 77.0 reserved) are in the
+the reserved figures: the 8B FSDP rows (76 and 70 GiB predicted vs 82.4 and 77.0 reserved) are in the
 expected relation; the long-sequence and TP rows are far below the published reservations because
 torchtitan's loss materializes float32 logits (16 GB at 32k tokens of a 128k vocabulary) that
-ndparallel's chunked loss never makes. The 8B TP 8, local batch 12 row (`fits: no`, 90 GiB): ndparallel's
-selective checkpointing keeps the full-width outputs of the row-parallel `o_proj` and `down_proj` before
-their reduce-scatter (measured on CPU, `tests/planner_memory`), 2 x h elements per token and layer where
-the reduce-scattered output would be 2 x h / 8; the planner is right that *ndparallel* would not fit there in that
-mode (it recommends another layout instead). Saving the reduce-scattered output instead is a fix for
-`parallel/checkpointing.py`, not for the planner.
+ndparallel's chunked loss never makes. The 8B TP 8, local batch 12 row (compiled, selective) now fits at
+66.9 GiB (was 90.4, `fits: no`): compiled layers do not keep `down_proj`'s output, which backward never
+reads (measured on the H200 at tp 1, `planner_validation.md`; at tp 8 it is the full-width output before
+the reduce-scatter, unmeasured). Eager, ndparallel's selective mode still keeps the full-width outputs of
+`o_proj` and `down_proj` (2 x h elements per token and layer where the reduce-scattered ones would be
+2 x h / 8): a fix for `parallel/checkpointing.py`.
 
 **Recommended layouts.** For the 8B at sequence 8192 on 8, 32, 64 (H200 and A100) and 128 GPUs the
-planner's pick (last column) is the published layout, FSDP over all GPUs (on 8 and 128 H100s it prefers
-micro-batch 1 x 2 without checkpointing to micro-batch 2 with it). For the other problems it picks a
-layout it predicts faster, which the pages cannot confirm or refute (they publish one layout per
-problem): 70B on 256 H100s, FSDP 128 x TP 2 with selective checkpointing and accumulation 4 instead of
-TP 8 (ndparallel's TP collectives are exposed: 5 s of a 22-23 s step at TP 8); 70B on 64 A100s, FSDP 16
-x TP 4; 8B at local batch 12 on 64 GPUs, FSDP 32 x TP 2; long sequences, tensor parallelism instead of
-CP (TP 2 at 32k-64k, TP 4 at 128k, TP 8 at 256k): tensor parallelism keeps whole rows, which SDPA runs
-with cuDNN's kernel at about twice the rate of the variable-length kernel every CP method calls. That
-prediction is ndparallel-specific and unmeasured (no multi-GPU machine was lent); if it holds, CP blocks
-of one-document rows should call cuDNN's kernel too.
+planner's pick (last column) is the published layout, FSDP over all GPUs (on 8 H100s and in eager on 128 it
+prefers micro-batch 1 x 2 without checkpointing to micro-batch 2 with it; compiled on 128, micro-batch 2
+without checkpointing). For the other problems it picks a layout it predicts faster, which the pages cannot
+confirm or refute (they publish one layout per problem): 70B on 256 H100s, FSDP 128 x TP 2 with selective
+checkpointing and accumulation 4 instead of TP 8 (ndparallel's TP collectives are exposed: 5 s of a 22-23 s
+step at TP 8); 70B on 64 A100s, FSDP 16 x TP 4; 8B at local batch 12 on 64 GPUs, FSDP 32 x TP 2; long
+sequences, tensor parallelism instead of CP (TP 2 at 32k, TP 4 at 64k-128k, TP 8 at 256k): tensor
+parallelism keeps whole rows, which SDPA runs with cuDNN's kernel at 1.7 times the rate of the
+variable-length kernel every CP method calls (H200, head_dim 128, 32k rows). That prediction is
+ndparallel-specific and unmeasured on more than one GPU; if it holds, CP blocks of one-document rows
+should call cuDNN's kernel too.
+
+**The pick on one GPU, measured** (`benchmarks/planner_pick_check.py`, H200, 2026-12-02,
+`results/h200_planner_pick_check.jsonl`): the 1B at 32k tokens per row, 2 rows per step, compiled; every
+candidate the planner considers (micro-batch 1 or 2, three checkpointing modes) run as the trainer's step,
+one process each. The planner of the run picked micro-batch 1 x 2 accumulation without checkpointing:
+the fastest measured (33,032 tokens/s; the other five 26,783-32,997). It had called micro-batch 2 without
+checkpointing "does not fit" (139.1 GiB predicted, 123.4 measured); with the compiled-activation change
+these runs prompted (`planner/activations.py`: every candidate's peak now within 0.5%) that candidate
+fits (123.1 of 125.8 usable GiB) and is the pick, measured 32,897 tokens/s: 0.4% below the best. The
+predicted tokens/s were 9-10% low for every candidate alike (30,169 for the first pick), so the ranking
+held.
 
 **Changes made after first seeing these numbers** (each a modelling error with a physical cause, none a
 constant set from them): a group that spans nodes with k members per node crosses the network on k NICs
@@ -428,6 +446,10 @@ our long-row measurements. This moved the CP rows to 0.87-1.36 and the dense row
 Later still (not prompted by these rows): a world of one rank is modelled as the engine's flat path, no
 FSDP copies (the H200 rows measured on FSDP over one rank say so in the fit); re-fitted, the eager and
 compiled pointwise fractions moved from 0.479 / 0.500 to 0.471 / 0.491, every ratio here by at most 0.01.
+Then (2026-12-02, not prompted by these rows): the variable-length kernel's head_dim-128 rate was measured
+(above: the CP rows moved to 1.05-1.59); compiled layers' kept activations follow the H200's compiled
+peaks (MLP and selective terms, `planner/activations.py`): predicted memory of compiled rows fell by up to
+24 GiB (the TP 8 row), no throughput moved.
 
 ## What the planner cannot express
 

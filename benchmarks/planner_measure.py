@@ -96,16 +96,26 @@ LOSS_CASES = [
 ]
 
 
-# GPU peaks of benchmarks/gpu_memory_sweep.py (one GPU, layout 1x1x1x1, eager), newest file first: a case
+# GPU peaks of benchmarks/gpu_memory_sweep.py (one GPU, layout 1x1x1x1), newest file first: a (case, compile)
 # is taken from the first file that has it. The earlier sweep ran a slightly older loss; its peaks agree
 # with the final sweep's to 40 KB where the cases overlap, so its extra case (1B LoRA selective) is used.
+# Not used: h200_memory_sweep_quantized.jsonl (2026-12-02, before eaddab4: every model built in the sweep's
+# process stayed in memory, so each case after the first started 0.3-0.8 GiB high) and the 1B compiled rows
+# of h200_memory_sweep_quantized_fix.jsonl (its fourth model in one process: torch.compile's recompile limit
+# of 8 per code object was hit, and its layers ran partly uncompiled).
 GPU_RESULTS = [
+    "h200_memory_sweep_quantized_fused.jsonl",  # compiled 8B LoRA on NF4 / int8 (the final input-gradient op)
+    "h200_memory_sweep_quantized_fix.jsonl",  # compiled 8B bf16 LoRA; eager full checkpointing, NF4/int8/bf16
+    "h200_memory_sweep_quantized_after.jsonl",  # eager LoRA on NF4 / int8 / bf16, 8B and 1B
     "h200_memory_sweep_lora_session4.jsonl",  # LoRA after the frozen base went to bf16 (one-rank path): first, wins
     "h200_memory_sweep_final.jsonl",
     "h200_memory_sweep.jsonl",
     "h200_longseq.jsonl",
 ]
-GPU_SHAPES = {"1b": "llama-1b", "3b": "llama-3b"}  # models/build.PRESETS -> planner presets (same dimensions)
+GPU_SKIP = {("h200_memory_sweep_quantized_fix.jsonl", "1b")}  # (file, shape) of compiled rows not used (above)
+# Compiled trainer steps measured by benchmarks/planner_pick_check.py (one process per candidate).
+PICK_RESULTS = ["h200_planner_pick_check.jsonl"]
+GPU_SHAPES = {"1b": "llama-1b", "3b": "llama-3b", "8b": "llama-8b"}  # models/build.PRESETS -> planner presets
 GPU_LORA_RANK = 16  # gpu_memory_sweep.py: LoraSpec(r=16, alpha=32, target_linear=True)
 # Versions of the GPU runs that their JSON lines do not record (from the sweep's notes).
 GPU_TRANSFORMERS = "5.17.0"
@@ -208,42 +218,67 @@ def measure_all() -> list[dict]:
     return rows
 
 
+def _gpu_row(r: dict, file: str, *, accumulation: int = 1) -> dict:
+    lora = {"lora_rank": GPU_LORA_RANK} if r.get("lora") else {}
+    quantized = r.get("quantized_base")
+    compiled = bool(r.get("compile"))
+    batch = f"b{r['micro_batch']}" + (f"x{accumulation}" if accumulation > 1 else "")
+    case = f"h200-{r['shape']}-s{r['seq']}-{batch}-{r['ac']}" + ("-lora16" if lora else "")
+    case += (f"-{quantized}" if quantized else "") + ("-compiled" if compiled else "")
+    peak = r.get("peak_allocated_gib", r.get("measured_peak_gib"))
+    return {
+        "case": case,
+        "model": PRESETS[GPU_SHAPES[r["shape"]]].to_dict(),
+        "layout": L(),
+        "seq_len": r["seq"],
+        "micro_batch": r["micro_batch"],
+        "activation_checkpointing": r["ac"],
+        "precision": "bf16",
+        **lora,
+        **({"quantized_base": quantized} if quantized else {}),
+        **({"compile": True} if compiled else {}),
+        **({"accumulation": accumulation} if accumulation > 1 else {}),
+        "quantity": "peak_allocated",
+        "measured_bytes": peak * 2**30,
+        "device": r.get("device", "NVIDIA H200"),
+        "torch": r.get("torch", "2.11.0+cu130"),
+        "transformers": GPU_TRANSFORMERS,
+        "date": r["date"],
+        "source": f"benchmarks/results/{file}",
+        "peak_reserved_bytes": r["peak_reserved_gib"] * 2**30 if "peak_reserved_gib" in r else None,
+    }
+
+
 def gpu_rows(results_dir: str = os.path.join(ROOT, "benchmarks", "results")) -> list[dict]:
-    """peak_allocated rows from the GPU sweep files (status ok, eager, one GPU), one per case."""
+    """peak_allocated rows from the GPU files (status ok, one GPU), one per case."""
     rows, seen = [], set()
     for file in GPU_RESULTS:
         with open(os.path.join(results_dir, file)) as f:
             records = [json.loads(line) for line in f if line.strip()]
         for r in records:
-            if r["case"] in seen or r.get("status") != "ok" or r.get("compile") or r["layout"] != [1, 1, 1, 1]:
+            key = (r["case"], bool(r.get("compile")))
+            if key in seen or r.get("status") != "ok" or r["layout"] != [1, 1, 1, 1]:
                 continue
-            seen.add(r["case"])
-            model = PRESETS[GPU_SHAPES[r["shape"]]]
-            lora = {"lora_rank": GPU_LORA_RANK} if r["lora"] else {}
-            rows.append(
-                {
-                    "case": f"h200-{r['shape']}-s{r['seq']}-b{r['micro_batch']}-{r['ac']}"
-                    + ("-lora16" if lora else ""),
-                    "model": model.to_dict(),
-                    "layout": L(),
-                    "seq_len": r["seq"],
-                    "micro_batch": r["micro_batch"],
-                    "activation_checkpointing": r["ac"],
-                    "precision": "bf16",
-                    **lora,
-                    "quantity": "peak_allocated",
-                    "measured_bytes": r["peak_allocated_gib"] * 2**30,
-                    "device": r["device"],
-                    "torch": r["torch"],
-                    "transformers": GPU_TRANSFORMERS,
-                    "date": r["date"],
-                    "source": f"benchmarks/results/{file}",
-                    "peak_reserved_bytes": r["peak_reserved_gib"] * 2**30,
-                }
-            )
+            if r.get("compile") and (file, r["shape"]) in GPU_SKIP:
+                continue
+            seen.add(key)
+            rows.append(_gpu_row(r, file))
+    for file in PICK_RESULTS:
+        with open(os.path.join(results_dir, file)) as f:
+            for r in (json.loads(line) for line in f if line.strip()):
+                if r["ran"]:
+                    rows.append(_gpu_row({**r, "lora": False}, file, accumulation=r["accumulation"]))
     modes = ("none", "selective", "full")
     rows.sort(
-        key=lambda r: (r["model"]["name"], "lora_rank" in r, modes.index(r["activation_checkpointing"]), r["seq_len"])
+        key=lambda r: (
+            r["model"]["name"],
+            "lora_rank" in r,
+            r.get("quantized_base") or "",
+            r.get("compile", False),
+            modes.index(r["activation_checkpointing"]),
+            r["seq_len"],
+            r["micro_batch"],
+        )
     )
     return rows
 
@@ -279,17 +314,21 @@ def _cpu_table(rows: list[dict]) -> list[str]:
 def _gpu_table(rows: list[dict]) -> list[str]:
     gib = 2**30
     lines = [
-        "| case | model | seq x micro-batch | checkpointing | LoRA | predicted GiB | measured GiB | error "
+        "| case | model | seq x micro-batch | checkpointing | compiled | LoRA | predicted GiB | measured GiB | error "
         "| peak at | reserved GiB |",
-        "|---|---|---|---|---|---:|---:|---:|---|---:|",
+        "|---|---|---|---|---|---|---:|---:|---:|---|---:|",
     ]
     for (case, predicted, measured, err), row in zip(compare_to_measurements(rows), rows):
         moment = predict_memory(row).transient_kind
         lora = f"r={row['lora_rank']}" if row.get("lora_rank") else "-"
+        if row.get("quantized_base"):
+            lora += f", {row['quantized_base'].upper()} base"
+        reserved = f"{row['peak_reserved_bytes'] / gib:.1f}" if row.get("peak_reserved_bytes") else "-"
+        batch = f"{row['micro_batch']}" + (f" x {row['accumulation']} acc." if row.get("accumulation") else "")
+        compiled = "yes" if row.get("compile") else "no"
         lines.append(
-            f"| {case} | {row['model']['name']} | {row['seq_len']} x {row['micro_batch']} | "
-            f"{row['activation_checkpointing']} | {lora} | {predicted / gib:.2f} | {measured / gib:.2f} | "
-            f"{err:+.3%} | {moment} | {row['peak_reserved_bytes'] / gib:.1f} |"
+            f"| {case} | {row['model']['name']} | {row['seq_len']} x {batch} | {row['activation_checkpointing']} | "
+            f"{compiled} | {lora} | {predicted / gib:.2f} | {measured / gib:.2f} | {err:+.3%} | {moment} | {reserved} |"
         )
     return lines
 
@@ -317,24 +356,29 @@ def write_report(rows: list[dict], env: dict, path: str) -> None:
         + "):",
         "the trainer's path (`ndparallel.parallelize` + `train.forward_backward` + `clip_grad_norm_` + fused AdamW",
         "+ `zero_grad(set_to_none=True)`), layout 1x1x1x1, bf16 parameters, fp32 master weights, gradients and",
-        "reductions, synthetic full rows (no packing or padding: plain causal SDPA), eager (no torch.compile),",
-        "LoRA rank 16 on all seven linears of every layer. The full fine-tunes ran on FSDP2 over a one-rank mesh",
-        "(2026-11-29, nothing resharded after forward); the engine's one-rank path, which training on one GPU now",
-        "takes, peaked at the same 30.95 and 66.80 GiB compiled (1B 4096 x 2, 3B 8192 x 1; RESULTS.md) as FSDP on",
-        "one rank did. The LoRA rows (2026-12-01) ran on the one-rank path, the frozen base stored in bf16 and",
-        "used as stored. Measured = `torch.cuda.max_memory_allocated()` over the steps including the optimizer",
+        "reductions, synthetic full rows (no packing or padding: plain causal SDPA), LoRA rank 16 on all seven",
+        "linears of every layer. The full fine-tunes ran on FSDP2 over a one-rank mesh (2026-11-29, nothing",
+        "resharded after forward); the engine's one-rank path, which training on one GPU now takes, peaked at the",
+        "same 30.95 and 66.80 GiB compiled (1B 4096 x 2, 3B 8192 x 1; RESULTS.md) as FSDP on one rank did. The",
+        "LoRA rows (2026-12-01/02) ran on the one-rank path, the frozen base stored in bf16 and used as stored, or",
+        "quantized (`NF4 base`: `load_in_4bit`, QLoRA; `INT8 base`: `load_in_8bit`; the decoder blocks' linears).",
+        "Compiled rows (`compiled`): every decoder layer and the loss compiled, as the trainer's `torch_compile`;",
+        "the 1B rows at 32k with accumulation are the trainer's own step (`benchmarks/bench_train.py`'s",
+        "`ndparallel` row, one process per candidate), run by `benchmarks/planner_pick_check.py`.",
+        "Measured = `torch.cuda.max_memory_allocated()` over the steps including the optimizer",
         "step; predicted = `estimate_memory(...).allocated` for the same configuration (no CUDA context or",
         'other overhead, which that counter excludes). "peak at" is the moment of the step the model says',
         'peaks (see `planner/memory.py`); "reserved" is `torch.cuda.max_memory_reserved()`, for reference.',
+        "Not used: the first quantized sweep (`h200_memory_sweep_quantized.jsonl`, run before eaddab4 fixed",
+        "a leak that kept every model of the sweep's process alive: each case after the first started 0.3-0.8",
+        "GiB high) and the 1B compiled rows of `h200_memory_sweep_quantized_fix.jsonl` (the fourth model",
+        "compiled in one process hit torch.compile's recompile limit, and ran partly uncompiled).",
         "",
         *_gpu_table(gpu),
         "",
-        f"Largest relative error: {abs(worst_gpu[3]):.3%} ({worst_gpu[0]}) over {len(gpu)} rows.",
-        "",
-        "Not in the table: torch.compile runs (`benchmarks/results/h200_bench.jsonl`: the 1B at 4096 x 2 peaked",
-        "at 30.95 GiB, the 3B at 8192 x 1 at 66.80 GiB, against 36.42 and 77.02 GiB eager). Compiled layers keep",
-        "no fp32 copy of their norms' inputs and the compiled loss no fp32 chunk temporaries; with these",
-        "(`Workload.compile`) the planner predicts 31.97 and 69.56 GiB (+3.3%, +4.1%; without them +18%, +15%).",
+        f"Largest relative error: {abs(worst_gpu[3]):.3%} ({worst_gpu[0]}) over {len(gpu)} rows. Eager rows,",
+        "and compiled full fine-tunes, agree to 0.5%; compiled LoRA rows (8B) are predicted 4-6% high: the",
+        "model keeps the eager count of the MLP's saved tensors under LoRA (`planner/activations.py`).",
         "",
         "## CPU: activations and loss, counted storage by storage",
         "",
@@ -363,7 +407,8 @@ def write_report(rows: list[dict], env: dict, path: str) -> None:
         "  peaks (the loss's backward, or, for the 3B with full checkpointing, the end of backward, where the",
         "  layers' fp32 gradients, the logits and the tied embedding's three fp32 reduce buffers coincide), the",
         "  world-1 FSDP behaviour (every bf16 copy kept from forward to backward, a third fp32 buffer in each",
-        "  reduction), fp32 frozen base weights under LoRA, and the 64 MiB of cuBLAS workspaces.",
+        "  reduction), the bf16 frozen base under LoRA and the NF4 / int8 bases' bytes, and the 64 MiB of cuBLAS",
+        "  workspaces; with torch.compile, what compiled layers keep (1B and 3B; 8B LoRA: 4-6% over).",
         "- Validated on CPU (eager, SDPA): every activation coefficient in `planner/activations.py` for all three",
         "  checkpointing modes, tp, all three CP methods and their compositions, bf16 and fp32, LoRA (world 1 and",
         "  tp 2); what the chunked cross-entropy saves (the logits + 14 B per token) and its peak: logits + their",
@@ -373,8 +418,7 @@ def write_report(rows: list[dict], env: dict, path: str) -> None:
         "- Not validated: anything with more than one GPU on a GPU (FSDP resharding and prefetch, reduce-scatter",
         "  buffers over f > 1 ranks, TP/CP collectives' buffers, gradient accumulation): these terms follow the",
         "  code (`planner/memory.py`) but no GPU measurement checks them; GPU attention kernels under CP (the",
-        "  memory-efficient kernel's padded log-sum-exp; allgather CP's bf16 mask); torch.compile beyond the two",
-        "  runs above; the",
+        "  memory-efficient kernel's padded log-sum-exp; allgather CP's bf16 mask); compiled LoRA's MLP; the",
         "  allocator's fragmentation and the CUDA/NCCL overhead (`Cluster.overhead_gib`, 2 GiB assumed): the",
         "  reserved column shows the caching allocator holding 17-36% more than the allocated peak in the full",
         "  fine-tuning runs (1-2% with LoRA), far more than that 2 GiB. Throughput is checked separately",

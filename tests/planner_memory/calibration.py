@@ -87,6 +87,8 @@ def predict_memory(row: dict[str, Any]) -> MemoryEstimate:
         precision=row.get("precision", "bf16"),
         activation_checkpointing=mode,
         lora_rank=row.get("lora_rank"),
+        quantized_base=row.get("quantized_base"),
+        compile=row.get("compile", False),
     )
     cluster = Cluster(overhead_gib=row.get("overhead_gib", Cluster.overhead_gib))
     return estimate_memory(

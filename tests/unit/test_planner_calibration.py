@@ -29,7 +29,7 @@ def test_prediction_within_tolerance(case, predicted, measured, err):
 
 def test_h200_rows_cover_the_issue_requirement():
     # 1B and 3B shapes, several sequence lengths, all three checkpointing modes, LoRA; one GPU, eager.
-    assert {r["model"]["name"] for r in GPU} == {"llama-1b", "llama-3b"}
+    assert {r["model"]["name"] for r in GPU} >= {"llama-1b", "llama-3b", "llama-8b"}
     assert all(r["device"] == "NVIDIA H200" and r["torch"] and r["date"] and r["source"] for r in GPU)
     for name in ("llama-1b", "llama-3b"):
         rows = [r for r in GPU if r["model"]["name"] == name]
@@ -37,6 +37,8 @@ def test_h200_rows_cover_the_issue_requirement():
         assert len({r["seq_len"] for r in rows}) >= 2
     assert len({r["seq_len"] for r in GPU}) >= 5
     assert any(r.get("lora_rank") for r in GPU)
+    assert {r.get("quantized_base") for r in GPU} == {None, "nf4", "int8"}
+    assert {r.get("compile", False) for r in GPU} == {False, True}
 
 
 def test_h200_peaks_within_tolerance_and_report_the_worst():
@@ -48,9 +50,12 @@ def test_h200_peaks_within_tolerance_and_report_the_worst():
         f"({err:+.2%})"
     )
     assert abs(err) <= TOLERANCE
-    # The model reproduces every measured peak far inside the requirement (worst 0.01% when recorded); a change
-    # that loses this should say why in benchmarks/planner_validation.md.
-    assert abs(err) < 0.01, f"{case}: {err:+.2%}"
+    # The model reproduces every eager peak, and every compiled full fine-tune's, to 0.5% (compiled LoRA: 4-6%
+    # over, planner_validation.md says why); a change that loses this should say why there.
+    exact = [t for t, row in zip(table, GPU) if not (row.get("compile") and row.get("lora_rank"))]
+    case, _, _, err = max(exact, key=lambda t: abs(t[3]))
+    assert abs(err) < 0.005, f"{case}: {err:+.2%}"
+    assert all(abs(t[3]) < 0.07 for t in table)
 
 
 def test_a_wrong_measurement_is_caught():

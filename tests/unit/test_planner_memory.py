@@ -2,6 +2,7 @@
 
 import pytest
 
+from ndparallel import ConfigError
 from ndparallel.layout import Layout
 from ndparallel.planner.activations import activation_bytes, layer_full, layer_none, layer_selective, loss_peak
 from ndparallel.planner.memory import (
@@ -207,3 +208,44 @@ def test_lora_activations_drop_the_frozen_norms_copies_and_add_the_adapters():
     # + the head drops lm_head's input and the final norm's copy; the first layer's input norm keeps nothing
     assert a_none.head == b_none.head - 2 * 2 * h * n
     assert a_none.layers == 32 * a_none.per_layer - n * (4 * h + 4)
+
+
+@pytest.mark.parametrize("fmt, per_value", [("nf4", 0.5 + 1 / 64 + 4 / 16384), ("int8", 1.0)])
+def test_a_quantized_base_stores_its_linears_as_codes(fmt, per_value):
+    """QLoRA / 8-bit LoRA: the decoder linears' bytes drop from 2 (bf16) to the format's bytes per value (int8
+    adds one bf16 scale per output row); nothing else changes at the optimizer step."""
+    from ndparallel.planner.memory import quantized_saving
+
+    base = Workload(seq_len=SEQ, global_batch_rows=1, lora_rank=16)
+    quantized = Workload(seq_len=SEQ, global_batch_rows=1, lora_rank=16, quantized_base=fmt)
+    weights = L8B.layers * L8B.layer_linear_weights()
+    assert weights == 32 * (4096 * (4096 + 1024 + 1024 + 4096) + 3 * 4096 * 14336)
+    scales = 2 * L8B.layers * L8B.layer_linear_rows() if fmt == "int8" else 0
+    expected = weights * (2 - per_value) - scales
+    assert L8B.layers * quantized_saving(L8B, quantized) == pytest.approx(expected)
+    for layout in (Layout(), Layout(dp_shard=4)):  # one rank, and FSDP's shards and gathered copies
+        drop = _step(L8B, layout, base).total - _step(L8B, layout, quantized).total
+        assert drop == pytest.approx(expected / layout.fsdp_size)
+    gathered = memory_moments(L8B, Layout(dp_shard=4), base)["loss"].working_params
+    assert gathered - memory_moments(L8B, Layout(dp_shard=4), quantized)["loss"].working_params == pytest.approx(
+        expected / L8B.layers
+    )
+
+
+def test_a_quantized_base_needs_lora():
+    with pytest.raises(ConfigError, match="give --lora-rank"):
+        Workload(seq_len=SEQ, global_batch_rows=1, quantized_base="nf4")
+    with pytest.raises(ConfigError, match="must be one of nf4, int8"):
+        Workload(seq_len=SEQ, global_batch_rows=1, lora_rank=8, quantized_base="fp4")
+
+
+def test_what_compiled_layers_keep():
+    """Compiled: each RMSNorm recomputes its fp32 input copy (4h per token), the MLP recomputes silu(gate)
+    (e*i; full fine-tuning only), selective checkpointing drops down_proj's output (e*h); per token, bf16."""
+    h, i = L8B.hidden, L8B.intermediate
+    eager, compiled = layer_none(L8B, Layout(), SEQ, 1, 2), layer_none(L8B, Layout(), SEQ, 1, 2, compiled=True)
+    assert eager - compiled == SEQ * (2 * 4 * h + 2 * i)
+    lora = layer_none(L8B, Layout(), SEQ, 1, 2, 16) - layer_none(L8B, Layout(), SEQ, 1, 2, 16, compiled=True)
+    assert lora == SEQ * 2 * 4 * h
+    selective = layer_selective(L8B, Layout(), SEQ, 1, 2) - layer_selective(L8B, Layout(), SEQ, 1, 2, compiled=True)
+    assert selective == SEQ * 2 * h

@@ -46,10 +46,18 @@ gradient): (4h + 4)/t once. The linears' inputs stay saved (each adapter's A rea
 Measured on CPU (``tiny-gqa4-*-lora*`` rows, world 1 and tp 2) and on the H200 (1B LoRA rows).
 
 torch.compile (the trainer's ``compile``: each decoder layer compiled, and the loss's chunk functions)
-changes two things: a compiled layer's RMSNorms keep 1/rms and recompute their fp32 input copy in
-backward instead of saving it (4h bytes per token and norm fewer), and the compiled loss writes each
-chunk's gradient in one kernel (no float32 chunk temporaries). With these the model is 3.3% (1B) and 4.1%
-(3B) above the H200's compiled peaks (``benchmarks/results/h200_bench.jsonl``), against 15-18% without.
+changes what is kept, because the compiled layer's backward graph is partitioned from the forward by
+need (the min-cut partitioner recomputes cheap elementwise results, and saves only what backward reads):
+    RMSNorms        keep 1/rms and recompute their fp32 input copy: 4h fewer per token and norm
+    MLP (none)      keeps gate and up and the product (down's input), recomputes silu(gate): 3e*i/t, not 4e*i/t
+                    (full fine-tuning; under LoRA the compiled 8B's peak is 4% below the eager count, kept)
+    selective       the policy's saved matmul outputs lose the one backward never reads: down_proj's output
+                    (it only feeds the residual add; the next layer saves its own input), e*h fewer
+    loss            each chunk's gradient in one kernel (no float32 chunk temporaries)
+Measured on the H200 (compiled, one GPU, torch 2.11): without the MLP and selective terms the model was
+e*i (none, 15-16 KB per token and layer: 1B at 4k x 2 and 32k x 1-2, 3B at 8k) and ~0.94 e*h (selective,
+1B at 32k) above every compiled peak; full checkpointing (no such term) was within 0.5%. With them:
+``benchmarks/planner_validation.md``.
 """
 
 from __future__ import annotations
@@ -126,7 +134,10 @@ def layer_none(
     """Bytes one decoder layer keeps for backward without checkpointing (LoRA: frozen base, 7 adapters)."""
     t, s = layout.tp, seq // layout.cp
     frozen = bool(lora_rank)
-    dense = b * s * (2 * _norm(m, t, e, frozen, compiled) + 2 * e * m.hidden + 4 * e * m.intermediate / t)
+    # compiled: silu(gate) recomputed (module docstring); not measured so under LoRA, whose compiled 8B peak
+    # the eager count of 4 tensors covers (+4%)
+    mlp = (3 if compiled and not frozen else 4) * e * m.intermediate / t
+    dense = b * s * (2 * _norm(m, t, e, frozen, compiled) + 2 * e * m.hidden + mlp)
     if m.qk_norm:
         dense += b * s * ((4 + (0 if frozen else e)) * (m.q_dim + m.kv_dim) + 4 * (m.heads + m.kv_heads)) / t
     if lora_rank:
@@ -134,14 +145,16 @@ def layer_none(
     return dense + attention_none(m, layout, seq, b, e)
 
 
-def layer_selective(m: ModelShape, layout: Layout, seq: int, b: int, e: int) -> float:
-    """Bytes one decoder layer keeps under selective checkpointing (matmul and attention outputs + input)."""
+def layer_selective(m: ModelShape, layout: Layout, seq: int, b: int, e: int, compiled: bool = False) -> float:
+    """Bytes one decoder layer keeps under selective checkpointing (matmul and attention outputs + input;
+    compiled: without down_proj's output, which backward never reads)."""
     t, c, h = layout.tp, layout.cp, m.hidden
     s = seq // c
     kernel = (e * m.q_dim + 4 * m.heads) / t
     if c > 1 and layout.cp_comm_strategy == "ring":
         kernel *= c + 0.5  # 2cp+1 cached blocks of s/2 tokens
-    per_token = e * h / t + e * (m.q_dim + 2 * m.kv_dim) / t + 2 * e * h + 2 * e * m.intermediate / t + kernel
+    matmul_outputs = e * (m.q_dim + 2 * m.kv_dim) / t + (1 if compiled else 2) * e * h + 2 * e * m.intermediate / t
+    per_token = e * h / t + matmul_outputs + kernel
     return b * s * per_token
 
 
@@ -167,7 +180,7 @@ def activation_bytes(
     if mode == "none":
         per_layer, recompute = none, 0.0
     elif mode == "selective":
-        per_layer = layer_selective(m, layout, seq, b, e)
+        per_layer = layer_selective(m, layout, seq, b, e, compiled)
         if lora_rank:  # the adapters' A and B outputs are matmul outputs too
             widths = (m.q_dim + 2 * m.kv_dim + 2 * m.intermediate + 2 * m.hidden) / t
             per_layer += b * s * e * (7 * lora_rank + widths)

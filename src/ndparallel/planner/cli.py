@@ -121,6 +121,21 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     work.add_argument("--doc-len", type=int, help="packed rows of documents this long (attention per document)")
     work.add_argument("--activation-checkpointing", choices=("auto", "none", "full", "selective"), default="auto")
     work.add_argument("--lora-rank", type=int, default=None, help="plan LoRA fine-tuning of rank r (frozen base)")
+    quantized = work.add_mutually_exclusive_group()
+    quantized.add_argument(
+        "--load-in-4bit",
+        dest="quantized_base",
+        action="store_const",
+        const="nf4",
+        help="LoRA on an NF4 base (QLoRA; tp 1 only), as the trainer's load_in_4bit",
+    )
+    quantized.add_argument(
+        "--load-in-8bit",
+        dest="quantized_base",
+        action="store_const",
+        const="int8",
+        help="LoRA on an int8 base, as the trainer's load_in_8bit",
+    )
     lay = parser.add_argument_group("layouts")
     lay.add_argument("--layout", type=_layout, help="evaluate only this layout: dp_replicate,dp_shard,cp,tp")
     lay.add_argument(
@@ -177,6 +192,7 @@ def run_plan(args: argparse.Namespace) -> int:
             precision=args.precision,
             activation_checkpointing=args.activation_checkpointing,
             lora_rank=args.lora_rank,
+            quantized_base=args.quantized_base,
             cp_methods=args.cp_methods,
             gradient_sync=args.gradient_sync,
             compile=args.compile,

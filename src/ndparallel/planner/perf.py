@@ -128,7 +128,7 @@ def step_time(
     if "cp" in comm:
         ring = layout.cp_comm_strategy == "ring"
         exposed["cp"] = max(0.0, comm["cp"].seconds - parts["attention"]) if ring else comm["cp"].seconds
-    compute_mb = (parts["linear"] + parts["attention"] + parts["pointwise"] + parts["loss"]) / m
+    compute_mb = sum(parts[kind] for kind in ("linear", "attention", "pointwise", "loss", "dequantize")) / m
     units = model.layers + 1
     background = _background(comm, compute_mb, m, units, cluster.overlap)
     if background:

@@ -55,6 +55,13 @@ def plan(
         if axis not in AXES:
             raise ConfigError(f"constraint {axis!r} is not an axis; use {', '.join(AXES)}")
         layouts = [lay for lay in layouts if getattr(lay, axis) == size]
+    if workload.quantized_base == "nf4":  # quantized/: an NF4 weight cannot be split by columns
+        if layouts and all(lay.tp > 1 for lay in layouts):
+            raise ConfigError(
+                "--load-in-4bit: NF4 base weights cannot be split by tensor parallelism; plan tp 1 "
+                "(--layout R,S,C,1) or use --load-in-8bit"
+            )
+        layouts = [lay for lay in layouts if lay.tp == 1]
     if not layouts:
         raise ConfigError(
             f"no layout of {cluster.world_size} GPUs splits {model.name} (heads {model.heads}, kv heads "

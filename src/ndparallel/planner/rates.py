@@ -79,15 +79,16 @@ class Efficiency:
 # Measured on one H200 (torch 2.11.0+cu130, transformers 5.17; benchmarks/results/, fitted by
 # benchmarks/planner_fit_h200.py: 33 whole-step rows, rms log error 0.049). matmul and SDPA's attention
 # (head_dim 64 and 128) come from the kernel times of the profiled 1B and 3B steps; the kernel of packed rows
-# and CP blocks (FlashAttention 2) from ``plan --measure`` run on the H200 (head_dim 64; head_dim 128 takes
-# the nearest); stream from the fused-AdamW kernel; the rest from whole-step throughputs of the 1B and 3B
-# shapes (eager and compiled, three checkpointing modes, 2k-196k tokens, packed documents of 512 and 4096).
+# and CP blocks (FlashAttention 2) from ``plan --measure`` run on the H200 for the 1B (head_dim 64) and the 8B
+# (head_dim 128; the same kernel timed alone at 8k and 32k rows agrees: benchmarks/attention_backends.py);
+# stream from the fused-AdamW kernel; the rest from whole-step throughputs of the 1B and 3B shapes (eager and
+# compiled, three checkpointing modes, 2k-196k tokens, packed documents of 512 and 4096).
 H200_EFFICIENCY = Efficiency(
     matmul=0.744,
     matmul_fp8=0.509,
     attention={64: (0.445, 0.307), 128: (0.621, 0.403)},
     attention_half_rows=595.6,
-    block_attention={64: (0.286, 0.2032)},
+    block_attention={64: (0.286, 0.2032), 128: (0.3812, 0.2627)},
     stream=0.73,
     pointwise_eager=0.471,
     compiled_pointwise=0.507,

@@ -78,6 +78,15 @@ class ModelShape:
             n += q + 2 * kv
         return n
 
+    def layer_linear_weights(self) -> int:
+        """Weights of one layer's seven linears (what a quantized base stores as codes)."""
+        h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        return h * q + 2 * h * kv + q * h + 3 * h * i
+
+    def layer_linear_rows(self) -> int:
+        """Output rows of one layer's seven linears (int8 keeps one scale per row)."""
+        return self.q_dim + 2 * self.kv_dim + self.hidden + 2 * self.intermediate + self.hidden
+
     @functools.cache  # noqa: B019 (shapes are few, immutable and hashable)
     def layer_replicated_params(self) -> int:
         """Parameters of one layer every tp rank holds whole (norm weights)."""

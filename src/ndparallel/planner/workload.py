@@ -9,6 +9,7 @@ from ndparallel.layout import CP_METHODS
 from ndparallel.parallel.checkpointing import MODES as AC_MODES
 
 PRECISIONS = ("bf16", "fp32")
+QUANTIZED_FORMATS = ("nf4", "int8")
 # Gradient sync under accumulation, named as the trainer's ``gradient_sync`` setting. 'every_micro_batch' (the
 # default): FSDP reduce-scatters every micro-batch and keeps only its fp32 shard; replicas (dp_replicate)
 # all-reduce once, on the last micro-batch. 'last_micro_batch': nothing is reduced until the last micro-batch;
@@ -53,6 +54,10 @@ class Workload:
     single_rank_fsdp: bool = False
     """A world of one rank wrapped in FSDP2 (``ParallelOptions.single_rank_fsdp``). By default one rank runs the
     engine's flat path (``parallel/single_rank.py``): no FSDP copies, ``FlatAdamW`` with clipping folded in."""
+    quantized_base: str | None = None
+    """LoRA on quantized frozen base weights (needs ``lora_rank``): 'nf4' (``load_in_4bit``, QLoRA) or 'int8'
+    (``load_in_8bit``): the decoder blocks' linear weights stored as ``ndparallel.quantized`` stores them and
+    dequantized in every pass that reads them. None: the base in the compute dtype."""
     master_grads: bool = False
     """On that flat path, fp32 gradients in the parameters' ``.grad`` (``build_optimizer``'s default, for a user's
     own loop). False is the trainer's: AdamW reads the bf16 gradients where autograd left them."""
@@ -80,6 +85,15 @@ class Workload:
             raise ConfigError(f"cp_methods={self.cp_methods!r} must be a non-empty subset of {', '.join(CP_METHODS)}")
         if self.gradient_sync not in GRAD_SYNC:
             raise ConfigError(f"gradient_sync={self.gradient_sync!r} must be one of {', '.join(GRAD_SYNC)}")
+        if self.quantized_base is not None:
+            if self.quantized_base not in QUANTIZED_FORMATS:
+                raise ConfigError(
+                    f"quantized_base={self.quantized_base!r} must be one of {', '.join(QUANTIZED_FORMATS)} or None"
+                )
+            if not self.lora_rank:
+                raise ConfigError(
+                    "a quantized base (load_in_4bit / load_in_8bit) trains LoRA adapters only: give --lora-rank"
+                )
         if self.fp8 and self.precision != "bf16":
             raise ConfigError("fp8 matmuls need precision='bf16' (mixed precision); drop --fp8 or use bf16")
 
