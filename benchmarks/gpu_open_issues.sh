@@ -31,6 +31,7 @@
 #                      8B and 1B, and eager full checkpointing (the dequantization's passes)
 #   qmem-fused         compiled 8B LoRA on NF4 / int8 again, the backward's dequantization compiled (fused.py)
 #   attn-rows          issue 19: SDPA (cuDNN) and the varlen kernel vs row length, head_dim 64 (1B) and 128 (8B)
+#   profile-32k        issue 19: the 1B's compiled step at 32k tokens per row profiled (attention in the step)
 #   pick-1b            issue 19: the planner's one-GPU pick vs every candidate measured, 1B at 32k (planner_pick_check.py)
 # Everything printed goes to $OUT/session.log; each part writes its own files under $OUT.
 BUDGET=${BUDGET:-560}
@@ -94,6 +95,8 @@ part qmem-fused 150 python3 benchmarks/gpu_memory_sweep.py --compile --steps 6 \
 part attn-rows 120 bash -c "python3 benchmarks/attention_backends.py --shape 1b --rows 2048,4096,8192,16384,32768,65536 \
   --tokens 65536 --json $OUT/attention_rows.jsonl && python3 benchmarks/attention_backends.py --shape 8b \
   --rows 2048,4096,16384,65536 --tokens 65536 --json $OUT/attention_rows.jsonl"
+part profile-32k 120 "${BENCH[@]}" --shape 1b --seq 32768 --micro-batch 1 --accumulation 2 --rows ndparallel \
+  --profile "$OUT/profile_1b_32k.txt" --profile-rows ndparallel
 part pick-1b 200 python3 benchmarks/planner_pick_check.py --shape 1b --seq 32768 --global-batch 2 --micro-batch-sizes 1,2 \
   --out "$OUT"
 echo "[$(date +%T)] session done in $SECONDS s"
