@@ -40,6 +40,7 @@ def planner_advice(cfg, model_config, layout: Layout, device_memory_gib: float) 
             activation_checkpointing="auto",
             cp_comm_strategy=cfg.cp_comm_strategy,
             lora_rank=cfg.lora_r if cfg.adapter else None,
+            quantized_base=cfg.quantized_base if cfg.adapter else None,
         )
     except NdParallelError as exc:
         return f"the planner has no layout for it ({exc})"

@@ -95,6 +95,7 @@ def resolve_layout(cfg: TrainConfig, world_size: int, model_config) -> tuple[Lay
             compile=cfg.torch_compile,
             gradient_sync=cfg.gradient_sync,
             lora_rank=cfg.lora_r if cfg.adapter else None,
+            quantized_base=cfg.quantized_base if cfg.adapter else None,
         )
         # The planner does not weigh expert parallelism yet: the ep size asked for is applied to its layout.
         return dataclasses.replace(layout, ep=cfg.expert_parallel_size), reason

@@ -53,3 +53,23 @@ def test_auto_plans_for_the_checkpointing_the_run_will_use(mode):
     cfg = parse_config({**BASE, "dp_shard_size": "auto", "activation_checkpointing": mode})
     _, reason = resolve_layout(cfg, 2, TINY)
     assert f"activation_checkpointing={mode}" in reason
+
+
+def test_auto_with_load_in_4bit_keeps_tensor_parallelism_off():
+    """The trainer passes the quantized base to the planner: with load_in_4bit it never plans tp (which NF4
+    refuses at build time) on a model whose bf16-base plan uses it."""
+    big = LlamaConfig(
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+    )
+    lora = {**BASE, "dp_shard_size": "auto", "sequence_len": 8192, "adapter": "lora", "lora_r": 16}
+    lora["lora_target_linear"] = True
+    bf16, _ = resolve_layout(parse_config(lora), 8, big)
+    nf4, _ = resolve_layout(parse_config({**lora, "adapter": "qlora", "load_in_4bit": True}), 8, big)
+    assert nf4.tp == 1, nf4
+    assert bf16.tp > 1, bf16

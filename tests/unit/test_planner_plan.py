@@ -157,3 +157,14 @@ def test_reasons_name_the_link_their_numbers_were_computed_on(nodes, seq):
                     assert ("network" in link) == c.crosses_nodes
                     checked += 1
     assert checked >= 10
+
+
+def test_best_layout_for_a_quantized_base():
+    """dp_shard_size: auto with load_in_4bit: the planner keeps tp at 1 (NF4 weights cannot be split by columns),
+    where a bf16 base would use it; load_in_8bit may use tp."""
+    bf16, _ = best_layout("llama-70b", 8, 8192, gpu="h100-sxm", lora_rank=16)
+    nf4, reason = best_layout("llama-70b", 8, 8192, gpu="h100-sxm", lora_rank=16, quantized_base="nf4")
+    assert bf16.tp > 1 and nf4.tp == 1, (bf16, nf4)
+    assert "GiB of" in reason
+    int8, _ = best_layout("llama-70b", 8, 8192, gpu="h100-sxm", lora_rank=16, quantized_base="int8")
+    assert int8.world_size == 8

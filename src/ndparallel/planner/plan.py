@@ -121,6 +121,7 @@ def best_layout(
     precision: str = "bf16",
     activation_checkpointing: str = "auto",
     lora_rank: int | None = None,
+    quantized_base: str | None = None,
     compile: bool = False,
     gradient_sync: str = "every_micro_batch",
     cp_methods: tuple[str, ...] = CP_METHODS,
@@ -132,7 +133,8 @@ def best_layout(
     ``model`` is a ModelShape, a preset name, a config path or a transformers config (what the trainer has).
     ``gpu`` is a preset name or spec; None: this machine's CUDA device when it has one (``local_gpu``), else
     the default preset; ``device_memory_gib`` overrides its memory. ``cp_comm_strategy`` is the one CP
-    method the run is configured with (the trainer's setting); it replaces ``cp_methods``. Always a valid
+    method the run is configured with (the trainer's setting); it replaces ``cp_methods``. ``quantized_base``:
+    'nf4' / 'int8' for LoRA on a quantized base (NF4 keeps tp at 1). Always a valid
     layout for ``world_size``: when nothing fits in memory, the leanest one, saying so. ``gpus_per_node``
     defaults to min(world_size, 8); the global batch to ``micro_batch_size`` rows per GPU. Unpacks as
     ``layout, reason``.
@@ -156,6 +158,7 @@ def best_layout(
         precision=precision,
         activation_checkpointing=activation_checkpointing,
         lora_rank=lora_rank,
+        quantized_base=quantized_base,
         cp_methods=cp_methods,
         compile=compile,
         gradient_sync=gradient_sync,
