@@ -80,6 +80,5 @@ def test_the_nf4_dequantization_is_torchaos_bit_for_bit():
     pytest.importorskip("torchao")
     linear = _linear("nf4", 256, 128)
     w = linear.weight
-    parts = (w.quantized_data, w.quantized_scalers, w.quantization_factor, w.scaler_mean, w.nf4)
-    ours = nf4.dequantize(*parts, w.block_size, w.scaler_block_size, list(w.shape))
+    ours = nf4.dequantize(nf4.nf4_parts(w), w.block_size, w.scaler_block_size, list(w.shape))
     assert torch.equal(ours, w.get_original_weight())

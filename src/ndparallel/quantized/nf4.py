@@ -59,18 +59,15 @@ def eligible(weight: torch.Tensor) -> bool:
     return weight.numel() % GROUP == 0
 
 
-def dequantize(
-    quantized_data: torch.Tensor,
-    quantized_scalers: torch.Tensor,
-    quantization_factor: torch.Tensor,
-    scaler_mean: torch.Tensor,
-    nf4: torch.Tensor,
-    block_size: int,
-    scaler_block_size: int,
-    shape: list[int],
-) -> torch.Tensor:
-    """An NF4 weight from its parts, as ``NF4Tensor.get_original_weight`` computes it (the same operations in
-    the same dtype, so the same bits: ``tests/unit/test_quantized_compile.py``)."""
+def nf4_parts(weight: torch.Tensor) -> list[torch.Tensor]:
+    """An NF4 tensor's inner tensors, in the order ``dequantize`` takes them."""
+    return [weight.quantized_data, weight.quantized_scalers, weight.quantization_factor, weight.scaler_mean, weight.nf4]
+
+
+def dequantize(parts: list[torch.Tensor], block_size: int, scaler_block_size: int, shape: list[int]) -> torch.Tensor:
+    """An NF4 weight from its parts (``nf4_parts``), as ``NF4Tensor.get_original_weight`` computes it (the
+    same operations in the same dtype, so the same bits: ``tests/unit/test_quantized_compile.py``)."""
+    quantized_data, quantized_scalers, quantization_factor, scaler_mean, nf4 = parts
     first = nf4[(quantized_data >> 4).to(torch.long)]  # two 4-bit codes per byte
     second = nf4[(quantized_data & 0b1111).to(torch.long)]
     blocks = quantized_scalers.numel() // scaler_block_size
@@ -87,25 +84,19 @@ def dequantize(
 @torch.library.custom_op("ndparallel::nf4_input_grad", mutates_args=())
 def nf4_input_grad(
     grad: torch.Tensor,
-    quantized_data: torch.Tensor,
-    quantized_scalers: torch.Tensor,
-    quantization_factor: torch.Tensor,
-    scaler_mean: torch.Tensor,
-    nf4: torch.Tensor,
+    parts: list[torch.Tensor],
     block_size: int,
     scaler_block_size: int,
     shape: list[int],
     fused: bool,
 ) -> torch.Tensor:
     """grad @ W for the NF4 weight W given by its parts: the gradient of a frozen NF4 linear's input."""
-    parts = (quantized_data, quantized_scalers, quantization_factor, scaler_mean, nf4)
-    weight = dequantizer(dequantize, fused)(*parts, block_size, scaler_block_size, shape)
+    weight = dequantizer(dequantize, fused)(parts, block_size, scaler_block_size, shape)
     return grad @ weight.to(grad.dtype)
 
 
 @nf4_input_grad.register_fake
-def _(grad: torch.Tensor, *parts_and_layout) -> torch.Tensor:
-    shape = parts_and_layout[-2]
+def _(grad, parts, block_size, scaler_block_size, shape, fused) -> torch.Tensor:
     return grad.new_empty((*grad.shape[:-1], shape[1]))
 
 
@@ -123,10 +114,8 @@ class _FrozenNf4Linear(torch.autograd.Function):
         (weight,) = ctx.saved_tensors
         grad_x = None
         if ctx.needs_input_grad[0]:
-            parts = [weight.quantized_data, weight.quantized_scalers, weight.quantization_factor]
-            parts += [weight.scaler_mean, weight.nf4]
             layout = (weight.block_size, weight.scaler_block_size, list(weight.shape))
-            grad_x = nf4_input_grad(grad, *parts, *layout, torch.compiler.is_compiling())
+            grad_x = nf4_input_grad(grad, nf4_parts(weight), *layout, torch.compiler.is_compiling())
         grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, None, grad_bias
 
