@@ -4,7 +4,8 @@
     python benchmarks/gpu_memory_sweep.py --cases "1b:4096:2:selective" --out x.jsonl
 
 A case is SHAPE:SEQ:MICRO_BATCH:AC[:lora][:nf4|:int8][:cpK] (nf4 / int8: LoRA on a base whose decoder-block
-linears are quantized, ``ParallelOptions.quantized_base``; needs lora).
+linears are quantized, ``ParallelOptions.quantized_base``; needs lora); ``--overrides`` (JSON) sets config
+fields of every case (another layer shape or depth).
 Each builds the model straight into its layout, runs
 --steps steps of synthetic full rows, and records peak allocated memory (torch.cuda.max_memory_allocated),
 the median step time, tokens/s and MFU; an out-of-memory case is recorded as such. Feeds
@@ -36,7 +37,7 @@ DEFAULT_CASES = [
 ]
 
 
-def run_case(case: str, topo, steps: int, compile_: bool) -> dict:
+def run_case(case: str, topo, steps: int, compile_: bool, overrides: dict | None = None) -> dict:
     parts = case.split(":")
     shape, seq, mb, ac = parts[0], int(parts[1]), int(parts[2]), parts[3]
     lora = LoraSpec(r=16, alpha=32, target_linear=True) if "lora" in parts[4:] else None
@@ -51,13 +52,16 @@ def run_case(case: str, topo, steps: int, compile_: bool) -> dict:
         "quantized_base": quantized,
         "compile": compile_,
         "layout": list(topo.layout.shape),
+        **({"overrides": overrides} if overrides else {}),
     }
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model = opt = None
     try:
-        config = model_config_for(base_model=None, model_shape=shape, overrides={}, max_position_embeddings=seq)
+        config = model_config_for(
+            base_model=None, model_shape=shape, overrides=overrides or {}, max_position_embeddings=seq
+        )
         model = meta_model(config)
         ndp.parallelize(
             model,
@@ -106,12 +110,13 @@ def main() -> int:
     p.add_argument("--cases", default=",".join(DEFAULT_CASES))
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--overrides", type=json.loads, default=None, help="config fields for every case, as JSON")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     topo = ndp.Topology.build(ndp.ParallelismConfig(dp_shard_size=1), device_type="cuda")
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     for case in args.cases.split(","):
-        record = {**run_case(case, topo, args.steps, args.compile), **meta}
+        record = {**run_case(case, topo, args.steps, args.compile, args.overrides), **meta}
         with open(args.out, "a") as f:
             f.write(json.dumps(record) + "\n")
         shown = {

@@ -35,7 +35,8 @@ from planner_memory.calibration import (  # noqa: E402
 )
 from planner_memory.measure import measure_activations, measure_loss_peak  # noqa: E402
 
-from ndparallel.planner.shapes import PRESETS  # noqa: E402
+from ndparallel.models.build import model_config_for  # noqa: E402
+from ndparallel.planner.shapes import PRESETS, ModelShape  # noqa: E402
 
 TINY = PRESETS["tiny"]
 # Grouped-query attention (8 query heads, 4 key/value heads): exercises K/V expansion in CP attention.
@@ -104,6 +105,7 @@ LOSS_CASES = [
 # of h200_memory_sweep_quantized_fix.jsonl (its fourth model in one process: torch.compile's recompile limit
 # of 8 per code object was hit, and its layers ran partly uncompiled).
 GPU_RESULTS = [
+    "h200_memory_sweep_llama2_7b.jsonl",  # Llama-2-7B's layer shape, 8 and 16 layers, full checkpointing
     "h200_memory_sweep_quantized_fused.jsonl",  # compiled 8B LoRA on NF4 / int8 (the final input-gradient op)
     "h200_memory_sweep_quantized_fix.jsonl",  # compiled 8B bf16 LoRA; eager full checkpointing, NF4/int8/bf16
     "h200_memory_sweep_quantized_after.jsonl",  # eager LoRA on NF4 / int8 / bf16, 8B and 1B
@@ -112,10 +114,19 @@ GPU_RESULTS = [
     "h200_memory_sweep.jsonl",
     "h200_longseq.jsonl",
 ]
+# Measured on FSDP over a mesh of one (2026-11-29, before the one-rank flat path); the later sweeps ran the
+# flat path with build_optimizer's default master_grads=True, the pick check the trainer's step (False).
+FSDP_ONE_RANK_RESULTS = {"h200_memory_sweep_final.jsonl", "h200_memory_sweep.jsonl", "h200_longseq.jsonl"}
 GPU_SKIP = {("h200_memory_sweep_quantized_fix.jsonl", "1b")}  # (file, shape) of compiled rows not used (above)
 # Compiled trainer steps measured by benchmarks/planner_pick_check.py (one process per candidate).
 PICK_RESULTS = ["h200_planner_pick_check.jsonl"]
 GPU_SHAPES = {"1b": "llama-1b", "3b": "llama-3b", "8b": "llama-8b"}  # models/build.PRESETS -> planner presets
+# --overrides of gpu_memory_sweep.py runs on the 8b preset, by the layer shape they make
+LAYER_SHAPE_NAMES = {
+    json.dumps(
+        {"intermediate_size": 11008, "num_key_value_heads": 32, "vocab_size": 32000}, sort_keys=True
+    ): "llama2-7b",
+}
 GPU_LORA_RANK = 16  # gpu_memory_sweep.py: LoraSpec(r=16, alpha=32, target_linear=True)
 # Versions of the GPU runs that their JSON lines do not record (from the sweep's notes).
 GPU_TRANSFORMERS = "5.17.0"
@@ -218,17 +229,36 @@ def measure_all() -> list[dict]:
     return rows
 
 
+def _gpu_model(r: dict) -> tuple[dict, str]:
+    """The planner's shape of a sweep record (a preset, or a preset with ``--overrides``) and its case name."""
+    overrides = r.get("overrides")
+    if not overrides:
+        return PRESETS[GPU_SHAPES[r["shape"]]].to_dict(), r["shape"]
+    config = model_config_for(base_model=None, model_shape=r["shape"], overrides=overrides)
+    layers = overrides.get("num_hidden_layers", config.num_hidden_layers)
+    name = LAYER_SHAPE_NAMES.get(
+        json.dumps({k: v for k, v in overrides.items() if k != "num_hidden_layers"}, sort_keys=True)
+    )
+    name = f"{name or r['shape'] + '-modified'}-{layers}l"
+    return {**ModelShape.from_hf_config(config, name=name).to_dict(), "name": name}, name
+
+
 def _gpu_row(r: dict, file: str, *, accumulation: int = 1) -> dict:
     lora = {"lora_rank": GPU_LORA_RANK} if r.get("lora") else {}
     quantized = r.get("quantized_base")
     compiled = bool(r.get("compile"))
     batch = f"b{r['micro_batch']}" + (f"x{accumulation}" if accumulation > 1 else "")
-    case = f"h200-{r['shape']}-s{r['seq']}-{batch}-{r['ac']}" + ("-lora16" if lora else "")
+    model, shape = _gpu_model(r)
+    case = f"h200-{shape}-s{r['seq']}-{batch}-{r['ac']}" + ("-lora16" if lora else "")
     case += (f"-{quantized}" if quantized else "") + ("-compiled" if compiled else "")
     peak = r.get("peak_allocated_gib", r.get("measured_peak_gib"))
+    path = {"single_rank_fsdp": True} if file in FSDP_ONE_RANK_RESULTS else {}
+    if file not in FSDP_ONE_RANK_RESULTS and file not in PICK_RESULTS:
+        path["master_grads"] = True  # gpu_memory_sweep.py's build_optimizer(...) default
     return {
         "case": case,
-        "model": PRESETS[GPU_SHAPES[r["shape"]]].to_dict(),
+        "model": model,
+        **path,
         "layout": L(),
         "seq_len": r["seq"],
         "micro_batch": r["micro_batch"],
@@ -256,7 +286,7 @@ def gpu_rows(results_dir: str = os.path.join(ROOT, "benchmarks", "results")) -> 
         with open(os.path.join(results_dir, file)) as f:
             records = [json.loads(line) for line in f if line.strip()]
         for r in records:
-            key = (r["case"], bool(r.get("compile")))
+            key = (r["case"], bool(r.get("compile")), json.dumps(r.get("overrides"), sort_keys=True))
             if key in seen or r.get("status") != "ok" or r["layout"] != [1, 1, 1, 1]:
                 continue
             if r.get("compile") and (file, r["shape"]) in GPU_SKIP:
@@ -362,6 +392,11 @@ def write_report(rows: list[dict], env: dict, path: str) -> None:
         "same 30.95 and 66.80 GiB compiled (1B 4096 x 2, 3B 8192 x 1; RESULTS.md) as FSDP on one rank did. The",
         "LoRA rows (2026-12-01/02) ran on the one-rank path, the frozen base stored in bf16 and used as stored, or",
         "quantized (`NF4 base`: `load_in_4bit`, QLoRA; `INT8 base`: `load_in_8bit`; the decoder blocks' linears).",
+        "The `llama2-7b` rows (2026-12-02) are full fine-tunes on the one-rank path of Llama-2-7B's layer shape",
+        "(hidden 4096, 32 heads without grouping, intermediate 11008, vocabulary 32000) with 8 and 16 layers",
+        "(`--overrides`), whose full-checkpointing peak comes when `build_optimizer`'s default `master_grads`",
+        "upcasts the bf16 gradients into fp32 ones at the end of backward (planner/memory.py: `_flat_path_rows`;",
+        "with FSDP-over-one-rank moments the planner said 31.80 / 54.17 GiB).",
         "Compiled rows (`compiled`): every decoder layer and the loss compiled, as the trainer's `torch_compile`;",
         "the 1B rows at 32k with accumulation are the trainer's own step (`benchmarks/bench_train.py`'s",
         "`ndparallel` row, one process per candidate), run by `benchmarks/planner_pick_check.py`.",

@@ -89,6 +89,8 @@ def predict_memory(row: dict[str, Any]) -> MemoryEstimate:
         lora_rank=row.get("lora_rank"),
         quantized_base=row.get("quantized_base"),
         compile=row.get("compile", False),
+        single_rank_fsdp=row.get("single_rank_fsdp", False),
+        master_grads=row.get("master_grads", False),
     )
     cluster = Cluster(overhead_gib=row.get("overhead_gib", Cluster.overhead_gib))
     return estimate_memory(

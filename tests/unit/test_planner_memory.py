@@ -14,7 +14,7 @@ from ndparallel.planner.memory import (
     memory_moments,
     reduce_bytes,
 )
-from ndparallel.planner.shapes import PRESETS
+from ndparallel.planner.shapes import PRESETS, ModelShape
 from ndparallel.planner.workload import Workload
 
 L8B = PRESETS["llama-8b"]
@@ -29,16 +29,43 @@ def _step(model, layout, work, **kw):
 def test_llama_8b_parameter_and_state_totals():
     p = L8B.params
     assert abs(p - 8.03e9) / 8.03e9 < 1e-3
-    one = _step(L8B, Layout(), Workload(seq_len=SEQ, global_batch_rows=1))
+    one = _step(L8B, Layout(), Workload(seq_len=SEQ, global_batch_rows=1, single_rank_fsdp=True))
     assert round(one.master_params / 1e9, 1) == 32.1  # fp32 master weights
     assert round(one.grads / 1e9, 1) == 32.1  # fp32 gradients
     assert round(one.optimizer / 1e9, 1) == 64.2  # AdamW: two fp32 states
     assert one.allocated == 16 * p + GPU_WORKSPACE_BYTES  # nothing else is alive at the optimizer step
 
 
+def test_the_flat_path_keeps_its_compute_copies_and_bf16_gradients_at_the_optimizer_step():
+    # parallel/single_rank.py: the bf16 copies live for the whole run; the trainer's one micro-batch hands
+    # AdamW the bf16 gradients, build_optimizer's default (master_grads) upcasts them into fp32 ones first.
+    p = L8B.params
+    trainer = _step(L8B, Layout(), Workload(seq_len=SEQ, global_batch_rows=1))
+    assert trainer.working_params == 2 * p and trainer.grads == 2 * p
+    assert trainer.allocated == 16 * p + GPU_WORKSPACE_BYTES
+    master = _step(L8B, Layout(), Workload(seq_len=SEQ, global_batch_rows=1, master_grads=True))
+    assert master.working_params == 2 * p and master.grads == 4 * p
+    assert master.allocated == 18 * p + GPU_WORKSPACE_BYTES
+
+
+def test_flat_path_full_checkpointing_peaks_while_the_gradients_are_upcast_by_hand():
+    # Llama-2-7B's layer shape, 16 layers, 4 x 4096 tokens, master_grads: at the end of backward the fp32
+    # gradient buffer is allocated while every bf16 gradient and the logits still exist: master 4P + copies
+    # 2P + AdamW 8P + bf16 gradients 2P + fp32 gradients 4P + logits. Measured on the H200: 66.24 GiB.
+    shape = ModelShape.from_dict(
+        {**PRESETS["llama-8b"].to_dict(), "intermediate": 11008, "kv_heads": 32, "vocab": 32000, "layers": 16}
+    )
+    work = Workload(seq_len=4096, global_batch_rows=4, master_grads=True)
+    mem = estimate_memory(shape, Layout(), work, micro_batch=4, activation_checkpointing="full")
+    assert mem.transient_kind == "end of backward"
+    expected = 20 * shape.params + 2 * 4 * 4096 * 32000 + GPU_WORKSPACE_BYTES
+    assert mem.allocated == pytest.approx(expected)
+    assert mem.allocated / 2**30 == pytest.approx(66.237, abs=0.01)
+
+
 def test_sharding_divides_by_tp_dp_shard_and_cp_but_not_dp_replicate():
     work = Workload(seq_len=SEQ, global_batch_rows=64)
-    one = _step(L8B, Layout(), work)
+    one = _step(L8B, Layout(), Workload(seq_len=SEQ, global_batch_rows=64, single_rank_fsdp=True))
     split = _step(L8B, Layout(dp_shard=8, cp=2, tp=2), work)
     replicated = _step(L8B, Layout(dp_replicate=2, dp_shard=8, cp=2, tp=2), work)
     for field in ("master_params", "grads", "optimizer"):
@@ -144,12 +171,13 @@ def test_world_1_keeps_every_bf16_copy_and_reduces_through_three_fp32_buffers():
     )
 
 
-def test_3b_full_checkpointing_peaks_at_the_end_of_backward_by_hand():
+def test_3b_full_checkpointing_on_fsdp_over_one_rank_peaks_at_the_end_of_backward_by_hand():
     # Tied embedding: the root unit reduces last, once every layer's fp32 gradient exists, while the trainer
     # still holds the logits: master 4P + AdamW 8P + layers' gradients + logits + 3 fp32 copies of V x h.
     l3b = PRESETS["llama-3b"]
     p, vh = l3b.params, 128256 * 3072
-    mem = estimate_memory(l3b, Layout(), Workload(seq_len=8192, global_batch_rows=1), activation_checkpointing="full")
+    work = Workload(seq_len=8192, global_batch_rows=1, single_rank_fsdp=True)  # FSDP over a mesh of one
+    mem = estimate_memory(l3b, Layout(), work, activation_checkpointing="full")
     assert mem.transient_kind == "end of backward"
     expected = 16 * p - 4 * (vh + 3072) + 2 * 8192 * 128256 + 12 * (vh + 3072) + GPU_WORKSPACE_BYTES
     assert mem.allocated == pytest.approx(expected)

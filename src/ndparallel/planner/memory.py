@@ -47,10 +47,14 @@ it): reduce(x) = 4x * (1 + 1/f) (+ 4x when f = 1). The moments:
                       (its gathered copy is freed first), or the embedding backward just before it
     optimizer step    gradients, master weights and AdamW states only
     overhead          fixed: CUDA context, NCCL, fragmentation (Cluster.overhead_gib)
+A world of one on the engine's flat path (no FSDP; ``Workload.single_rank_fsdp`` False, bf16) differs where
+its buffers do (``_flat_path_rows``): the compute copies stay at every moment, gradients are bf16 until the
+end of backward, and with ``Workload.master_grads`` the fp32 ones are made while the bf16 ones still exist.
 
 ``allocated`` (everything but the overhead) is what ``torch.cuda.max_memory_allocated`` measures; on the
-H200 it is within 0.01% of every measured world-1 eager case (1B and 3B, three checkpointing modes,
-sequences of 2k to 128k tokens) and 0.3% of the LoRA ones, see ``benchmarks/planner_validation.md``; with torch.compile
+H200 it is within 0.01% of every measured world-1 eager case (1B and 3B on FSDP over one rank, three
+checkpointing modes, sequences of 2k to 128k tokens; a Llama-2-7B layer shape on the flat path) and 0.3% of
+the LoRA ones, see ``benchmarks/planner_validation.md``; with torch.compile
 (``Workload.compile``) within 5% (activations.py says what compile changes).
 """
 
@@ -258,6 +262,21 @@ def memory_moments(
         "end of backward": (0.0, grads_all if earlier else grads_all - 4 * embed_trainable / f, 0.0, 0.0, end),
         "optimizer step": (0.0, grads_all, 0.0, 0.0, 0.0),
     }
+    if layout.world_size == 1 and not workload.single_rank_fsdp and e == 2:
+        flat_layer = logits + held_head_grad + layer_backward  # no reduce-scatter temporaries
+        rows.update(
+            _flat_path_rows(
+                rows,
+                workload,
+                e=e,
+                trainable=trainable_local,
+                head_trainable=head_trainable,
+                copies=w_forward,
+                layer_transient=flat_layer,
+                logits=logits,
+                accumulating=accumulating,
+            )
+        )
     return {
         kind: MemoryEstimate(
             master_params=master,
@@ -272,6 +291,44 @@ def memory_moments(
             overhead=cluster.overhead_gib * GIB,
         )
         for kind, (w, g, a, k, x) in rows.items()
+    }
+
+
+def _flat_path_rows(
+    rows: dict,
+    workload: Workload,
+    *,
+    e: int,
+    trainable: float,
+    head_trainable: float,
+    copies: float,
+    layer_transient: float,
+    logits: float,
+    accumulating: bool,
+) -> dict:
+    """The moments on the one-rank flat path (``parallel/single_rank.py``), where they differ from FSDP's.
+
+    Its bf16 compute copies live in a flat buffer for the whole run (FSDP frees its gathered copies after
+    backward); autograd's bf16 gradients stay until the backward ends (FSDP reduces each unit's into fp32 as
+    it goes, through reduce-scatter temporaries); then, with ``master_grads`` (``build_optimizer``'s
+    default), ``finish_backward`` allocates the fp32 gradient buffer and upcasts into it while the bf16
+    ones still exist: 4 + e bytes per trainable parameter at once; without it (the trainer's one
+    micro-batch) AdamW reads the bf16 ones. From a second micro-batch on the fp32 gradients exist and each
+    bf16 one is added in as autograd finishes it. The logits are still held at the end of backward (the
+    trainer keeps them until ``loss.backward()`` returns). H200, a Llama-2-7B layer shape with 8 and 16
+    layers, full checkpointing, ``master_grads``: 36.08 / 66.24 GiB measured; FSDP's moments gave 31.80 /
+    54.17, these 36.09 / 66.24 (``benchmarks/planner_validation.md``)."""
+    bf16, fp32 = e * trainable, 4 * trainable
+    earlier = fp32 if accumulating else 0.0
+    grads_end = fp32 if accumulating else bf16 + (fp32 if workload.master_grads else 0.0)
+    grads_step = fp32 if accumulating or workload.master_grads else bf16
+    loss, head, layer = rows["loss"], rows["head backward"], rows["layer backward"]
+    return {
+        "loss": (copies, earlier, 0.0, loss[3], loss[4]),
+        "head backward": (copies, earlier, 0.0, head[3], head[4]),
+        "layer backward": (copies, earlier + e * head_trainable, 0.0, layer[3], layer_transient),
+        "end of backward": (copies, grads_end, 0.0, 0.0, logits),
+        "optimizer step": (copies, grads_step, 0.0, 0.0, 0.0),
     }
 
 
