@@ -33,6 +33,9 @@
 #   attn-rows          issue 19: SDPA (cuDNN) and the varlen kernel vs row length, head_dim 64 (1B) and 128 (8B)
 #   profile-32k        issue 19: the 1B's compiled step at 32k tokens per row profiled (attention in the step)
 #   pick-1b            issue 19: the planner's one-GPU pick vs every candidate measured, 1B at 32k (planner_pick_check.py)
+#   peer-mem           issue 19: allocated peak of the autocast step of ATorch's Llama-2-7B rows, 8 and 16 layers, and
+#                      ndparallel's trainer step at the same shapes (gpu_memory_sweep.py --overrides)
+#   gemm               issue 19: bf16 GEMM rates of the planner's products by shape and tokens (gemm_shapes.py)
 # Everything printed goes to $OUT/session.log; each part writes its own files under $OUT.
 BUDGET=${BUDGET:-560}
 PARTS=${PARTS:-ckpt-1b checks adam8 diag 3b selfcheck-1b}
@@ -99,4 +102,9 @@ part profile-32k 120 "${BENCH[@]}" --shape 1b --seq 32768 --micro-batch 1 --accu
   --profile "$OUT/profile_1b_32k.txt" --profile-rows ndparallel
 part pick-1b 200 python3 benchmarks/planner_pick_check.py --shape 1b --seq 32768 --global-batch 2 --micro-batch-sizes 1,2 \
   --out "$OUT"
+LLAMA2_7B='"intermediate_size": 11008, "num_key_value_heads": 32, "vocab_size": 32000'
+part peer-mem 200 bash -c "python3 benchmarks/peer_memory_fsdp1_autocast.py --layers 8,16 \
+  --out $OUT/peer_memory_fsdp1_autocast.jsonl && for n in 8 16; do python3 benchmarks/gpu_memory_sweep.py \
+  --overrides '{$LLAMA2_7B, \"num_hidden_layers\": '\$n'}' --cases 8b:4096:4:full --out $OUT/h200_memory_sweep_llama2_7b.jsonl; done"
+part gemm 240 python3 benchmarks/gemm_shapes.py --json "$OUT/gemm_shapes.jsonl"
 echo "[$(date +%T)] session done in $SECONDS s"
