@@ -35,6 +35,7 @@
 #   pick-1b            issue 19: the planner's one-GPU pick vs every candidate measured, 1B at 32k (planner_pick_check.py)
 #   peer-mem           issue 19: allocated peak of the autocast step of ATorch's Llama-2-7B rows, 8 and 16 layers, and
 #                      ndparallel's trainer step at the same shapes (gpu_memory_sweep.py --overrides)
+#   selfcheck-scale    issue 19: --measure and the preset against measured throughput over lengths: 1B 2k-32k, 3B 16k
 #   gemm               issue 19: bf16 GEMM rates of the planner's products by shape and tokens (gemm_shapes.py)
 # Everything printed goes to $OUT/session.log; each part writes its own files under $OUT.
 BUDGET=${BUDGET:-560}
@@ -106,5 +107,8 @@ LLAMA2_7B='"intermediate_size": 11008, "num_key_value_heads": 32, "vocab_size": 
 part peer-mem 200 bash -c "python3 benchmarks/peer_memory_fsdp1_autocast.py --layers 8,16 \
   --out $OUT/peer_memory_fsdp1_autocast.jsonl && for n in 8 16; do python3 benchmarks/gpu_memory_sweep.py \
   --overrides '{$LLAMA2_7B, \"num_hidden_layers\": '\$n'}' --cases 8b:4096:4:full --out $OUT/h200_memory_sweep_llama2_7b.jsonl; done"
+# one process per row: a process that compiles more than ~3 models hits torch.compile's recompile limit
+part selfcheck-scale 420 bash -c "for row in 1b:2048x4 1b:8192x1 1b:32768x1 3b:16384x1; do \
+  python3 benchmarks/planner_selfcheck.py --out $OUT/selfcheck-\${row/:/-} --shapes \${row%%:*} --seqs \${row#*:}; done"
 part gemm 240 python3 benchmarks/gemm_shapes.py --json "$OUT/gemm_shapes.jsonl"
 echo "[$(date +%T)] session done in $SECONDS s"

@@ -520,25 +520,27 @@ shape at 8 and 16 layers on one GPU among them) and within 0.5% on the compiled 
 published reservations because torchtitan's loss materializes float32 logits (16 GB at 32k tokens of a 128k
 vocabulary) that ndparallel's chunked loss never makes. The 8B TP 8, local batch 12 row (compiled,
 selective) now fits at 66.9 GiB (was 90.4, `fits: no`): compiled layers do not keep `down_proj`'s output,
-which backward never reads (measured on the H200 at tp 1, `planner_validation.md`; at tp 8 it is the full-
-width output before the reduce-scatter, unmeasured). Eager, ndparallel's selective mode still keeps the
-full-width outputs of `o_proj` and `down_proj` (2 x h elements per token and layer where the reduce-
-scattered ones would be 2 x h / 8): a fix for `parallel/checkpointing.py`.
+which backward never reads (measured on the H200 at tp 1, `planner_validation.md`; at tp 8 it is the
+full-width output before the reduce-scatter, unmeasured). Eager, ndparallel's selective mode still keeps the
+full-width outputs of `o_proj` and `down_proj` (2 x h elements per token and layer where the
+reduce-scattered ones would be 2 x h / 8). Op-level checkpointing cannot drop them for free in eager: the
+policy saves matmul outputs so that the recompute skips the matmuls, and saving only the scattered result
+instead would replay those two products in every backward (a memory-for-time choice not offered today).
 
 **Recommended layouts.** For ATorch's Llama-2-7B on 8-64 A100s the planner keeps FSDP over all GPUs but
 prefers micro-batch 2 x 2 accumulation without checkpointing to micro-batch 4 with full checkpointing (one
 published layout per problem: unconfirmed). For the 8B at sequence 8192 on 8, 32, 64 (H200 and A100) and 128
 GPUs the planner's pick (last column) is the published layout, FSDP over all GPUs (on 8 H100s and in eager
-on 128 it prefers micro-batch 1 x 2 without checkpointing to micro-batch 2 with it; compiled on 128, micro-
-batch 2 without checkpointing). For the other problems it picks a layout it predicts faster, which the pages
-cannot confirm or refute (they publish one layout per problem): 70B on 256 H100s, FSDP 128 x TP 2 with
+on 128 it prefers micro-batch 1 x 2 without checkpointing to micro-batch 2 with it; compiled on 128,
+micro-batch 2 without checkpointing). For the other problems it picks a layout it predicts faster, which the
+pages cannot confirm or refute (they publish one layout per problem): 70B on 256 H100s, FSDP 128 x TP 2 with
 selective checkpointing and accumulation 4 instead of TP 8 (ndparallel's TP collectives are exposed: 5 s of
 a 22-23 s step at TP 8); 70B on 64 A100s, FSDP 16 x TP 4; 8B at local batch 12 on 64 GPUs, FSDP 32 x TP 2;
 long sequences, tensor parallelism instead of CP (TP 2 at 32k, TP 4 at 64k-128k, TP 8 at 256k): tensor
-parallelism keeps whole rows, which SDPA runs with cuDNN's kernel at 1.7 times the rate of the variable-
-length kernel every CP method calls (H200, head_dim 128, 32k rows). That prediction is ndparallel-specific
-and unmeasured on more than one GPU; if it holds, CP blocks of one-document rows should call cuDNN's kernel
-too.
+parallelism keeps whole rows, which SDPA runs with cuDNN's kernel at 1.7 times the rate of the
+variable-length kernel every CP method calls (H200, head_dim 128, 32k rows). That prediction is
+ndparallel-specific and unmeasured on more than one GPU; if it holds, CP blocks of one-document rows should
+call cuDNN's kernel too.
 
 **The pick on one GPU, measured** (`benchmarks/planner_pick_check.py`, H200, 2026-12-02,
 `results/h200_planner_pick_check.jsonl`): the 1B at 32k tokens per row, 2 rows per step, compiled; every
