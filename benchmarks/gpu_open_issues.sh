@@ -36,6 +36,8 @@
 #   peer-mem           issue 19: allocated peak of the autocast step of ATorch's Llama-2-7B rows, 8 and 16 layers, and
 #                      ndparallel's trainer step at the same shapes (gpu_memory_sweep.py --overrides)
 #   selfcheck-scale    issue 19: --measure and the preset against measured throughput over lengths: 1B 2k-32k, 3B 16k
+#   long-modes         issue 19: packed / one-document rows of 16k-64k without and with selective checkpointing
+#                      (the fit saw only full checkpointing there): held-out rows for the planner
 #   gemm               issue 19: bf16 GEMM rates of the planner's products by shape and tokens (gemm_shapes.py)
 # Everything printed goes to $OUT/session.log; each part writes its own files under $OUT.
 BUDGET=${BUDGET:-560}
@@ -110,5 +112,9 @@ part peer-mem 200 bash -c "python3 benchmarks/peer_memory_fsdp1_autocast.py --la
 # one process per row: a process that compiles more than ~3 models hits torch.compile's recompile limit
 part selfcheck-scale 420 bash -c "for row in 1b:2048x4 1b:8192x1 1b:32768x1 3b:16384x1; do \
   python3 benchmarks/planner_selfcheck.py --out $OUT/selfcheck-\${row/:/-} --shapes \${row%%:*} --seqs \${row#*:}; done"
+part long-modes 200 bash -c "python3 benchmarks/bench_long_rows.py --shape 1b --lengths 16384,32768,65536 \
+  --kinds packed-4096,packed-512,single --ac selective --out $OUT/h200_long_rows_modes.jsonl && \
+  python3 benchmarks/bench_long_rows.py --shape 1b --lengths 16384,32768 --kinds packed-4096,packed-512,single \
+  --ac none --out $OUT/h200_long_rows_modes.jsonl"
 part gemm 240 python3 benchmarks/gemm_shapes.py --json "$OUT/gemm_shapes.jsonl"
 echo "[$(date +%T)] session done in $SECONDS s"

@@ -120,6 +120,9 @@ FSDP_ONE_RANK_RESULTS = {"h200_memory_sweep_final.jsonl", "h200_memory_sweep.jso
 GPU_SKIP = {("h200_memory_sweep_quantized_fix.jsonl", "1b")}  # (file, shape) of compiled rows not used (above)
 # Compiled trainer steps measured by benchmarks/planner_pick_check.py (one process per candidate).
 PICK_RESULTS = ["h200_planner_pick_check.jsonl"]
+# benchmarks/bench_long_rows.py on the flat path (build_optimizer's default master_grads): one row per length and
+# checkpointing mode (packed and one-document rows of the same length peak alike)
+LONG_ROWS_RESULTS = ["h200_long_rows_modes.jsonl"]
 GPU_SHAPES = {"1b": "llama-1b", "3b": "llama-3b", "8b": "llama-8b"}  # models/build.PRESETS -> planner presets
 # --overrides of gpu_memory_sweep.py runs on the 8b preset, by the layer shape they make
 LAYER_SHAPE_NAMES = {
@@ -254,7 +257,7 @@ def _gpu_row(r: dict, file: str, *, accumulation: int = 1) -> dict:
     peak = r.get("peak_allocated_gib", r.get("measured_peak_gib"))
     path = {"single_rank_fsdp": True} if file in FSDP_ONE_RANK_RESULTS else {}
     if file not in FSDP_ONE_RANK_RESULTS and file not in PICK_RESULTS:
-        path["master_grads"] = True  # gpu_memory_sweep.py's build_optimizer(...) default
+        path["master_grads"] = True  # gpu_memory_sweep.py's and bench_long_rows.py's build_optimizer default
     return {
         "case": case,
         "model": model,
@@ -298,6 +301,15 @@ def gpu_rows(results_dir: str = os.path.join(ROOT, "benchmarks", "results")) -> 
             for r in (json.loads(line) for line in f if line.strip()):
                 if r["ran"]:
                     rows.append(_gpu_row({**r, "lora": False}, file, accumulation=r["accumulation"]))
+    for file in LONG_ROWS_RESULTS:
+        with open(os.path.join(results_dir, file)) as f:
+            for r in (json.loads(line) for line in f if line.strip()):
+                key = ("long", r["shape"], r["length"], r["ac"])
+                if r.get("status") != "ok" or r["kind"] != "single" or key in seen:
+                    continue
+                seen.add(key)
+                record = {**r, "seq": r["length"], "micro_batch": 1, "peak_allocated_gib": r["peak_gib"]}
+                rows.append(_gpu_row(record, file))
     modes = ("none", "selective", "full")
     rows.sort(
         key=lambda r: (
@@ -396,7 +408,9 @@ def write_report(rows: list[dict], env: dict, path: str) -> None:
         "(hidden 4096, 32 heads without grouping, intermediate 11008, vocabulary 32000) with 8 and 16 layers",
         "(`--overrides`), whose full-checkpointing peak comes when `build_optimizer`'s default `master_grads`",
         "upcasts the bf16 gradients into fp32 ones at the end of backward (planner/memory.py: `_flat_path_rows`;",
-        "with FSDP-over-one-rank moments the planner said 31.80 / 54.17 GiB).",
+        "with FSDP-over-one-rank moments the planner said 31.80 / 54.17 GiB). The 1B rows of 16k-64k tokens",
+        "without and with selective checkpointing (2026-12-02) come from `benchmarks/bench_long_rows.py`",
+        "(`benchmarks/results/h200_long_rows_modes.jsonl`; packed and one-document rows peak alike).",
         "Compiled rows (`compiled`): every decoder layer and the loss compiled, as the trainer's `torch_compile`;",
         "the 1B rows at 32k with accumulation are the trainer's own step (`benchmarks/bench_train.py`'s",
         "`ndparallel` row, one process per candidate), run by `benchmarks/planner_pick_check.py`.",
