@@ -38,6 +38,7 @@
 #   selfcheck-scale    issue 19: --measure and the preset against measured throughput over lengths: 1B 2k-32k, 3B 16k
 #   long-modes         issue 19: packed / one-document rows of 16k-64k without and with selective checkpointing
 #                      (the fit saw only full checkpointing there): held-out rows for the planner
+#   lora-8b-long       issue 19: 8B LoRA r16 at 8k-32k tokens, three checkpointing modes, eager and compiled (held out)
 #   gemm               issue 19: bf16 GEMM rates of the planner's products by shape and tokens (gemm_shapes.py)
 # Everything printed goes to $OUT/session.log; each part writes its own files under $OUT.
 BUDGET=${BUDGET:-560}
@@ -116,5 +117,9 @@ part long-modes 200 bash -c "python3 benchmarks/bench_long_rows.py --shape 1b --
   --kinds packed-4096,packed-512,single --ac selective --out $OUT/h200_long_rows_modes.jsonl && \
   python3 benchmarks/bench_long_rows.py --shape 1b --lengths 16384,32768 --kinds packed-4096,packed-512,single \
   --ac none --out $OUT/h200_long_rows_modes.jsonl"
+part lora-8b-long 300 bash -c "python3 benchmarks/gpu_memory_sweep.py \
+  --cases 8b:8192:2:none:lora,8b:16384:1:selective:lora,8b:32768:1:full:lora --out $OUT/h200_memory_sweep_lora_8b_long.jsonl \
+  && python3 benchmarks/gpu_memory_sweep.py --compile --steps 6 --cases 8b:16384:1:selective:lora \
+  --out $OUT/h200_memory_sweep_lora_8b_long.jsonl"
 part gemm 240 python3 benchmarks/gemm_shapes.py --json "$OUT/gemm_shapes.jsonl"
 echo "[$(date +%T)] session done in $SECONDS s"

@@ -105,6 +105,7 @@ LOSS_CASES = [
 # of h200_memory_sweep_quantized_fix.jsonl (its fourth model in one process: torch.compile's recompile limit
 # of 8 per code object was hit, and its layers ran partly uncompiled).
 GPU_RESULTS = [
+    "h200_memory_sweep_lora_8b_long.jsonl",  # 8B LoRA at 8k-32k tokens, three modes, one compiled
     "h200_memory_sweep_llama2_7b.jsonl",  # Llama-2-7B's layer shape, 8 and 16 layers, full checkpointing
     "h200_memory_sweep_quantized_fused.jsonl",  # compiled 8B LoRA on NF4 / int8 (the final input-gradient op)
     "h200_memory_sweep_quantized_fix.jsonl",  # compiled 8B bf16 LoRA; eager full checkpointing, NF4/int8/bf16
