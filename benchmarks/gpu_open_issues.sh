@@ -39,6 +39,7 @@
 #   long-modes         issue 19: packed / one-document rows of 16k-64k without and with selective checkpointing
 #                      (the fit saw only full checkpointing there): held-out rows for the planner
 #   lora-8b-long       issue 19: 8B LoRA r16 at 8k-32k tokens, three checkpointing modes, eager and compiled (held out)
+#   pick-3b            issue 19: the planner's one-GPU pick vs every candidate, 3B at 8k x 2 rows, eager
 #   gemm               issue 19: bf16 GEMM rates of the planner's products by shape and tokens (gemm_shapes.py)
 # Everything printed goes to $OUT/session.log; each part writes its own files under $OUT.
 BUDGET=${BUDGET:-560}
@@ -121,5 +122,7 @@ part lora-8b-long 300 bash -c "python3 benchmarks/gpu_memory_sweep.py \
   --cases 8b:8192:2:none:lora,8b:16384:1:selective:lora,8b:32768:1:full:lora --out $OUT/h200_memory_sweep_lora_8b_long.jsonl \
   && python3 benchmarks/gpu_memory_sweep.py --compile --steps 6 --cases 8b:16384:1:selective:lora \
   --out $OUT/h200_memory_sweep_lora_8b_long.jsonl"
+part pick-3b 240 python3 benchmarks/planner_pick_check.py --shape 3b --seq 8192 --global-batch 2 --micro-batch-sizes 1,2 \
+  --no-compile --out "$OUT/pick-3b"
 part gemm 240 python3 benchmarks/gemm_shapes.py --json "$OUT/gemm_shapes.jsonl"
 echo "[$(date +%T)] session done in $SECONDS s"

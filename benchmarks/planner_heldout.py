@@ -551,7 +551,9 @@ checkpointing "does not fit" (139.1 GiB predicted, 123.4 measured); with the com
 these runs prompted (`planner/activations.py`: every candidate's peak now within 0.5%) that candidate
 fits (123.1 of 125.8 usable GiB) and is the pick, measured 32,897 tokens/s: 0.4% below the best. The
 predicted tokens/s were 9-10% low for every candidate alike (30,169 for the first pick), so the ranking
-held.
+held. The same check for the 3B at 8192 tokens x 2 rows, eager (`results/h200_planner_pick_check_3b.jsonl`):
+the pick, micro-batch 2 without checkpointing, was the fastest of the six measured (17,976 tokens/s); the
+six were predicted -3.9% to +2.1% and every peak to 0.01 GiB.
 
 **Changes made after first seeing these numbers** (each a modelling error with a physical cause, none a
 constant set from them): a group that spans nodes with k members per node crosses the network on k NICs

@@ -120,7 +120,7 @@ GPU_RESULTS = [
 FSDP_ONE_RANK_RESULTS = {"h200_memory_sweep_final.jsonl", "h200_memory_sweep.jsonl", "h200_longseq.jsonl"}
 GPU_SKIP = {("h200_memory_sweep_quantized_fix.jsonl", "1b")}  # (file, shape) of compiled rows not used (above)
 # Compiled trainer steps measured by benchmarks/planner_pick_check.py (one process per candidate).
-PICK_RESULTS = ["h200_planner_pick_check.jsonl"]
+PICK_RESULTS = ["h200_planner_pick_check.jsonl", "h200_planner_pick_check_3b.jsonl"]
 # benchmarks/bench_long_rows.py on the flat path (build_optimizer's default master_grads): one row per length and
 # checkpointing mode (packed and one-document rows of the same length peak alike)
 LONG_ROWS_RESULTS = ["h200_long_rows_modes.jsonl"]
@@ -413,8 +413,9 @@ def write_report(rows: list[dict], env: dict, path: str) -> None:
         "without and with selective checkpointing (2026-12-02) come from `benchmarks/bench_long_rows.py`",
         "(`benchmarks/results/h200_long_rows_modes.jsonl`; packed and one-document rows peak alike).",
         "Compiled rows (`compiled`): every decoder layer and the loss compiled, as the trainer's `torch_compile`;",
-        "the 1B rows at 32k with accumulation are the trainer's own step (`benchmarks/bench_train.py`'s",
-        "`ndparallel` row, one process per candidate), run by `benchmarks/planner_pick_check.py`.",
+        "the 1B rows at 32k (compiled) and the 3B rows at 8192 x 2 (eager) are the trainer's own step, every",
+        "candidate the planner weighs (`benchmarks/bench_train.py`'s `ndparallel` row, one process each), run",
+        "by `benchmarks/planner_pick_check.py`.",
         "Measured = `torch.cuda.max_memory_allocated()` over the steps including the optimizer",
         "step; predicted = `estimate_memory(...).allocated` for the same configuration (no CUDA context or",
         'other overhead, which that counter excludes). "peak at" is the moment of the step the model says',
