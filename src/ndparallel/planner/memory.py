@@ -239,7 +239,7 @@ def memory_moments(
         + cp_buffer_bytes(model, layout, workload.seq_len, b, e)
     )
     layer_reduce = reduce_bytes(unit_trainable, f) - acts.per_layer - layer_w  # its activations and copy are freed
-    head = 2 * logits + (0.0 if rank else e * vocab_tp)
+    head = head_plain = 2 * logits + (0.0 if rank else e * vocab_tp)
     if head_trainable:  # untied lm_head's unit reduces once the logits' gradient is gone, its copy freed first
         head = max(head, logits + reduce_bytes(head_trainable, f) - vocab_w)
     if embed_trainable:
@@ -272,6 +272,7 @@ def memory_moments(
                 trainable=trainable_local,
                 head_trainable=head_trainable,
                 copies=w_forward,
+                head_transient=head_plain,  # lm_head's bf16 gradient stays until the end: no reduction
                 layer_transient=flat_layer,
                 logits=logits,
                 accumulating=accumulating,
@@ -302,6 +303,7 @@ def _flat_path_rows(
     trainable: float,
     head_trainable: float,
     copies: float,
+    head_transient: float,
     layer_transient: float,
     logits: float,
     accumulating: bool,
@@ -317,7 +319,7 @@ def _flat_path_rows(
     bf16 one is added in as autograd finishes it. The logits are still held at the end of backward (the
     trainer keeps them until ``loss.backward()`` returns). H200, a Llama-2-7B layer shape with 8 and 16
     layers, full checkpointing, ``master_grads``: 36.08 / 66.24 GiB measured; FSDP's moments gave 31.80 /
-    54.17, these 36.09 / 66.24 (``benchmarks/planner_validation.md``)."""
+    54.17, these 36.08 / 66.24 (``benchmarks/planner_validation.md``)."""
     bf16, fp32 = e * trainable, 4 * trainable
     earlier = fp32 if accumulating else 0.0
     grads_end = fp32 if accumulating else bf16 + (fp32 if workload.master_grads else 0.0)
@@ -325,7 +327,7 @@ def _flat_path_rows(
     loss, head, layer = rows["loss"], rows["head backward"], rows["layer backward"]
     return {
         "loss": (copies, earlier, 0.0, loss[3], loss[4]),
-        "head backward": (copies, earlier, 0.0, head[3], head[4]),
+        "head backward": (copies, earlier, 0.0, head[3], head_transient),
         "layer backward": (copies, earlier + e * head_trainable, 0.0, layer[3], layer_transient),
         "end of backward": (copies, grads_end, 0.0, 0.0, logits),
         "optimizer step": (copies, grads_step, 0.0, 0.0, 0.0),
