@@ -108,8 +108,8 @@ part profile-32k 120 "${BENCH[@]}" --shape 1b --seq 32768 --micro-batch 1 --accu
 part pick-1b 200 python3 benchmarks/planner_pick_check.py --shape 1b --seq 32768 --global-batch 2 --micro-batch-sizes 1,2 \
   --out "$OUT"
 LLAMA2_7B='"intermediate_size": 11008, "num_key_value_heads": 32, "vocab_size": 32000'
-part peer-mem 200 bash -c "python3 benchmarks/peer_memory_fsdp1_autocast.py --layers 8,16 \
-  --out $OUT/peer_memory_fsdp1_autocast.jsonl && for n in 8 16; do python3 benchmarks/gpu_memory_sweep.py \
+part peer-mem 200 bash -c "python3 benchmarks/peer_memory_autocast.py --layers 8,16 \
+  --out $OUT/peer_memory_autocast.jsonl && for n in 8 16; do python3 benchmarks/gpu_memory_sweep.py \
   --overrides '{$LLAMA2_7B, \"num_hidden_layers\": '\$n'}' --cases 8b:4096:4:full --out $OUT/h200_memory_sweep_llama2_7b.jsonl; done"
 # one process per row: a process that compiles more than ~3 models hits torch.compile's recompile limit
 part selfcheck-scale 420 bash -c "for row in 1b:2048x4 1b:8192x1 1b:32768x1 3b:16384x1; do \

@@ -506,7 +506,7 @@ ndparallel's (each layer's input kept in bf16, 0.125 GiB per layer at 16,384 tok
 bf16 logits and their gradient; one gathered bf16 layer). ATorch ran transformers' Llama under autocast on
 FSDP1's fp32 flat parameters (each gathered unit in fp32) with transformers' loss (float32 logits, 2 GiB a
 copy at 16,384 x 32,000). That step's unsharded part, measured on our H200 at this layer shape with 8 and
-16 layers (`benchmarks/peer_memory_fsdp1_autocast.py`, `results/h200_peer_memory_autocast.jsonl`;
+16 layers (`benchmarks/peer_memory_autocast.py`, `results/h200_peer_memory_autocast.jsonl`;
 transformers 5.17, non-reentrant checkpointing, without FSDP: FSDP1 on one GPU switches to NO_SHARD),
 keeps 0.75 GiB per layer after forward (ndparallel: 0.125) and its loss adds 6.2 GiB; at 32 layers that is
 27 GiB after forward, the order of the published 29.3 (the 2023 releases ATorch ran are not reproduced).

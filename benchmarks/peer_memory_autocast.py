@@ -1,6 +1,6 @@
 """Peak allocated memory of the step a published FSDP1 + autocast recipe ran, its unsharded part, on one GPU.
 
-    python benchmarks/peer_memory_fsdp1_autocast.py --layers 8,16 --out peer_memory.jsonl
+    python benchmarks/peer_memory_autocast.py --layers 8,16 --out peer_memory.jsonl
 
 The only published rows that report *allocated* peak memory for a sharded full fine-tune (ATorch's Llama-2-7B
 FSDP table, `planner_heldout.py`) ran transformers' Llama under FSDP1 (fp32 flat parameters, no
