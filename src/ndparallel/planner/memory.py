@@ -262,7 +262,8 @@ def memory_moments(
         "end of backward": (0.0, grads_all if earlier else grads_all - 4 * embed_trainable / f, 0.0, 0.0, end),
         "optimizer step": (0.0, grads_all, 0.0, 0.0, 0.0),
     }
-    if layout.world_size == 1 and not workload.single_rank_fsdp and e == 2:
+    # parallel/single_rank.py: the engine's path for a world of one (fp32 runs keep the moments above)
+    if layout.world_size == 1 and not workload.single_rank_fsdp and workload.precision == "bf16":
         flat_layer = logits + held_head_grad + layer_backward  # no reduce-scatter temporaries
         rows.update(
             _flat_path_rows(
