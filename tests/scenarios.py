@@ -291,8 +291,8 @@ def train_parallel(
         total = 0.0
         for i, batch in enumerate(prepared):
             ndp.set_gradient_sync(model, i == len(prepared) - 1, mode=gradient_sync)
-            out = model(**batch.model_inputs())
-            loss = ndp.token_loss(out.logits, batch.labels, num_tokens=n, topology=topo)
+            # the fused lm_head + loss (parallelize's default LossHead) unless options turn it off
+            loss, out = ndp.model_loss(model, batch.model_inputs(), batch.labels, num_tokens=n, topology=topo)
             loss = loss + ndp.router_aux_loss(
                 out, batch, config=model.config, topology=topo, num_micro_batches=len(prepared)
             )

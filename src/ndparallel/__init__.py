@@ -7,7 +7,7 @@ Library use (the loop you would write, done right)::
     opt = ndparallel.build_optimizer(model, lr=3e-4, weight_decay=0.1)
     batch = ndparallel.prepare_batch(global_ids, topo)              # this rank's rows and tokens
     n = ndparallel.count_tokens(batch.num_tokens, topo)              # global target tokens
-    loss = ndparallel.token_loss(model(**batch.model_inputs()).logits, batch.labels, num_tokens=n, topology=topo)
+    loss, outputs = ndparallel.model_loss(model, batch.model_inputs(), batch.labels, num_tokens=n, topology=topo)
     loss.backward(); ndparallel.clip_grad_norm_(model.parameters(), 1.0, optimizer=opt); opt.step(); opt.zero_grad()
     ckpt = ndparallel.Checkpointer("out/checkpoints", async_save=True)      # resume on any layout:
     ckpt.save(step, {"model": model, "optimizer": opt}); ckpt.load({"model": model, "optimizer": opt})
@@ -37,6 +37,7 @@ from ndparallel.step import (
     clip_grad_norm_,
     count_tokens,
     gather_logits,
+    model_loss,
     reduce_loss,
     set_gradient_sync,
     token_loss,
@@ -74,6 +75,7 @@ __all__ = [
     "clip_grad_norm_",
     "count_tokens",
     "gather_logits",
+    "model_loss",
     "reduce_loss",
     "set_gradient_sync",
     "token_loss",

@@ -70,6 +70,11 @@ def checkpoint_wrapper(module: torch.nn.Module, **checkpoint_kwargs) -> torch.nn
     return wrap(module, **checkpoint_kwargs)
 
 
+def wrapped_module(wrapper: torch.nn.Module) -> torch.nn.Module:
+    """The module inside a ``checkpoint_wrapper`` (the wrapper itself if it is none)."""
+    return getattr(wrapper, "_checkpoint_wrapped_module", wrapper)
+
+
 CHECKPOINT_WRAPPER_PREFIX = "_checkpoint_wrapped_module."
 COMPILE_PREFIX = "_orig_mod."
 

@@ -2,8 +2,10 @@
 
 0. QAT (optional, ``qat.py``) swaps every linear for torchao's fake-quantized one, before anything holds on
    to the modules. FP8 (optional) swaps the chosen linears for torchao's ``Float8Linear`` before anything
-   splits them. ``load_in_8bit`` turns the blocks' linears into int8 codes with row scales here too, so
-   tensor parallelism splits codes and scales as it splits weights (``quantized/int8.py``).
+   splits them. A plain lm_head becomes a ``LossHead`` (same parameters), which can hand its input to the
+   fused loss instead of computing the logits (``loss_head.py``). ``load_in_8bit`` turns the blocks'
+   linears into int8 codes with row scales here too, so tensor parallelism splits codes and scales as it
+   splits weights (``quantized/int8.py``).
 1. Tensor parallel first: it replaces weights by DTensors split over ``tp`` and installs sequence
    parallelism. Everything after it sees the split model. Mixture-of-experts blocks are not split by tp
    (each tp rank runs them on its own tokens); expert parallelism then splits the experts over ``ep``.
@@ -12,9 +14,10 @@
 2. Context-parallel attention: switch the model's attention to ndparallel's CP implementation (through
    transformers' attention registry). It changes no weights. A family whose attention ndparallel's cannot
    reproduce (Gemma 2's soft-capping, Falcon's direct SDPA call) keeps its own, and cp must be 1.
-3. Activation checkpointing wraps each decoder layer, so the wrapped unit is what recomputes.
-4. ``torch.compile`` per layer, after checkpointing (the checkpoint is traced into the graph) and before
-   FSDP (whose hooks must stay outside the graphs).
+3. Activation checkpointing wraps each decoder layer, so the wrapped unit is what recomputes (the MLPs
+   first run over sequence tiles if asked, ``tiled_mlp``; offloaded inputs go to host memory, ``offload.py``).
+4. ``torch.compile`` per layer, after checkpointing (the checkpoint is traced into the graph; with offloading
+   the layer inside the wrapper is compiled) and before FSDP (whose hooks must stay outside the graphs).
 5. FSDP2 last, on the (dp_replicate, dp_shard x cp) mesh: it shards whatever parameters the steps above
    produced, DTensors from TP included, and owns mixed precision and offload. On a world of one rank
    there is nothing to shard: flat fp32 masters with bf16 compute copies (``parallel/single_rank.py``)
@@ -32,6 +35,7 @@ from torch import nn
 from ndparallel.errors import ConfigError
 from ndparallel.freeze import apply_trainable, select_trainable, store_frozen_in
 from ndparallel.lora import LoraSpec, attach_lora
+from ndparallel.loss_head import install_loss_head
 from ndparallel.models.decoder import decoder_parts
 from ndparallel.models.families import needs_eager_attention
 from ndparallel.parallel.checkpointing import apply_activation_checkpointing
@@ -42,6 +46,7 @@ from ndparallel.parallel.float8 import Fp8Spec, check_fp8_supported, convert_to_
 from ndparallel.parallel.fsdp import apply_fsdp, wrap_units
 from ndparallel.parallel.single_rank import apply_single_rank, eligible
 from ndparallel.parallel.tensor import apply_tensor_parallel
+from ndparallel.parallel.tiled_mlp import apply_tiled_mlp
 from ndparallel.qat import QatSpec, apply_qat
 from ndparallel.quantized import FORMATS, check_supported, is_nf4, quantize_linears
 from ndparallel.quantized.int8 import replicate_rowwise_scales
@@ -80,6 +85,13 @@ class ParallelOptions:
     """'none', 'full' (recompute each layer) or 'selective' (save matmul/attention outputs, recompute the rest)."""
     compile: bool = False
     """Compile each decoder layer with torch.compile."""
+    tiled_mlp: bool = False
+    """Run each dense MLP over sequence tiles, one tile's intermediates at a time (``parallel/tiled_mlp.py``)."""
+    tiled_mlp_num_shards: int | None = None
+    """Tiles per MLP call; None: from the row length (one tile's intermediates <= one hidden-state tensor)."""
+    activation_offload_layers: int = 0
+    """With full activation checkpointing: the inputs of this many first decoder layers wait for their
+    backward in pinned host memory (``parallel/offload.py``); at most all layers but the last."""
     fsdp_wrap: str | int = "block"
     """FSDP unit: 'block' (each layer), N (groups of N layers) or 'model' (one unit: least communication,
     most memory)."""
@@ -99,6 +111,10 @@ class ParallelOptions:
     quantized_base: str | None = None
     """Frozen quantized base weights under LoRA (``quantized/``): 'nf4' (QLoRA, 4-bit) or 'int8' (8-bit,
     one scale per row) for the decoder blocks' linear weights; needs ``lora``. None: unquantized."""
+    fused_loss: bool = True
+    """Give lm_head's input to the fused linear + cross-entropy loss (``fused_loss.py``) instead of computing
+    the (tokens x vocabulary) logits, when the loss goes through ``step.model_loss`` (the trainer's does).
+    The head stays a plain linear layer for any other caller (``loss_head.py``)."""
     single_rank_fsdp: bool = False
     """Wrap with FSDP2 even when the world is one rank. By default one rank keeps its parameters in flat
     buffers instead (same numbers, less copying); this restores the FSDP path (for comparisons)."""
@@ -132,6 +148,8 @@ def parallelize(
                 "useful size and its frozen-base path is not validated); set fp8: false"
             )
         convert_to_fp8(parts, fp8, fsdp_size=1 if options.cpu_offload else topology.layout.fsdp_size)
+    if options.fused_loss and install_loss_head(model) is not None:
+        parts = decoder_parts(model)  # the head is a LossHead now (same parameters, same names)
     quantized = options.quantized_base
     param_dtype = as_dtype(options.param_dtype, setting="param_dtype")
     reduce_dtype = as_dtype(options.reduce_dtype, setting="reduce_dtype")
@@ -172,9 +190,13 @@ def parallelize(
         model.set_attn_implementation("eager")
     # else the model keeps transformers' attention (cp is 1: check_model refused more), which takes packed
     # rows exactly through transformers' document masks built from the position ids.
-    apply_activation_checkpointing(parts, options.activation_checkpointing)
+    if options.tiled_mlp:
+        apply_tiled_mlp(parts, num_tiles=options.tiled_mlp_num_shards)
+    apply_activation_checkpointing(
+        parts, options.activation_checkpointing, offload_layers=options.activation_offload_layers
+    )
     if options.compile:
-        apply_compile(parts)
+        apply_compile(parts, inside_checkpoint=options.activation_offload_layers > 0)
     wrap_units(list(parts.layers), options.fsdp_wrap)  # the same error on one rank as on many
     flat = not options.cpu_offload and not options.single_rank_fsdp
     if topology.world_size == 1 and flat and eligible(model):

@@ -19,8 +19,10 @@ from torch.distributed.tensor import DTensor
 
 from ndparallel import _compat
 from ndparallel.errors import ConfigError
+from ndparallel.fused_loss import linear_cross_entropy_sum
 from ndparallel.kernels import grad_norm as triton_norm
 from ndparallel.loss import cross_entropy_sum, vocab_offset
+from ndparallel.loss_head import loss_head_of
 from ndparallel.optim import FlatAdamW
 from ndparallel.parallel.float8 import fp8_post_step_hook
 from ndparallel.parallel.single_rank import single_rank_state
@@ -50,6 +52,41 @@ def token_loss(
     else:
         total = cross_entropy_sum(logits, labels, compiled=compiled)
     return total / num_tokens.clamp(min=1)
+
+
+def model_loss(
+    model: nn.Module,
+    inputs: dict,
+    labels: torch.Tensor,
+    *,
+    num_tokens: torch.Tensor,
+    topology: Topology,
+    compiled: bool = False,
+):
+    """Run ``model`` on ``inputs`` and return (this rank's share of the step loss, the model's outputs).
+
+    With a ``LossHead`` (``parallelize``'s default) the logits are never made: the head hands its input to
+    the fused linear + cross-entropy (``fused_loss.py``) and ``outputs.logits`` is empty. Otherwise the
+    model's logits go through ``token_loss``. Either way the share is (sum of token losses) / ``num_tokens``.
+    """
+    head = loss_head_of(model)
+    if head is None:
+        outputs = model(**inputs)
+        return token_loss(outputs.logits, labels, num_tokens=num_tokens, topology=topology, compiled=compiled), outputs
+    with head.capture() as captured:
+        outputs = model(**inputs)
+    (hidden,) = captured
+    total = linear_cross_entropy_sum(
+        hidden,
+        head.local_weight(),
+        labels,
+        bias=head.local_bias(),
+        transform=head.transform,
+        tp_group=topology.tp.get_group() if topology.layout.tp > 1 else None,
+        vocab_start=head.vocab_start,
+        kernels=compiled,
+    )
+    return total / num_tokens.clamp(min=1), outputs
 
 
 def gather_logits(logits: torch.Tensor, topology: Topology) -> torch.Tensor:

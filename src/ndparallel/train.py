@@ -62,7 +62,7 @@ from ndparallel.run_inputs import (
     token_budget,
 )
 from ndparallel.schedule import Schedule, schedule_for
-from ndparallel.step import clip_grad_norm_, count_tokens, set_gradient_sync, token_loss
+from ndparallel.step import clip_grad_norm_, count_tokens, model_loss, set_gradient_sync
 from ndparallel.steptime import PhaseTimer
 from ndparallel.topology import Topology, default_device_type, init_distributed
 from ndparallel.tracking import check_trackers_installed, open_trackers, wandb_wanted
@@ -588,8 +588,9 @@ def forward_backward(
     tokens = torch.zeros((), device=topo.device)
     for i, batch in enumerate(micro_batches):
         set_gradient_sync(model, i == len(micro_batches) - 1, mode=gradient_sync)
-        outputs = model(**batch.model_inputs())
-        loss = token_loss(outputs.logits, batch.labels, num_tokens=num_targets, topology=topo, compiled=compiled_loss)
+        loss, outputs = model_loss(
+            model, batch.model_inputs(), batch.labels, num_tokens=num_targets, topology=topo, compiled=compiled_loss
+        )
         loss = loss + router_aux_loss(
             outputs, batch, config=model.config, topology=topo, num_micro_batches=len(micro_batches)
         )  # MoE models; zero otherwise
@@ -623,9 +624,8 @@ def evaluate(model, rows, topo: Topology, micro_batch_size: int, pad_id: int) ->
             if not ok:
                 data["labels"][r] = IGNORE_INDEX
         batch = prepare_batch(**data, topology=topo, local=True, pad_token_id=pad_id)
-        logits = model(**batch.model_inputs()).logits
         one = torch.ones((), device=topo.device)
-        total += token_loss(logits, batch.labels, num_tokens=one, topology=topo).double()
+        total += model_loss(model, batch.model_inputs(), batch.labels, num_tokens=one, topology=topo)[0].double()
         count += batch.num_tokens.double()
     dist.all_reduce(total, group=topo.loss.get_group())
     dist.all_reduce(count, group=topo.loss.get_group())

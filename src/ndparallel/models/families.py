@@ -130,6 +130,30 @@ def model_attention_reason(config: Any) -> str | None:
     return None
 
 
+# What each family does to its logits after lm_head, elementwise (its ...ForCausalLM.forward, transformers
+# 5.17-5.24): nothing, a scale, or a soft cap. The fused loss applies the same inside its chunks; a family not
+# listed keeps the unfused loss (its forward may do something the fused loss would not reproduce).
+_PLAIN_HEADS = {
+    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "olmo2", "olmo3",
+    "glm", "glm4", "falcon", "gemma", "gpt_oss", "deepseek_v3",
+}  # fmt: skip
+
+
+def logit_transform(config: Any) -> tuple[float, float | None] | None:
+    """(scale, softcap) of the logits after lm_head: y = softcap * tanh(scale * z / softcap), or y = scale * z
+    without a cap; None for a family whose output transform is not known here."""
+    kind = getattr(config, "model_type", None)
+    if kind in _PLAIN_HEADS:
+        return 1.0, None
+    if kind in ("gemma2", "gemma3_text"):
+        return 1.0, getattr(config, "final_logit_softcapping", None)
+    if kind == "granite":
+        return 1.0 / config.logits_scaling, None
+    if kind == "cohere":
+        return float(config.logit_scale), None
+    return None
+
+
 # Used when a config carries no plan but its layers look like Llama's (decoder.py checks the paths exist).
 _LLAMA_LIKE_PLAN = {
     "layers.*.self_attn.q_proj": "colwise",

@@ -16,6 +16,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from ndparallel import _compat
 from ndparallel.errors import ConfigError
 from ndparallel.models.decoder import DecoderParts
+from ndparallel.parallel.offload import apply_offloaded_checkpointing
 
 MODES = ("none", "full", "selective")
 
@@ -27,10 +28,20 @@ def _save_expensive(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_activation_checkpointing(parts: DecoderParts, mode: str) -> None:
+def apply_activation_checkpointing(parts: DecoderParts, mode: str, *, offload_layers: int = 0) -> None:
+    """Wrap each decoder layer; ``offload_layers``: with 'full', the inputs of the first that many layers wait
+    for their backward in host memory (``offload.py``)."""
     if mode not in MODES:
         raise ConfigError(f"activation_checkpointing={mode!r} must be one of {', '.join(MODES)}")
+    if offload_layers and mode != "full":
+        raise ConfigError(
+            f"activation_offloading moves the inputs that full activation checkpointing keeps; it needs "
+            f"activation_checkpointing: full (got {mode!r})"
+        )
     if mode == "none":
+        return
+    if offload_layers:
+        apply_offloaded_checkpointing(parts, offload_layers)
         return
     kwargs = {"preserve_rng_state": False}
     if mode == "selective":

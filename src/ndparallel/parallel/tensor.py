@@ -33,7 +33,7 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ParallelStyle,
     RowwiseParallel,
@@ -41,6 +41,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from ndparallel.loss_head import LossHead
 from ndparallel.models.decoder import DecoderParts
 from ndparallel.parallel.float8 import tp_style_classes
 
@@ -61,12 +62,15 @@ def apply_tensor_parallel(parts: DecoderParts, tp_mesh: DeviceMesh) -> None:
         for path in parts.gathered_inputs:
             layer.get_submodule(path).register_forward_pre_hook(_gather_sequence, with_kwargs=True)
     parallelize_module(parts.final_norm, tp_mesh, SequenceParallel())
-    head_colwise, _ = tp_style_classes(parts.lm_head)
-    parallelize_module(
-        parts.lm_head,
-        tp_mesh,
-        head_colwise(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=True),
-    )
+    if isinstance(parts.lm_head, LossHead):
+        parallelize_module(parts.lm_head, tp_mesh, _VocabParallelHead())
+    else:
+        head_colwise, _ = tp_style_classes(parts.lm_head)
+        parallelize_module(
+            parts.lm_head,
+            tp_mesh,
+            head_colwise(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=True),
+        )
     if parts.tied:
         # Both sides split the (vocab, hidden) weight on dim 0, so one DTensor serves both again.
         parts.lm_head.weight = parts.embed.weight
@@ -94,6 +98,33 @@ def _style(name: str, module: nn.Module) -> ParallelStyle:
     if name == "feature_norm":  # weight (heads * head_dim,), input (B, S, heads/t * head_dim)
         return _SplitNorm(input_dim=-1)
     raise ValueError(f"unknown tensor-parallel style {name!r}")
+
+
+class _VocabParallelHead(ParallelStyle):
+    """A ``LossHead`` split by vocabulary rows (like ``torch.chunk``: ceil(V/t) per rank, fewer on the last).
+
+    Its input, sequence-sharded (B, S/t, H), is gathered once and handed to the head as a local (B, S, H)
+    tensor whose gradient is marked partial over tp: each rank's gradient covers its vocabulary slice, and
+    autograd sums them while scattering back to the sequence shards. The head computes local logits
+    (B, S, V/t) for the vocabulary-parallel loss, or gives its input to the fused loss.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        vocab, t = module.out_features, device_mesh.size()
+        module.vocab_start = -(-vocab // t) * device_mesh.get_local_rank()
+        return distribute_module(module, device_mesh, self._split_rows, self._gather_input)
+
+    @staticmethod
+    def _split_rows(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
+
+    @staticmethod
+    def _gather_input(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        x = inputs[0]
+        if isinstance(x, DTensor):
+            x = x.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+        return (x, *inputs[1:])
 
 
 class _SplitNorm(ParallelStyle):

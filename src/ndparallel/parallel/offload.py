@@ -1,0 +1,166 @@
+"""Checkpointed layer inputs kept in pinned host memory from a layer's forward to its backward.
+
+Under full activation checkpointing what a layer keeps between forward and backward is its input, (L, H)
+per layer: 16 x 131,072 x 2,048 bf16 = 8 GiB for the 1B at 131k tokens, 64 GiB at 1M. ``ActivationOffload``
+moves the inputs of the first ``layers`` decoder layers to the host and back:
+
+* forward of layer i: the input is copied to a pinned host buffer on a side stream while the layer
+  computes; when the layer's forward is done its device storage is released (the allocator reuses it
+  once the side stream's copy has finished: ``record_stream``);
+* backward: when layer i is recomputed, the copy of the next input backward will need (the nearest
+  offloaded layer below i) is started on the side stream, into the same tensor's storage, so it is back
+  before its layer's recompute starts; the recompute waits for its own input's copy only.
+
+The last layers' inputs stay on the device: they are needed first in backward, so there would be no
+time to copy them back, and a fraction kept is how host memory is respected (``offload_layer_count``).
+The tensors are the same Python objects throughout (only their storage leaves and returns), so the
+recompute sees exactly the values it saw in forward: results are bit-identical to no offload. On a CPU
+(tests) the copies are synchronous clones and the storage is released the same way.
+
+Only a plain tensor that owns its whole storage is released (a view of a larger buffer, or a tensor
+subclass without storage of its own, stays where it is).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+from ndparallel import _compat
+from ndparallel.models.decoder import DecoderParts
+
+
+@dataclass
+class _Stash:
+    host: torch.Tensor  # pinned copy of the input
+    copied: torch.cuda.Event | None  # the device-to-host copy is done (CUDA)
+    back: torch.cuda.Event | None = None  # the host-to-device copy into the storage is done (CUDA)
+
+
+class ActivationOffload:
+    """The offloaded inputs of one model's first ``layers`` decoder layers (see module docstring)."""
+
+    def __init__(self, layers: int, *, num_layers: int) -> None:
+        self.layers = layers
+        self.num_layers = num_layers
+        self.recomputing = False
+        """True from the end of the last layer's forward until the next forward: a layer run then is the
+        checkpoint's recompute in backward."""
+        self._stashed: dict[int, tuple[torch.Tensor, _Stash]] = {}
+        self._stream: torch.cuda.Stream | None = None
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=device)
+        return self._stream
+
+    # ----- forward --------------------------------------------------------------------------------
+
+    def stash(self, index: int, tensor: torch.Tensor) -> torch.Tensor | None:
+        """Start copying layer ``index``'s input to the host; returns the local tensor whose storage will be
+        released after the layer's forward, or None when this input stays on the device."""
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if index >= self.layers or not _owns_storage(local):
+            return None
+        if local.is_cuda:
+            side = self._side_stream(local.device)
+            side.wait_stream(torch.cuda.current_stream(local.device))
+            with torch.cuda.stream(side):
+                host = torch.empty(local.shape, dtype=local.dtype, pin_memory=True)
+                host.copy_(local, non_blocking=True)
+                copied = side.record_event()
+            local.record_stream(side)  # the storage is not reused before the copy has read it
+        else:
+            host, copied = local.detach().clone(), None
+        self._stashed[index] = (local, _Stash(host, copied))
+        return local
+
+    @staticmethod
+    def release(local: torch.Tensor) -> None:
+        """Give the device storage of a stashed input back to the allocator (its values are on the host)."""
+        local.untyped_storage().resize_(0)
+
+    # ----- backward -------------------------------------------------------------------------------
+
+    def restore(self, index: int) -> None:
+        """Before layer ``index`` is recomputed: its input back in place, and the next one on its way."""
+        entry = self._stashed.pop(index, None)
+        if entry is not None:
+            local, stash = entry
+            if stash.back is None:
+                self._copy_back(local, stash)
+            if stash.back is not None:
+                torch.cuda.current_stream(local.device).wait_event(stash.back)
+                local.record_stream(torch.cuda.current_stream(local.device))
+        below = max((i for i in self._stashed if i < index), default=None)
+        if below is not None:
+            self._copy_back(*self._stashed[below])
+
+    def _copy_back(self, local: torch.Tensor, stash: _Stash) -> None:
+        if stash.back is not None or local.untyped_storage().nbytes() > 0:
+            return
+        nbytes = local.numel() * local.element_size()
+        if not local.is_cuda:
+            local.untyped_storage().resize_(nbytes)
+            _alias(local).copy_(stash.host)
+            return
+        side = self._side_stream(local.device)
+        with torch.cuda.stream(side):  # the storage is allocated for, and filled on, the side stream
+            side.wait_event(stash.copied)
+            local.untyped_storage().resize_(nbytes)
+            _alias(local).copy_(stash.host, non_blocking=True)
+            stash.back = side.record_event()
+
+
+def _owns_storage(local: torch.Tensor) -> bool:
+    # A tensor subclass (an async collective's result wrapping the tensor that holds the data, e.g. the
+    # embedding's reduce-scatter under tensor parallelism) has no storage of its own: it stays where it is.
+    return (
+        type(local) is torch.Tensor
+        and local.is_contiguous()
+        and local.storage_offset() == 0
+        and local.untyped_storage().nbytes() == local.numel() * local.element_size()
+    )
+
+
+def _alias(local: torch.Tensor) -> torch.Tensor:
+    """A new tensor over ``local``'s storage: writing through it restores the values without an in-place
+    operation on ``local`` itself (whose version counter autograd may check)."""
+    return torch.empty(0, dtype=local.dtype, device=local.device).set_(
+        local.untyped_storage(), 0, local.shape, local.stride()
+    )
+
+
+def offloaded_checkpoint(layer, *args, offload: ActivationOffload, index: int, **kwargs):
+    """``torch.utils.checkpoint`` of one decoder layer whose input may spend its wait on the host."""
+    if not torch.is_grad_enabled():
+        return layer(*args, **kwargs)
+    hidden = args[0] if args else kwargs["hidden_states"]
+    offload.recomputing = False
+    local = offload.stash(index, hidden)
+
+    def run(*a, **k):
+        if offload.recomputing:  # in backward: the input back before use, the next one on its way
+            offload.restore(index)
+        return layer(*a, **k)
+
+    out = checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+    if local is not None:
+        offload.release(local)
+    if index == offload.num_layers - 1:
+        offload.recomputing = True
+    return out
+
+
+def apply_offloaded_checkpointing(parts: DecoderParts, layers: int) -> ActivationOffload:
+    """Full activation checkpointing of every decoder layer, with the inputs of the first ``layers`` kept on
+    the host between forward and backward."""
+    offload = ActivationOffload(min(layers, len(parts.layers) - 1), num_layers=len(parts.layers))
+    for i, layer in enumerate(list(parts.layers)):
+        run = functools.partial(offloaded_checkpoint, offload=offload, index=i)
+        parts.layers[i] = _compat.checkpoint_wrapper(layer, checkpoint_fn=run)
+    return offload
