@@ -70,6 +70,7 @@ DEFAULT_ROWS = "ndparallel,accelerate-compile,fsdp2-compile"
 NDP_ROWS = {  # name -> ParallelOptions overrides
     "ndparallel": {"compile": True},
     "ndparallel-master-grads": {"compile": True, "master_grads": True},
+    "ndparallel-unfused": {"compile": True, "fused_loss": False},  # the model's logits, then the loss
     "ndparallel-fsdp": {"compile": True, "single_rank_fsdp": True},
     "ndparallel-eager": {"compile": False},
     "ndparallel-fp8": {"compile": True, "fp8": {}},
@@ -83,6 +84,7 @@ PEER_ROWS = {
     "accelerate-eager",
     "fsdp2-compile",
     "fsdp2-compile-noreshard",
+    "fsdp2-compile-liger",  # + Liger's RoPE, RMSNorm, SwiGLU and fused linear cross-entropy (liger-kernel)
     "fsdp2-eager",
     "plain-eager",
 }
@@ -139,9 +141,11 @@ def build_ndparallel_row(
     fp8=None,
     master_grads: bool = False,
     accumulation: int = 1,
+    fused_loss: bool = True,
 ) -> Row:
     fp8_spec = None if fp8 is None else ndp.Fp8Spec(**fp8)
     options = ndp.ParallelOptions(
+        fused_loss=fused_loss,
         param_dtype=None if fp32 else "bfloat16",
         activation_checkpointing=ac,
         compile=compile_,
@@ -198,10 +202,17 @@ def _hf_phases(
 
 
 def build_fsdp2_row(
-    topo, config, *, seq: int, micro_batch: int, compile_: bool, fp32: bool, reshard: bool = True
+    topo, config, *, seq: int, micro_batch: int, compile_: bool, fp32: bool, reshard: bool = True, liger: bool = False
 ) -> Row:
-    """Plain PyTorch FSDP2: fully_shard per decoder layer and the root, bf16 params / fp32 reduce."""
+    """Plain PyTorch FSDP2: fully_shard per decoder layer and the root, bf16 params / fp32 reduce. ``liger``:
+    Liger's kernels patched into transformers' Llama first (its way of being used; this row runs in a process
+    of its own)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
 
     model = _hf_model(config, topo.device)
     mp = MixedPrecisionPolicy(param_dtype=None if fp32 else torch.bfloat16, reduce_dtype=torch.float32)
@@ -323,7 +334,8 @@ def build_row(name: str, args, topo, config) -> Row:
             topo, config, **common, compile_=compile_, fp32=args.fp32, ac=args.ac, reshard=reshard
         )
     if name.startswith("fsdp2") and name in PEER_ROWS:
-        return build_fsdp2_row(topo, config, **common, compile_=compile_, fp32=args.fp32, reshard=reshard)
+        liger = name.endswith("-liger")
+        return build_fsdp2_row(topo, config, **common, compile_=compile_, fp32=args.fp32, reshard=reshard, liger=liger)
     if name == "plain-eager":
         return build_plain_row(topo, config, **common, fp32=args.fp32)
     raise SystemExit(f"unknown row {name!r}; rows: {', '.join([*NDP_ROWS, *sorted(PEER_ROWS)])}")

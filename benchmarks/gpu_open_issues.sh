@@ -125,4 +125,17 @@ part lora-8b-long 300 bash -c "python3 benchmarks/gpu_memory_sweep.py \
 part pick-3b 240 python3 benchmarks/planner_pick_check.py --shape 3b --seq 8192 --global-batch 2 --micro-batch-sizes 1,2 \
   --no-compile --out "$OUT/pick-3b"
 part gemm 240 python3 benchmarks/gemm_shapes.py --json "$OUT/gemm_shapes.jsonl"
+# issue 33 (longest rows): the fused loss, tiled MLP and offload checked on the GPU; short and long rows against
+# the Liger peer; the longest packed row per model (bench_longest_row.py; every attempt in its own process)
+part fused-check 100 python3 tests/gpu/fused_loss_check.py --out "$OUT/fused_loss_check.jsonl"
+part short-1b-liger 200 "${BENCH[@]}" --shape 1b --seq 4096 --micro-batch 2 \
+  --rows ndparallel,ndparallel-unfused,fsdp2-compile-liger
+LONGEST=(python3 benchmarks/bench_longest_row.py --out "$OUT/longest_row.jsonl")
+part long-1b-128k 180 "${LONGEST[@]}" --model 1b --rows ndparallel,ndparallel-fused,peer-liger --lengths 131072
+part long-1b-1m 150 "${LONGEST[@]}" --model 1b --lengths 1048576
+part longest-1b 400 "${LONGEST[@]}" --model 1b --lengths 262144,524288 --search 4194304 --start 2097152 \
+  --resolution 262144
+part longest-3b 300 "${LONGEST[@]}" --model 3b --search 2097152 --start 262144 --resolution 131072
+part lora-8b-512k 300 "${LONGEST[@]}" --model 8b --lora --lengths 131072,524288
+part peer-long 240 "${LONGEST[@]}" --model 1b --rows peer-liger --lengths 262144,524288 --steps 1
 echo "[$(date +%T)] session done in $SECONDS s"

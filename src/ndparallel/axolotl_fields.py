@@ -112,7 +112,7 @@ POLICY: list[tuple[str, Rule]] = [
     ),
     ("tf32", _ignored("float32 matmul precision: matmuls run in bf16 (or exact fp32 on CPU); torch's setting is kept")),
     (
-        "tiled_mlp tiled_mlp_num_shards tiled_mlp_use_original_mlp activation_offloading layer_offloading gc_steps "
+        "tiled_mlp_use_original_mlp layer_offloading gc_steps "
         "gc_collect_steps torch_empty_cache_steps gpu_memory_limit max_memory device_map low_cpu_mem_usage "
         "dataloader_num_workers dataloader_pin_memory dataloader_prefetch_factor dataloader_drop_last "
         "dataset_num_proc dataset_processes dataset_keep_in_memory gradient_checkpointing_kwargs "

@@ -249,6 +249,21 @@ class TrainConfig(BaseModel):
     fsdp_config.activation_checkpointing: true lands here as full."""
     torch_compile: bool = False
     """Compile each decoder layer with torch.compile."""
+    fused_cross_entropy: bool = True
+    """lm_head and the cross-entropy fused over token chunks: the (tokens x vocabulary) logits and their gradient
+    are never held (Axolotl's liger_fused_linear_cross_entropy and cut_cross_entropy mean this). false: the
+    model's logits go to the chunked cross-entropy."""
+    tiled_mlp: bool = False
+    """Run each dense MLP over sequence tiles, so only one tile's (tokens x intermediate) tensors exist at a time
+    (one more MLP forward per step; for rows of ~32k tokens and more)."""
+    tiled_mlp_num_shards: int | None = Field(None, ge=1)
+    """Tiles per MLP call; unset: from the row length (one tile's intermediates <= one hidden-state tensor)."""
+    activation_offloading: bool | Literal["legacy", "disk"] = False
+    """Keep the inputs that full activation checkpointing saves per layer in pinned host memory between forward
+    and backward, copied on a side stream (needs gradient_checkpointing / activation_checkpointing: full).
+    true (or Axolotl's legacy): as many layers as host memory holds, all but the last."""
+    activation_offload_layers: int | None = Field(None, ge=0)
+    """How many of the first decoder layers offload their inputs (default: as many as host memory holds)."""
     fsdp_wrap: Literal["block", "model"] | int = "block"
     """FSDP unit: each layer, N layers, or the whole model."""
     reshard_after_forward: bool | int = True
@@ -560,6 +575,13 @@ class TrainConfig(BaseModel):
             yield "cosine_constant_lr_ratio needs cosine_min_lr_ratio (the rate it holds at the end)"
         if (self.cosine_min_lr_ratio or self.cosine_constant_lr_ratio) and self.lr_scheduler != "cosine":
             yield f"cosine_min_lr_ratio applies to lr_scheduler: cosine, not {self.lr_scheduler}"
+        if self.activation_offloading == "disk":
+            yield "activation_offloading: disk is not implemented: use true (pinned host memory)"
+        if self.activation_offloading and self.ac_mode != "full":
+            yield (
+                "activation_offloading moves the layer inputs that full activation checkpointing keeps: set "
+                "gradient_checkpointing: true (or activation_checkpointing: full)"
+            )
         if self.chat_template == "jinja" and not self.chat_template_jinja:
             yield "chat_template: jinja needs chat_template_jinja (the template's source)"
 

@@ -73,6 +73,8 @@ def read_axolotl(raw: dict[str, Any], own_keys: set[str], dataset_keys: set[str]
         "model_revision": _model_revision,
         "ddp_timeout": _ddp_timeout,
         "plugins": _plugins,
+        "liger_fused_linear_cross_entropy": _fused_cross_entropy,
+        "cut_cross_entropy": _fused_cross_entropy,
     }
     later = []
     for key, value in raw.items():
@@ -231,6 +233,12 @@ def _model_revision(reading: Reading, value: Any) -> None:
 
 def _ddp_timeout(reading: Reading, value: Any) -> None:
     _set_unless_given(reading, "process_group_timeout_s", value, "ddp_timeout")
+
+
+def _fused_cross_entropy(reading: Reading, value: Any) -> None:
+    """Liger's fused linear cross-entropy and Cut Cross-Entropy: ndparallel's fused loss (on by default)."""
+    if value is True:
+        reading.settings.setdefault("fused_cross_entropy", True)
 
 
 def _plugins(reading: Reading, value: Any) -> None:

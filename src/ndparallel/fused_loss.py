@@ -121,9 +121,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total):
-        scaled = [None if g is None else g * grad_total.to(g.dtype) for g in ctx.grads]
-        ctx.grads = None
-        return None, None, *scaled
+        grads, ctx.grads = ctx.grads, None
+        for g in grads:  # the loss's own buffers: scaled in place, no second copy of grad W or grad x
+            if g is not None:
+                g.mul_(grad_total.to(g.dtype))
+        return None, None, *grads
 
 
 @dataclass

@@ -114,6 +114,24 @@ def fp8_spec(cfg: TrainConfig) -> Fp8Spec | None:
     )
 
 
+def offload_layers(cfg: TrainConfig, model_config, layout: Layout, *, ranks_on_node: int | None = None) -> int:
+    """How many first decoder layers keep their inputs in host memory (0 without activation_offloading)."""
+    if not cfg.activation_offloading:
+        return 0
+    from ndparallel.parallel.offload import host_memory_available, offload_layer_count
+
+    tokens = cfg.micro_batch_size * math.ceil(math.ceil(cfg.sequence_len / layout.cp) / layout.tp)
+    itemsize = 4 if cfg.bf16 is False or (cfg.bf16 == "auto" and cfg.device == "cpu") else 2
+    ranks = ranks_on_node or int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size))
+    return offload_layer_count(
+        cfg.activation_offload_layers,
+        num_layers=model_config.num_hidden_layers,
+        layer_bytes=tokens * model_config.hidden_size * itemsize,
+        ranks_on_node=ranks,
+        host_bytes=host_memory_available(),
+    )
+
+
 @contextlib.contextmanager
 def quiet_libraries(rank: int) -> Iterator[None]:
     """Inside the block: messages users cannot act on are hidden, and ranks other than 0 stay silent unless
@@ -176,13 +194,15 @@ def setup(cfg: TrainConfig) -> TrainingRun:
     fetch_run_inputs(cfg, device_type)  # hub ids: local rank 0 of each node downloads while the others wait
 
     output_dir = Path(cfg.output_dir)
-    model_config, layout, layout_reason, tokenizer, vocab_from, vocab_note, resume_dir = _check(cfg, world, output_dir)
+    model_config, layout, layout_reason, tokenizer, vocab_from, vocab_note, resume_dir, offloaded = _check(
+        cfg, world, output_dir
+    )
 
     # Mesh, data, model: collective from here on.
     init_distributed(device_type=device_type, timeout_s=cfg.process_group_timeout_s)
     topo = Topology.build(layout, device_type=device_type, timeout_s=cfg.process_group_timeout_s)
     train_rows, eval_rows = _load_rows(cfg, tokenizer, layout, topo, output_dir)
-    model, lora = _build_model(cfg, model_config, topo, vocab_from=vocab_from)
+    model, lora = _build_model(cfg, model_config, topo, vocab_from=vocab_from, offloaded=offloaded)
     optimizer = build_run_optimizer(model, cfg, device_type)
 
     order = _data_order(cfg, len(train_rows), topo)
@@ -246,7 +266,8 @@ def run_model_config(cfg: TrainConfig):
 
 def _check(cfg: TrainConfig, world: int, output_dir: Path):
     """Checks that need no communication, the same answer on every rank: (model config, layout, the layout's
-    reason, tokenizer, the vocabulary size before growing and its note, the checkpoint to resume or None)."""
+    reason, tokenizer, the vocabulary size before growing and its note, the checkpoint to resume or None, the
+    number of layers whose inputs wait in host memory)."""
     model_config = run_model_config(cfg)
     layout, layout_reason = resolve_layout(cfg, world, model_config)
     tokenizer, added_tokens = load_run_tokenizer(cfg)
@@ -254,7 +275,8 @@ def _check(cfg: TrainConfig, world: int, output_dir: Path):
     layout.check_model(model_config, seq_len=cfg.sequence_len)
     check_trackers_installed(cfg)
     resume_dir = _check_output_dir(cfg, output_dir)
-    return model_config, layout, layout_reason, tokenizer, vocab_from, vocab_note, resume_dir
+    offloaded = offload_layers(cfg, model_config, layout)
+    return model_config, layout, layout_reason, tokenizer, vocab_from, vocab_note, resume_dir, offloaded
 
 
 def _load_rows(cfg: TrainConfig, tokenizer, layout, topo: Topology, output_dir: Path):
@@ -307,7 +329,7 @@ def _check_output_dir(cfg: TrainConfig, output_dir: Path) -> Path | None:
 
 
 def _build_model(
-    cfg: TrainConfig, model_config, topo: Topology, *, vocab_from: int | None = None
+    cfg: TrainConfig, model_config, topo: Topology, *, vocab_from: int | None = None, offloaded: int = 0
 ) -> tuple[torch.nn.Module, LoraSpec | None]:
     """The model built on the meta device, parallelized, then filled shard by shard (offloaded: on the CPU)."""
     bf16 = cfg.bf16 if cfg.bf16 != "auto" else topo.device.type == "cuda"
@@ -316,6 +338,10 @@ def _build_model(
         reduce_dtype="float32",
         activation_checkpointing=cfg.ac_mode,
         compile=cfg.torch_compile,
+        fused_loss=cfg.fused_cross_entropy,
+        tiled_mlp=cfg.tiled_mlp,
+        tiled_mlp_num_shards=cfg.tiled_mlp_num_shards,
+        activation_offload_layers=offloaded,
         fsdp_wrap=cfg.fsdp_wrap,
         reshard_after_forward=cfg.reshard_after_forward,
         cpu_offload=cfg.cpu_offload,

@@ -26,7 +26,7 @@ def run_errors(cfg: TrainConfig, *, world_size: int | None) -> tuple[list[str], 
     rather than raised; hub ids are looked up in the hub cache (config and tokenizer files are fetched unless
     HF_HUB_OFFLINE is set, weights are not)."""
     from ndparallel.run_inputs import load_run_tokenizer
-    from ndparallel.train import resolve_layout, run_model_config
+    from ndparallel.train import offload_layers, resolve_layout, run_model_config
     from ndparallel.vocab import fit_vocab
 
     problems: list[str] = []
@@ -57,6 +57,12 @@ def run_errors(cfg: TrainConfig, *, world_size: int | None) -> tuple[list[str], 
             plan.notes.append(note)
     if model_config is not None and plan is not None:
         problems += list(plan.layout.model_problems(model_config, seq_len=cfg.sequence_len))
+        offloaded = _attempt(problems, lambda: offload_layers(cfg, model_config, plan.layout))
+        if offloaded:
+            plan.notes.append(
+                f"activation offloading: the inputs of {offloaded} of {model_config.num_hidden_layers} decoder layers "
+                f"wait for backward in host memory (this machine's available memory; checked again at start)"
+            )
     if model_config is not None and cfg.unfrozen_parameters:
         note = _attempt(problems, lambda: _check_unfrozen(cfg, model_config))
         if note and plan is not None:

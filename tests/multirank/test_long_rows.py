@@ -11,6 +11,7 @@ import pytest
 import torch
 from harness import run_ranks
 from scenarios import assert_parity, make_batches, make_model, train_parallel, train_reference, world_size
+from trainer_helpers import assert_runs_match, layout_config, plain_reference, run_train, tiny_config
 
 import ndparallel as ndp
 from ndparallel.parallel.tiled_mlp import tile_count
@@ -86,3 +87,39 @@ def test_tile_count_follows_the_row():
     assert tile_count(131_072, hidden=2048, intermediate=8192) == 16
     assert tile_count(1_048_576, hidden=2048, intermediate=8192) == 16  # tiles of 64k: one (L, H) tensor's size
     assert tile_count(100, hidden=64, intermediate=128, num_tiles=4) == 4
+
+
+@pytest.fixture(scope="module")
+def trainer_base(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("long-rows-train")
+    make_model("llama", vocab_size=320, seed=3).save_pretrained(tmp / "base")
+    config = tiny_config(tmp, base_model=str(tmp / "base"), model_shape=None, model_config_overrides={}, max_steps=4)
+    return tmp, config, plain_reference(config)
+
+
+@pytest.mark.parametrize(
+    "world, layout, settings",
+    [
+        pytest.param(1, {}, {"fused_cross_entropy": False}, id="one-rank-unfused"),
+        pytest.param(1, {}, {"gradient_checkpointing": True, "activation_offloading": True}, id="one-rank-offload"),
+        pytest.param(
+            4,
+            dict(c=2, t=2, method="alltoall"),
+            {
+                "gradient_checkpointing": True,
+                "tiled_mlp": True,
+                "tiled_mlp_num_shards": 2,
+                "activation_offloading": True,
+                "activation_offload_layers": 1,
+            },
+            id="cp2-tp2-tiled-offload",
+        ),
+    ],
+)
+def test_trainer_with_each_feature_matches_plain_transformers(trainer_base, world, layout, settings, parity_record):
+    """``ndparallel train`` with the features on (and the fused loss off) against the run written with plain
+    transformers + torch (the fused loss is the trainer's default, so every other trainer test covers it)."""
+    tmp, config, ref = trainer_base
+    name = "-".join(f"{k}{v}" for k, v in {**layout, **settings}.items())
+    run = {**layout_config(config, **layout), **settings, "output_dir": str(tmp / name)}
+    assert_runs_match([run_train(world, run)], ref, parity_record)

@@ -24,6 +24,7 @@ subclass without storage of its own, stays where it is).
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,12 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from ndparallel import _compat
+from ndparallel.errors import ConfigError
 from ndparallel.models.decoder import DecoderParts
+
+HOST_SHARE = 0.8
+"""Of the host memory available when a run starts, the share offloaded layer inputs may take (the rest is
+the data, the pinned staging of checkpoints, the Python processes)."""
 
 
 @dataclass
@@ -164,3 +170,42 @@ def apply_offloaded_checkpointing(parts: DecoderParts, layers: int) -> Activatio
         run = functools.partial(offloaded_checkpoint, offload=offload, index=i)
         parts.layers[i] = _compat.checkpoint_wrapper(layer, checkpoint_fn=run)
     return offload
+
+
+def host_memory_available() -> int:
+    """Bytes of host memory available now (Linux's MemAvailable; elsewhere the free pages)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def offload_layer_count(
+    requested: int | None, *, num_layers: int, layer_bytes: int, ranks_on_node: int, host_bytes: int
+) -> int:
+    """How many first layers offload their inputs: ``requested``, or as many as ``HOST_SHARE`` of the host's
+    available memory holds for every rank of the node (at most all layers but the last). ``layer_bytes``:
+    one layer's input on one rank. One line naming the setting when they do not fit."""
+    most = num_layers - 1
+    per_layer = layer_bytes * ranks_on_node
+    fits = min(most, int(host_bytes * HOST_SHARE) // max(1, per_layer))
+    gib = per_layer / 2**30
+    if requested is not None:
+        if requested > fits:
+            raise ConfigError(
+                f"activation_offload_layers={requested} needs {requested * gib:.1f} GiB of host memory "
+                f"({gib:.2f} GiB per layer for {ranks_on_node} rank(s) on this node); "
+                f"{host_bytes * HOST_SHARE / 2**30:.1f} GiB is usable: set it to {fits} or less"
+            )
+        return requested
+    if fits < 1:
+        raise ConfigError(
+            f"activation_offloading: one layer's inputs need {gib:.2f} GiB of host memory for the {ranks_on_node} "
+            f"rank(s) on this node, more than the {host_bytes * HOST_SHARE / 2**30:.1f} GiB usable; turn it off "
+            f"or shorten sequence_len"
+        )
+    return fits
