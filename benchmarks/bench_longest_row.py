@@ -10,6 +10,8 @@ Rows (each (row, length) in a process of its own, so an out-of-memory leaves not
   documents, full activation checkpointing, the fused loss, the MLP over sequence tiles, the layer inputs of
   as many layers as host memory holds offloaded, per-layer compile (``--eager`` to turn it off);
 * ``ndparallel-fused``: the same without tiling or offload (what the fused loss alone reaches);
+* ``ndparallel-cpu-offload``: the ``ndparallel`` row with the weights and AdamW state in host memory too
+  (``cpu_offload``: FSDP2's CPU offload, the optimizer steps on the CPU);
 * ``ndparallel-unfused``: no fused loss either (the model's logits, the previous default);
 * ``peer-liger``: transformers' Llama with Liger's kernels (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy),
   gradient checkpointing and FSDP2 over the one GPU (bf16 parameters, fp32 reduction), one document per row
@@ -50,7 +52,8 @@ def _attempt(args, row: str, length: int) -> dict:
     if proc.returncode == 0 and lines:
         result = json.loads(lines[-1])
     else:
-        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        errors = [line for line in proc.stderr.splitlines() if "Error" in line or "error:" in line]
+        tail = (errors or proc.stderr.strip().splitlines() or ["(no output)"])[-1]
         oom = "OutOfMemory" in proc.stderr or "out of memory" in proc.stderr
         result = {"row": row, "tokens": length, "ok": False, "oom": oom, "error": tail[-400:]}
     result["wall_s"] = round(time.perf_counter() - start, 1)
@@ -118,7 +121,7 @@ def _ndparallel_step(args, row: str, length: int):
 
     topo = ndp.Topology.build(ndp.ParallelismConfig(dp_shard_size=1))
     config = model_config_for(base_model=None, model_shape=args.model, overrides={}, max_position_embeddings=length)
-    memory = row == "ndparallel"
+    memory = row in ("ndparallel", "ndparallel-cpu-offload")
     offloaded = 0
     if memory:  # as the trainer's activation_offloading: true decides (train.offload_layers)
         offloaded = offload_layer_count(
@@ -134,11 +137,16 @@ def _ndparallel_step(args, row: str, length: int):
         fused_loss=row != "ndparallel-unfused",
         tiled_mlp=memory,
         activation_offload_layers=offloaded,
+        cpu_offload=row == "ndparallel-cpu-offload",
     )
     lora = LoraSpec(r=16, alpha=32, target_linear=True) if args.lora else None
     model = meta_model(config)
-    ndp.parallelize(model, topo, options=options, lora=lora)
-    materialize(model, topo.device, weights_dir=None, seed=0)
+    if options.cpu_offload:  # FSDP2 takes a one-rank unit's parameters as they are: their CPU storage first
+        materialize(model, topo.device, weights_dir=None, seed=0, offload_params=True)
+        ndp.parallelize(model, topo, options=options, lora=lora)
+    else:
+        ndp.parallelize(model, topo, options=options, lora=lora)
+        materialize(model, topo.device, weights_dir=None, seed=0)
     if lora is not None:
         initialize_adapters(model, 0)
     model.train()

@@ -176,7 +176,8 @@ class SingleRankParams:
             slot.compute = nn.Parameter(view, requires_grad=slot.master.requires_grad)
             slot.cast_version = _compat.tensor_version(slot.master)
             if slot.master.requires_grad:
-                self._grad_hooks.append(slot.compute.register_post_accumulate_grad_hook(self._compute_grad_hook(slot)))
+                hook = self._compute_grad_hook(self, slot)
+                self._grad_hooks.append(slot.compute.register_post_accumulate_grad_hook(hook))
 
     # ----- gradients -----------------------------------------------------------------------------
 
@@ -186,11 +187,13 @@ class SingleRankParams:
     # (masters and compute copies: the whole model in a full fine-tune). They hold weak references.
 
     @staticmethod
-    def _compute_grad_hook(slot: Slot):
-        slot_ref = weakref.ref(slot)
+    def _compute_grad_hook(owner: "SingleRankParams", slot: Slot):
+        owner_ref, slot_ref = weakref.ref(owner), weakref.ref(slot)
 
         def hook(compute: torch.Tensor) -> None:
-            slot = slot_ref()
+            owner, slot = owner_ref(), slot_ref()
+            if owner is not None:  # a gradient arrived: the backward is under way (see _post_forward)
+                owner._on_backward_start(None)
             master = None if slot is None else slot.master  # None: the model is gone, the tensor outlived it
             if master is not None and master.grad is not None:  # a later micro-batch: add in fp32, free bf16
                 master.grad.add_(compute.grad)
@@ -303,11 +306,14 @@ class SingleRankParams:
         if not self.swapped_in:
             return
         needs_grad = [t for t in _tensors(output) if t.requires_grad]
-        if not needs_grad:  # eval or no_grad: nothing will run backward
+        trainable = torch.is_grad_enabled() and any(slot.master.requires_grad for slot in self.slots)
+        if not needs_grad and not trainable:  # eval or no_grad: nothing will run backward
             self.swap_out()
             return
         # The compute copies stay registered until backward ends (activation checkpointing recomputes
-        # layers during backward and must find them); the first output gradient queues the swap back.
+        # layers during backward and must find them); the first output gradient, or the first gradient of a
+        # compute copy (a loss computed from an input the model handed out, ``loss_head.py``, leaves the
+        # outputs without one), queues the swap back.
         self._backward_pending = True
         for t in needs_grad:
             t.register_hook(self._on_backward_start)
