@@ -131,7 +131,7 @@ part fused-check 100 python3 tests/gpu/fused_loss_check.py --out "$OUT/fused_los
 part short-1b-liger 200 "${BENCH[@]}" --shape 1b --seq 4096 --micro-batch 2 \
   --rows ndparallel,ndparallel-unfused,fsdp2-compile-liger
 LONGEST=(python3 benchmarks/bench_longest_row.py --out "$OUT/longest_row.jsonl")
-part long-1b-128k 180 "${LONGEST[@]}" --model 1b --rows ndparallel,ndparallel-fused,peer-liger --lengths 131072
+part long-1b-128k 200 "${LONGEST[@]}" --model 1b --rows ndparallel,ndparallel-fused,ndparallel-cpu-offload --lengths 131072
 part long-1b-1m 150 "${LONGEST[@]}" --model 1b --lengths 1048576
 part longest-1b 400 "${LONGEST[@]}" --model 1b --lengths 262144,524288 --search 4194304 --start 2097152 \
   --resolution 262144
