@@ -9,6 +9,7 @@ Rows (each (row, length) in a process of its own, so an out-of-memory leaves not
 * ``ndparallel``: the trainer's step (``train.forward_backward``, clip, AdamW) on one packed row of 4,096-token
   documents, full activation checkpointing, the fused loss, the MLP over sequence tiles, the layer inputs of
   as many layers as host memory holds offloaded, per-layer compile (``--eager`` to turn it off);
+* ``ndparallel-tiled``: the same without offload (what offloading costs in time, and saves);
 * ``ndparallel-fused``: the same without tiling or offload (what the fused loss alone reaches);
 * ``ndparallel-cpu-offload``: the ``ndparallel`` row with the weights and AdamW state in host memory too
   (``cpu_offload``: FSDP2's CPU offload, the optimizer steps on the CPU);
@@ -121,9 +122,9 @@ def _ndparallel_step(args, row: str, length: int):
 
     topo = ndp.Topology.build(ndp.ParallelismConfig(dp_shard_size=1))
     config = model_config_for(base_model=None, model_shape=args.model, overrides={}, max_position_embeddings=length)
-    memory = row in ("ndparallel", "ndparallel-cpu-offload")
+    memory = row in ("ndparallel", "ndparallel-cpu-offload", "ndparallel-tiled")
     offloaded = 0
-    if memory:  # as the trainer's activation_offloading: true decides (train.offload_layers)
+    if memory and row != "ndparallel-tiled":  # as the trainer's activation_offloading: true decides (train.offload_layers)
         offloaded = offload_layer_count(
             args.offload_layers,
             num_layers=config.num_hidden_layers,

@@ -133,9 +133,11 @@ part short-1b-liger 200 "${BENCH[@]}" --shape 1b --seq 4096 --micro-batch 2 \
 LONGEST=(python3 benchmarks/bench_longest_row.py --out "$OUT/longest_row.jsonl")
 part long-1b-128k 200 "${LONGEST[@]}" --model 1b --rows ndparallel,ndparallel-fused,ndparallel-cpu-offload --lengths 131072
 part long-1b-1m 150 "${LONGEST[@]}" --model 1b --lengths 1048576
-part longest-1b 400 "${LONGEST[@]}" --model 1b --lengths 262144,524288 --search 4194304 --start 2097152 \
-  --resolution 262144
-part longest-3b 300 "${LONGEST[@]}" --model 3b --search 2097152 --start 262144 --resolution 131072
-part lora-8b-512k 300 "${LONGEST[@]}" --model 8b --lora --lengths 131072,524288
+part lora-8b-512k 240 bash -c "${LONGEST[*]} --model 8b --lora --lengths 524288; grep -q '\"tokens\": 524288, \"ok\": true' \
+  $OUT/longest_row.jsonl || ${LONGEST[*]} --model 8b --lora --lengths 393216"
+part longest-1b 150 bash -c "${LONGEST[*]} --model 1b --lengths 2097152; grep -q '\"tokens\": 2097152, \"ok\": true' \
+  $OUT/longest_row.jsonl || ${LONGEST[*]} --model 1b --lengths 1572864"
+part offload-cost 40 "${LONGEST[@]}" --model 1b --rows ndparallel-tiled --lengths 131072
+part longest-3b 100 "${LONGEST[@]}" --model 3b --lengths 524288
 part peer-long 240 "${LONGEST[@]}" --model 1b --rows peer-liger --lengths 262144,524288 --steps 1
 echo "[$(date +%T)] session done in $SECONDS s"

@@ -58,6 +58,10 @@ def test_memory_features_match_one_process(layout, family, options, parity_recor
 def test_offload_is_bit_identical_and_releases_the_inputs():
     """One rank, CPU: the offloaded run's losses, norms and weights equal the plain full-checkpointing run's
     exactly, and between forward and backward the offloaded inputs hold no storage."""
+    run_ranks(1, _offload_checks)
+
+
+def _offload_checks():
     batches = _batches()
     plain = train_parallel("llama", dict(dp_shard_size=1), batches, model_kwargs={"num_hidden_layers": 3}, options=FULL)
     got = train_parallel(

@@ -11,6 +11,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import run_ranks
 from scenarios import make_model
 
 import ndparallel as ndp
@@ -69,6 +70,10 @@ def test_chunk_rows_bound_the_chunk_logits():
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_loss_head_is_lm_head_outside_capture_and_the_loss_inside(tied):
+    run_ranks(1, _loss_head_checks, tied)  # a process group of its own (forked), not this process's
+
+
+def _loss_head_checks(tied):
     model = make_model("llama", tied=tied)
     ids = torch.randint(1, 256, (2, 24))
     want_logits = model(input_ids=ids).logits
@@ -89,6 +94,10 @@ def test_loss_head_is_lm_head_outside_capture_and_the_loss_inside(tied):
 def test_family_logit_transforms_match_transformers():
     """Gemma 2's final soft cap, Granite's and Cohere's logit scales, applied inside the fused loss, equal
     the logits transformers' own forward returns."""
+    run_ranks(1, _family_transform_checks)
+
+
+def _family_transform_checks():
     topo = ndp.Topology.build(ndp.ParallelismConfig(dp_shard_size=1))
     for family in ("gemma2", "granite", "cohere", "phi3"):
         model = make_model(family)

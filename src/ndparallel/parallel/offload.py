@@ -191,7 +191,8 @@ def offload_layer_count(
     available memory holds for every rank of the node (at most all layers but the last). ``layer_bytes``:
     one layer's input on one rank. One line naming the setting when they do not fit."""
     most = num_layers - 1
-    per_layer = layer_bytes * ranks_on_node
+    # PyTorch's pinned-memory allocator hands out blocks of the next power of two (and caches them)
+    per_layer = (1 << max(0, layer_bytes - 1).bit_length()) * ranks_on_node
     fits = min(most, int(host_bytes * HOST_SHARE) // max(1, per_layer))
     gib = per_layer / 2**30
     if requested is not None:
