@@ -101,14 +101,18 @@ def _train_worker(cfg) -> int:
         if rank == 0 or getattr(exc, "rank_specific", False):
             _print_error(str(exc))
         return EXIT_USER_ERROR
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank of a terminal's job; the launcher says it once
+        return 128 + signal.SIGINT
     except Exception as exc:  # a bug or a failing peer: one line here, the full traceback in a file
+        from ndparallel.owned_files import write_atomic
+
         log_dir = Path(cfg.output_dir) / "logs"
         try:
             log_dir.mkdir(parents=True, exist_ok=True)
             path = log_dir / f"error-rank{rank}.txt"
-            path.write_text(traceback.format_exc(), encoding="utf-8")
+            write_atomic(path, traceback.format_exc())  # never through a link planted there
             where = f" (traceback: {path})"
-        except OSError:
+        except (OSError, NdParallelError):
             where = ""
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         print(

@@ -22,6 +22,7 @@ import torch
 import yaml
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from ndparallel import owned_files
 from ndparallel.checkpoint import checkpoints_dir, load_tensors, open_checkpoint, store
 from ndparallel.errors import CheckpointError
 from ndparallel.models.build import restore_buffers
@@ -136,10 +137,49 @@ def write_hf_directory(
             merge_lora_weights(model, lora)
         model.to(dtype).save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
     if tokenizer_dir is not None and tokenizer_dir.is_dir():
-        for item in tokenizer_dir.iterdir():  # checked by the guard: plain files inside the checkpoint
-            if item.is_file():
-                shutil.copyfile(item, out / item.name)
+        copy_tokenizer_files(tokenizer_dir, out)
+    owned_files.mark_written(out)
     return out
+
+
+# What a transformers tokenizer's save_pretrained writes (its own files and the vocabulary files of its
+# classes). Nothing else of a checkpoint's tokenizer/ is copied: a config.json with an ``auto_map`` or a
+# ``.py`` file there would put code in the exported model, and a weight file would replace the weights.
+TOKENIZER_FILES = frozenset(
+    {
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "tokenizer.json",
+        "chat_template.jinja",
+        "chat_template.json",
+        "tokenizer.model",
+        "tiktoken.model",
+        "vocab.json",
+        "merges.txt",
+        "vocab.txt",
+        "spiece.model",
+        "sentencepiece.bpe.model",
+        "sentencepiece.model",
+        "spm.model",
+    }
+)
+CHAT_TEMPLATE_DIR = "additional_chat_templates"  # transformers' folder of named templates (*.jinja)
+
+
+def copy_tokenizer_files(tokenizer_dir: Path, out: Path) -> list[str]:
+    """Copy the tokenizer files transformers writes from ``tokenizer_dir`` (checked by the guard: plain files
+    inside the checkpoint) into ``out``; returns the names copied. Files already in ``out`` are kept."""
+    wanted = [tokenizer_dir / name for name in sorted(TOKENIZER_FILES)]
+    wanted += sorted((tokenizer_dir / CHAT_TEMPLATE_DIR).glob("*.jinja"))
+    copied = []
+    for item in wanted:
+        name = str(item.relative_to(tokenizer_dir))
+        if item.is_file() and not item.is_symlink() and not (out / name).exists():
+            (out / name).parent.mkdir(exist_ok=True)
+            shutil.copyfile(item, out / name)
+            copied.append(name)
+    return copied
 
 
 def export_checkpoint(
