@@ -20,6 +20,7 @@ import stat
 from pathlib import Path
 from typing import TextIO
 
+from ndparallel import file_names
 from ndparallel.errors import OutputError
 
 MANIFEST = ".ndparallel-files.json"
@@ -165,8 +166,4 @@ def _manifest(directory: Path) -> list[str]:
         names = data["files"] if data.get("written_by") == "ndparallel" else []
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return []
-    inside = []
-    for name in names:  # only plain relative names inside the directory
-        if isinstance(name, str) and name and not os.path.isabs(name) and ".." not in Path(name).parts:
-            inside.append(name)
-    return inside
+    return [name for name in names if file_names.inside(directory, name) is not None]

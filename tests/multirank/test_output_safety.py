@@ -4,37 +4,13 @@ earlier checkpoints it promises to keep; ``output_dir/hf`` holding someone's fil
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import time
 from pathlib import Path
 
-import yaml
-from harness import run_ranks
-from trainer_helpers import tiny_config
+from trainer_helpers import cli_train, error_lines, tiny_config
 
 from ndparallel.owned_files import MANIFEST
-
-
-def _cli(args: list[str]) -> tuple[int, str]:
-    """``ndparallel ARGS`` in a rank the harness started (train runs as a worker); (exit code, stderr)."""
-    from ndparallel.cli import main
-
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = main(args)
-    return code, err.getvalue()
-
-
-def _train(tmp: Path, config: dict) -> tuple[int, str]:
-    path = tmp / f"config-{time.monotonic_ns()}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return run_ranks(1, _cli, ["train", str(path)])[0]
-
-
-def _errors(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.startswith("ndparallel: error:")]
 
 
 def test_links_planted_in_the_checkpoint_directory_are_not_written_through(tmp_path):
@@ -49,7 +25,7 @@ def test_links_planted_in_the_checkpoint_directory_are_not_written_through(tmp_p
     (root / "latest.tmp").symlink_to(victim_file)  # the next write of `latest` went through it
     (root / ".partial-step-1").symlink_to(victim_dir)  # the first save was written into photos/
 
-    code, err = _train(tmp_path, config)
+    code, err = cli_train(tmp_path, config)
     assert code == 0, err[-2000:]
     assert victim_file.read_text() == "precious"
     assert sorted(p.name for p in victim_dir.iterdir()) == ["a.jpg"] and (victim_dir / "a.jpg").read_text() == "jpeg"
@@ -64,9 +40,9 @@ def test_a_link_at_metrics_jsonl_is_refused_with_one_line(tmp_path):
     victim = tmp_path / "diary.txt"
     victim.write_text("precious\n")
     (out / "metrics.jsonl").symlink_to(victim)
-    code, err = _train(tmp_path, config)
+    code, err = cli_train(tmp_path, config)
     assert code == 2 and victim.read_text() == "precious\n"
-    [line] = _errors(err)
+    [line] = error_lines(err)
     assert "metrics.jsonl" in line and "symbolic link" in line
 
 
@@ -74,7 +50,7 @@ def test_overwrite_output_dir_keeps_earlier_checkpoints_and_files_it_did_not_wri
     config = tiny_config(tmp_path, max_steps=2, save_steps=1, export_hf=True)
     out = Path(config["output_dir"])
     root = out / "checkpoints"
-    code, err = _train(tmp_path, config)  # an earlier run: step-1, step-2 and its export
+    code, err = cli_train(tmp_path, config)  # an earlier run: step-1, step-2 and its export
     assert code == 0, err[-2000:]
     assert sorted(p.name for p in root.glob("step-*")) == ["step-1", "step-2"]
     assert (out / "hf" / MANIFEST).is_file()
@@ -86,7 +62,7 @@ def test_overwrite_output_dir_keeps_earlier_checkpoints_and_files_it_did_not_wri
     os.utime(planted / "COMPLETE", (time.time() + 3600,) * 2)
 
     rerun = {**config, "overwrite_output_dir": True, "save_total_limit": 1}
-    code, err = _train(tmp_path, rerun)
+    code, err = cli_train(tmp_path, rerun)
     assert code == 0, err[-2000:]
     names = sorted(p.name for p in root.glob("step-*"))
     assert names == ["step-1", "step-100", "step-2", "step-2-r1"], names  # the earlier run's are kept
@@ -95,9 +71,9 @@ def test_overwrite_output_dir_keeps_earlier_checkpoints_and_files_it_did_not_wri
     assert (out / "hf" / "config.json").is_file()  # the earlier export (ndparallel's) was replaced
 
     (out / "hf" / "my-notes.md").write_text("mine")  # now hf holds a file ndparallel did not write
-    code, err = _train(tmp_path, rerun)
+    code, err = cli_train(tmp_path, rerun)
     assert code == 2 and (out / "hf" / "my-notes.md").read_text() == "mine"
-    [line] = _errors(err)
+    [line] = error_lines(err)
     assert "did not write" in line and "my-notes.md" in line
 
 
@@ -107,7 +83,7 @@ def test_overwrite_output_dir_never_deletes_a_foreign_hf_directory(tmp_path):
     home_hf = Path(config["output_dir"]) / "hf"
     home_hf.mkdir(parents=True)
     (home_hf / "model.safetensors").write_text("someone's model")
-    code, err = _train(tmp_path, config)
+    code, err = cli_train(tmp_path, config)
     assert code == 2 and (home_hf / "model.safetensors").read_text() == "someone's model"
-    [line] = _errors(err)
+    [line] = error_lines(err)
     assert "hf" in line and "did not write" in line and "model.safetensors" in line
