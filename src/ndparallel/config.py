@@ -333,9 +333,11 @@ class TrainConfig(BaseModel):
     resume_from_checkpoint: str | None = None
     """'latest' or a checkpoint directory to resume from."""
     export_hf: bool = False
-    """Also write a Hugging Face model directory (output_dir/hf) at the end."""
+    """Also write a Hugging Face model directory (output_dir/hf) at the end. An output_dir/hf holding files
+    ndparallel did not write is refused, never deleted."""
     overwrite_output_dir: bool = False
-    """Allow a fresh run in an output_dir that already holds checkpoints (they are kept, not deleted)."""
+    """Allow a fresh run in an output_dir that already holds checkpoints (they are kept, not deleted: the new
+    run's save_total_limit counts only its own) and replace an export ndparallel wrote in output_dir/hf."""
     nan_policy: Literal["stop", "skip"] = "stop"
     """A non-finite loss or gradient norm: stop the run (keeping the last good checkpoint), or skip the step
     (costs a host sync per step)."""
