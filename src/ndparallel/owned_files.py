@@ -151,8 +151,8 @@ def clear_written(directory: Path) -> None:
 def foreign_message(directory: Path, others: list[str]) -> str:
     shown = ", ".join(repr(n) for n in others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
     return (
-        f"{str(directory)!r} holds files ndparallel did not write ({shown}); they are not deleted: move them "
-        f"away, or choose another output_dir"
+        f"{str(directory)!r} holds files ndparallel did not write ({shown}: its manifest {MANIFEST} does not "
+        f"list them); they are not deleted: move them away, or choose another output_dir"
     )
 
 

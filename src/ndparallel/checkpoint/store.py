@@ -140,8 +140,8 @@ def prune(root: Path, keep: int | None, *, protect: set[str], lineage: str | Non
     ours = [(p, index["saved_at"]) for p, index in ours if index.get("lineage") == lineage]
     done = [p for p, _ in sorted(ours, key=lambda item: item[1], reverse=True)]
     removed = [p for p in done[keep:] if p.name not in protect]
-    for old in removed:
-        shutil.rmtree(old)
+    for old in removed:  # best effort: the new checkpoint is published already (real directories: no links)
+        shutil.rmtree(old, ignore_errors=True)
     return removed
 
 
