@@ -29,7 +29,8 @@ def _listening(procs: list[psutil.Process]) -> set[tuple[str, int]]:
     found = set()
     for proc in procs:
         try:
-            for conn in proc.net_connections(kind="inet"):
+            connections = getattr(proc, "net_connections", None) or proc.connections  # psutil < 6: connections
+            for conn in connections(kind="inet"):
                 if conn.status == psutil.CONN_LISTEN:
                     found.add((conn.laddr.ip, conn.laddr.port))
         except psutil.Error:
