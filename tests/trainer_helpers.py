@@ -75,6 +75,33 @@ def run_train(world: int, config: dict, **kwargs) -> list[dict]:
     return run_ranks(world, _train, config, False, **kwargs)[0]["records"]
 
 
+def _cli(args: list[str]) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    from ndparallel.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(args)
+    return code, err.getvalue()
+
+
+def cli_train(tmp: Path, config: dict) -> tuple[int, str]:
+    """``ndparallel train`` of ``config`` as the worker of a one-rank job (forked); (exit code, stderr)."""
+    import time
+
+    import yaml
+
+    path = tmp / f"config-{time.monotonic_ns()}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return run_ranks(1, _cli, ["train", str(path)])[0]
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("ndparallel: error:")]
+
+
 def train_one_and_many(tmp: Path, model, *, layout: dict, **settings) -> tuple[dict, dict, list[dict], list[dict]]:
     """``model`` saved as the base model of a tiny config with ``settings`` (4 steps, a checkpoint at step 2),
     trained on one rank and on ``layout`` (``layout_config``'s keys). Returns (config, the layout's config,

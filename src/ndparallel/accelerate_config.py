@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from ndparallel import bounded_yaml
 from ndparallel.errors import ConfigError
 from ndparallel.parallelism_config import ENV_PREFIX, ParallelismConfig, env_size
 
@@ -98,7 +99,7 @@ def read_file(path: str | Path) -> dict:
             f"(e.g. ~/.cache/huggingface/accelerate/default_config.yaml)"
         )
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = bounded_yaml.load(path.read_text(encoding="utf-8"), source=f"--accelerate-config {str(path)!r}")
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise ConfigError(f"--accelerate-config {str(path)!r} is not valid YAML or JSON: {exc}") from None
     if not isinstance(data, dict) or "distributed_type" not in data:

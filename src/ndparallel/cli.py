@@ -1,8 +1,9 @@
 """``ndparallel``: train | validate | export | plan.
 
-``ndparallel train CONFIG`` started by hand launches its own processes through PyTorch's launcher
-(``torch.distributed.run``, the engine of torchrun): the number of processes comes from the layout or
-``--nproc-per-node``; ``--nnodes/--node-rank/--rdzv-endpoint`` are passed through for several nodes.
+``ndparallel train CONFIG`` started by hand launches its own processes: the number comes from the layout or
+``--nproc-per-node``. On one node ``launch.py`` starts them with no network listener (they meet through a
+private file); on several nodes ``--nnodes/--node-rank/--rdzv-endpoint`` go to PyTorch's launcher
+(``torch.distributed.run``, c10d rendezvous), whose port must be reachable only from the cluster's nodes.
 Started by torchrun or a scheduler (RANK and WORLD_SIZE set), it trains on the ranks it was given.
 
 User errors print one line (from rank 0) and exit with status 2; other failures print one line per
@@ -14,8 +15,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
-import tempfile
 import traceback
 from importlib import resources
 from pathlib import Path
@@ -100,14 +101,18 @@ def _train_worker(cfg) -> int:
         if rank == 0 or getattr(exc, "rank_specific", False):
             _print_error(str(exc))
         return EXIT_USER_ERROR
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank of a terminal's job; the launcher says it once
+        return 128 + signal.SIGINT
     except Exception as exc:  # a bug or a failing peer: one line here, the full traceback in a file
+        from ndparallel.owned_files import write_atomic
+
         log_dir = Path(cfg.output_dir) / "logs"
         try:
             log_dir.mkdir(parents=True, exist_ok=True)
             path = log_dir / f"error-rank{rank}.txt"
-            path.write_text(traceback.format_exc(), encoding="utf-8")
+            write_atomic(path, traceback.format_exc())  # never through a link planted there
             where = f" (traceback: {path})"
-        except OSError:
+        except (OSError, NdParallelError):
             where = ""
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         print(
@@ -143,53 +148,79 @@ def _nproc(cfg, args) -> int:
 
 
 def _launch(cfg, args) -> int:
-    """Start the worker processes with torch.distributed.run and wait for them."""
-    from torch.distributed.run import get_args_parser, run
+    """Start the worker processes and wait for them: on one node our own launcher (no network listener),
+    on several nodes torch.distributed.run with a c10d rendezvous at --rdzv-endpoint."""
+    from ndparallel import launch
 
     try:
         nproc = _nproc(cfg, args)
     except NdParallelError as exc:
         _print_error(str(exc))
         return EXIT_USER_ERROR
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="ndparallel-", delete=False) as f:
-        yaml.safe_dump(cfg.model_dump(mode="json", by_alias=False), f, sort_keys=False)
-        resolved = f.name
+    if args.nnodes > 1 and not args.rdzv_endpoint:
+        _print_error(
+            "--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the address of node 0 on the cluster network); its "
+            "rendezvous port accepts anyone who can reach it, so use a network only your nodes can reach"
+        )
+        return EXIT_USER_ERROR
+    if args.nnodes == 1 and args.rdzv_endpoint:
+        print(
+            f"ndparallel: --rdzv-endpoint {args.rdzv_endpoint} is not used on one node: the processes meet "
+            f"through a private file, without a network port",
+            flush=True,
+        )
+    with launch.private_dir() as workdir:
+        resolved = workdir / "config.yaml"
+        resolved.write_text(
+            yaml.safe_dump(cfg.model_dump(mode="json", by_alias=False), sort_keys=False), encoding="utf-8"
+        )
+        worker_args = ["train", str(resolved)]
+        if args.nnodes > 1:
+            codes, interrupted_by = _launch_nodes(args, nproc, worker_args), None
+        else:
+            outcome = launch.run_local(worker_args, nproc, workdir)
+            codes, interrupted_by = outcome.codes, outcome.interrupted_by
+    failed = [c for c in codes if c != 0]
+    if interrupted_by is not None:
+        _print_error(f"stopped by {signal.Signals(interrupted_by).name}; the workers were stopped")
+        return 1
+    if not failed:
+        return 0
+    # A user error exits 2 on the ranks that saw it; the launcher stops the others by signal (< 0).
+    if EXIT_USER_ERROR in failed and all(c == EXIT_USER_ERROR or c < 0 for c in failed):
+        return EXIT_USER_ERROR
+    _print_error(f"training failed (worker exit codes {sorted(set(failed))})")
+    return 1
+
+
+def _launch_nodes(args, nproc: int, worker_args: list[str]) -> list[int]:
+    """Several nodes: torch.distributed.run with a c10d rendezvous; the failed workers' exit codes."""
+    from torch.distributed.run import get_args_parser, run
+
+    from ndparallel import launch
+
     launcher = [
         f"--nproc-per-node={nproc}",
         f"--nnodes={args.nnodes}",
         f"--node-rank={args.node_rank}",
         "--max-restarts=0",
         "--monitor-interval=0.5",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={args.rdzv_endpoint}",
+        "--module",
+        "ndparallel.cli",
+        *worker_args,
     ]
-    if args.nnodes > 1 or args.rdzv_endpoint:
-        if not args.rdzv_endpoint:
-            _print_error("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the address of node 0)")
-            return EXIT_USER_ERROR
-        launcher += ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}"]
-    else:
-        launcher += ["--standalone"]
-    launcher += ["--module", "ndparallel.cli", "train", resolved]
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # Fewer fragmented blocks in PyTorch's CUDA allocator (reserved memory ran 10-36% above allocated
-    # without it); a user's own setting wins.
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    os.environ.update(launch.default_env(os.environ))
     # The elastic agent logs a multi-line report per failed worker; our workers already printed theirs.
     for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         run(get_args_parser().parse_args(launcher))
-        return 0
+        return []
     except Exception as exc:  # ChildFailedError: workers printed the reason
         failures = getattr(exc, "failures", {}) or {}
-        codes = sorted({getattr(f, "exitcode", 1) for f in failures.values()}) or [1]
-        # A user error exits 2 on the ranks that saw it; the launcher stops the others by signal (< 0).
-        user_error = EXIT_USER_ERROR in codes and all(c == EXIT_USER_ERROR or c < 0 for c in codes)
-        code = EXIT_USER_ERROR if user_error else 1
-        if code != EXIT_USER_ERROR:
-            _print_error(f"training failed (worker exit codes {codes})")
-        return code
-    finally:
-        os.unlink(resolved)
+        return sorted({getattr(f, "exitcode", 1) for f in failures.values()}) or [1]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -257,7 +288,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc-per-node", type=int, help="processes on this node (default: from the layout)")
     train.add_argument("--nnodes", type=int, help="number of nodes (default 1, or num_machines of --accelerate-config)")
     train.add_argument("--node-rank", type=int)
-    train.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0, for several nodes")
+    train.add_argument(
+        "--rdzv-endpoint",
+        help="HOST:PORT of node 0, for several nodes (not used on one node). Node 0 listens on PORT without "
+        "authentication, on all its interfaces: use a network only the cluster's nodes can reach",
+    )
     train.add_argument(
         "--accelerate-config",
         metavar="FILE",

@@ -15,6 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ndparallel import bounded_yaml
 from ndparallel.errors import ConfigError
 from ndparallel.from_axolotl import not_used_line, read_axolotl
 from ndparallel.parallelism_config import ParallelismConfig
@@ -133,6 +134,12 @@ class QatSettings(BaseModel):
 EIGHT_BIT_OPTIMIZERS = ("adamw_8bit", "adamw_bnb_8bit", "adamw_torch_8bit", "paged_adamw_8bit", "ao_adamw_8bit")
 
 
+# Sane maxima of sizes (a typo such as sequence_len: 1000000000 is one line at validate, not a MemoryError).
+MAX_SEQUENCE_LEN = 2**24
+MAX_COUNT = 2**16
+MAX_LORA_R = 2**16
+
+
 class TrainConfig(BaseModel):
     """Everything ``ndparallel train`` reads. Field names and meanings follow Axolotl where Axolotl has one."""
 
@@ -180,8 +187,8 @@ class TrainConfig(BaseModel):
     """Examples held out for evaluation: a fraction below 1, or a number of examples (0 disables eval)."""
     eval_sample_packing: bool | None = None
     """Pack the evaluation rows too (default: as sample_packing)."""
-    sequence_len: int = Field(512, ge=8)
-    """Tokens per row."""
+    sequence_len: int = Field(512, ge=8, le=MAX_SEQUENCE_LEN)
+    """Tokens per row (at most 16,777,216)."""
     sample_packing: bool = False
     """Pack several documents into each row; positions restart per document and no token attends across a
     document boundary (exact, also under context parallelism)."""
@@ -190,6 +197,9 @@ class TrainConfig(BaseModel):
     (pretraining_dataset's default). Axolotl's excess_length_strategy (raise = error) lands here."""
     min_sample_len: int = Field(2, ge=1)
     """Examples with fewer tokens are left out."""
+    dataset_max_record_mb: float = Field(16.0, gt=0)
+    """The largest record read, in MiB (a JSON line, a table row, a pretrain file): a larger one is an error
+    naming it, as it would be read and tokenized whole before long_rows applies."""
     dataset_exact_deduplication: bool = False
     """Leave out every example whose tokens and labels repeat an earlier one (across all datasets), before the
     evaluation split: neither split repeats itself or the other."""
@@ -200,9 +210,9 @@ class TrainConfig(BaseModel):
     seeded shuffle per epoch."""
 
     # --- batch and schedule ---------------------------------------------------------------------------
-    micro_batch_size: int = Field(1, ge=1)
+    micro_batch_size: int = Field(1, ge=1, le=MAX_COUNT)
     """Rows per data-parallel rank per micro-step."""
-    gradient_accumulation_steps: int = Field(1, ge=1)
+    gradient_accumulation_steps: int = Field(1, ge=1, le=MAX_COUNT)
     """Micro-steps per optimizer step."""
     num_epochs: float = Field(1.0, gt=0)
     """Passes over the data (ignored when max_steps is set)."""
@@ -338,9 +348,11 @@ class TrainConfig(BaseModel):
     resume_from_checkpoint: str | None = None
     """'latest' or a checkpoint directory to resume from."""
     export_hf: bool = False
-    """Also write a Hugging Face model directory (output_dir/hf) at the end."""
+    """Also write a Hugging Face model directory (output_dir/hf) at the end. An output_dir/hf holding files
+    ndparallel did not write is refused, never deleted."""
     overwrite_output_dir: bool = False
-    """Allow a fresh run in an output_dir that already holds checkpoints (they are kept, not deleted)."""
+    """Allow a fresh run in an output_dir that already holds checkpoints (they are kept, not deleted: the new
+    run's save_total_limit counts only its own) and replace an export ndparallel wrote in output_dir/hf."""
     nan_policy: Literal["stop", "skip"] = "stop"
     """A non-finite loss or gradient norm: stop the run (keeping the last good checkpoint), or skip the step
     (costs a host sync per step)."""
@@ -383,7 +395,7 @@ class TrainConfig(BaseModel):
     """LoRA on 8-bit base weights: the decoder blocks' linear weights frozen as int8 codes with one absmax
     scale per output row (LLM.int8()'s weight format), dequantized to bf16 for each matmul (activations are
     not quantized); needs adapter: lora. Any layout, tensor parallelism included."""
-    lora_r: int = Field(8, ge=1)
+    lora_r: int = Field(8, ge=1, le=MAX_LORA_R)
     lora_alpha: float = Field(16, gt=0)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
     lora_target_modules: list[str] | str | None = None
@@ -723,7 +735,7 @@ def load_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist; give the path of a YAML file")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = bounded_yaml.load(path.read_text(encoding="utf-8"), source=f"config file {str(path)!r}")
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -747,7 +759,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             raise ConfigError(f"--set {item!r} must look like key=value (e.g. --set learning_rate=1e-4)")
         key, _, text = item.partition("=")
         try:
-            value = yaml.safe_load(text) if text != "" else None
+            value = bounded_yaml.load(text, source=f"--set {key}") if text != "" else None
         except yaml.YAMLError:
             value = text
         if isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string; users mean the number

@@ -27,5 +27,9 @@ class CheckpointError(NdParallelError):
     """A checkpoint is missing, partial, corrupted or does not match the model."""
 
 
+class OutputError(NdParallelError):
+    """A path ndparallel writes is a link or of the wrong kind, or holds files ndparallel did not write."""
+
+
 class NumericsError(RuntimeError):
     """Training produced a non-finite loss or gradient norm."""

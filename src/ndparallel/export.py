@@ -22,8 +22,10 @@ import torch
 import yaml
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from ndparallel import bounded_yaml, owned_files
 from ndparallel.checkpoint import checkpoints_dir, load_tensors, open_checkpoint, store
-from ndparallel.errors import CheckpointError
+from ndparallel.checkpoint.guard import read_index
+from ndparallel.errors import CheckpointError, ConfigError
 from ndparallel.models.build import restore_buffers
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -79,12 +81,17 @@ def load_full_model(path: Path, *, dtype: torch.dtype, with_adapters: bool = Fal
 
     try:
         spec = LoraSpec.from_checkpoint(path)
-    except (OSError, ValueError, TypeError, AttributeError) as exc:
+    except (OSError, ValueError, TypeError, AttributeError, RecursionError) as exc:
         raise CheckpointError(
             f"{str(path / 'extra.json')!r} does not describe LoRA adapters ({type(exc).__name__}: {exc})"
         ) from None
+    if spec is not None:
+        _check_adapter_rank(path, spec)
     _refuse_quantized_base(path)
-    model = cpu_model(load_hf_config(path), dtype=dtype, lora=spec if with_adapters else None)
+    try:
+        model = cpu_model(load_hf_config(path), dtype=dtype, lora=spec if with_adapters else None)
+    except ConfigError as exc:  # the adapters extra.json describes do not fit (a pattern that never ends)
+        raise CheckpointError(f"{str(path / 'extra.json')!r}: {exc}") from None
     state = model.state_dict()
     load_tensors(path, {f"{MODEL_STATE}.{name}": value for name, value in state.items()}, distributed=False)
     model.load_state_dict(state, strict=False)
@@ -93,11 +100,33 @@ def load_full_model(path: Path, *, dtype: torch.dtype, with_adapters: bool = Fal
     return model.eval(), spec
 
 
+def _check_adapter_rank(path: Path, spec) -> None:
+    """extra.json's r must be the rank the adapter tensors have: a crafted r must not size the model."""
+    ranks = set()
+    for key, entry in read_index(path / "tensors").state_dict_metadata.items():
+        size = getattr(entry, "size", ())
+        if key.endswith(".lora_A.weight") and len(size) == 2:
+            ranks.add(size[0])  # (r, in)
+        elif key.endswith("_lora_A") and len(size) == 3:
+            ranks.add(size[1])  # experts: (E, r, in)
+    if ranks != {spec.r}:
+        raise CheckpointError(
+            f"{str(path / 'extra.json')!r} says r={spec.r}, but the checkpoint's adapter tensors have rank "
+            f"{sorted(ranks) or 'none'}; the checkpoint is damaged or was not written by ndparallel"
+        )
+
+
 def _refuse_quantized_base(path: Path) -> None:
     """A checkpoint over quantized base weights holds the trainable tensors only (its base comes from
     base_model)."""
     config = path / "config.yaml"
-    settings = (yaml.safe_load(config.read_text(encoding="utf-8")) or {}) if config.is_file() else {}
+    try:
+        text = config.read_text(encoding="utf-8") if config.is_file() else ""
+        settings = bounded_yaml.load(text, source=repr(str(config)), error=CheckpointError) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise CheckpointError(f"{str(config)!r} is not readable YAML ({type(exc).__name__})") from None
+    if not isinstance(settings, dict):
+        raise CheckpointError(f"{str(config)!r} holds a {type(settings).__name__}, not the settings ndparallel writes")
     for setting in ("load_in_4bit", "load_in_8bit"):
         if settings.get(setting):
             raise CheckpointError(
@@ -136,10 +165,49 @@ def write_hf_directory(
             merge_lora_weights(model, lora)
         model.to(dtype).save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
     if tokenizer_dir is not None and tokenizer_dir.is_dir():
-        for item in tokenizer_dir.iterdir():  # checked by the guard: plain files inside the checkpoint
-            if item.is_file():
-                shutil.copyfile(item, out / item.name)
+        copy_tokenizer_files(tokenizer_dir, out)
+    owned_files.mark_written(out)
     return out
+
+
+# What a transformers tokenizer's save_pretrained writes (its own files and the vocabulary files of its
+# classes). Nothing else of a checkpoint's tokenizer/ is copied: a config.json with an ``auto_map`` or a
+# ``.py`` file there would put code in the exported model, and a weight file would replace the weights.
+TOKENIZER_FILES = frozenset(
+    {
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "tokenizer.json",
+        "chat_template.jinja",
+        "chat_template.json",
+        "tokenizer.model",
+        "tiktoken.model",
+        "vocab.json",
+        "merges.txt",
+        "vocab.txt",
+        "spiece.model",
+        "sentencepiece.bpe.model",
+        "sentencepiece.model",
+        "spm.model",
+    }
+)
+CHAT_TEMPLATE_DIR = "additional_chat_templates"  # transformers' folder of named templates (*.jinja)
+
+
+def copy_tokenizer_files(tokenizer_dir: Path, out: Path) -> list[str]:
+    """Copy the tokenizer files transformers writes from ``tokenizer_dir`` (checked by the guard: plain files
+    inside the checkpoint) into ``out``; returns the names copied. Files already in ``out`` are kept."""
+    wanted = [tokenizer_dir / name for name in sorted(TOKENIZER_FILES)]
+    wanted += sorted((tokenizer_dir / CHAT_TEMPLATE_DIR).glob("*.jinja"))
+    copied = []
+    for item in wanted:
+        name = str(item.relative_to(tokenizer_dir))
+        if item.is_file() and not item.is_symlink() and not (out / name).exists():
+            (out / name).parent.mkdir(exist_ok=True)
+            shutil.copyfile(item, out / name)
+            copied.append(name)
+    return copied
 
 
 def export_checkpoint(

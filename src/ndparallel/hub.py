@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from ndparallel import file_names
 from ndparallel.errors import DataError, ModelError, NdParallelError
 
 T = TypeVar("T")
@@ -134,9 +135,10 @@ def _complete(directory: Path, weights: bool) -> bool:
     if index.is_file():
         try:
             shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
             return False
-        return all((directory / shard).is_file() for shard in shards)
+        files = [file_names.inside(directory, shard) for shard in shards]  # none outside the snapshot
+        return all(f is not None and f.is_file() for f in files)
     return any(directory.glob("*.safetensors"))
 
 

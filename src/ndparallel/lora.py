@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ndparallel import _compat
+from ndparallel import _compat, bounded_regex
 from ndparallel.errors import ConfigError
 from ndparallel.lora_experts import (
     attach_expert_lora,
@@ -85,29 +84,68 @@ class LoraSpec:
 
     @classmethod
     def from_checkpoint(cls, path: Path) -> "LoraSpec | None":
+        """The adapters a checkpoint's ``extra.json`` describes (checked: it is data from disk); ValueError or
+        TypeError when its settings are not what ndparallel writes."""
         extra = Path(path) / "extra.json"
         if not extra.is_file():
             return None
         data = json.loads(extra.read_text(encoding="utf-8")).get("lora")
-        return cls(**data) if data else None
+        if not data:
+            return None
+        spec = cls(**data)
+        spec.check()
+        return spec
+
+    def check(self) -> None:
+        """ValueError unless every field has the type and range ndparallel writes (r at most MAX_LORA_R)."""
+        from ndparallel.config import MAX_LORA_R
+
+        def whole(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        def number(value) -> bool:
+            return (whole(value) or isinstance(value, float)) and math.isfinite(value)
+
+        def names(value) -> bool:
+            return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+        checks = [
+            (whole(self.r) and 1 <= self.r <= MAX_LORA_R, f"r={self.r!r} is not a whole number from 1 to {MAX_LORA_R}"),
+            (number(self.alpha) and self.alpha > 0, f"alpha={self.alpha!r} is not a positive number"),
+            (number(self.dropout) and 0 <= self.dropout < 1, f"dropout={self.dropout!r} is not in [0, 1)"),
+            (
+                all(names(v) for v in (self.target_modules, self.modules_to_save, self.target_parameters)),
+                "a module list is not a list of names",
+            ),
+            (self.target_regex is None or isinstance(self.target_regex, str), "target_regex is not a string"),
+            (isinstance(self.target_linear, bool), f"target_linear={self.target_linear!r} is not true or false"),
+            (whole(self.seed), f"seed={self.seed!r} is not a whole number"),
+        ]
+        problems = [message for ok, message in checks if not ok]
+        if problems:
+            raise ValueError("; ".join(problems))
 
 
 def target_paths(model: nn.Module, spec: LoraSpec) -> list[str]:
     """Full module paths of the decoder-layer linears to adapt."""
     parts = decoder_parts(model)
     layers_prefix = next(name for name, m in model.named_modules() if m is parts.layers)
-    paths = []
-    for name, module in model.named_modules():
-        if not name.startswith(layers_prefix + ".") or not isinstance(module, nn.Linear):
-            continue
-        if "lora_" in name:
-            continue
-        if (
-            spec.target_linear
-            or name.rsplit(".", 1)[-1] in spec.target_modules
-            or (spec.target_regex is not None and re.fullmatch(spec.target_regex, name))
-        ):
-            paths.append(name)
+    candidates = [
+        name
+        for name, module in model.named_modules()
+        if name.startswith(layers_prefix + ".") and isinstance(module, nn.Linear) and "lora_" not in name
+    ]
+    # A pattern may come from a checkpoint: matched with a time limit (``re`` backtracks without end on some).
+    by_regex = (
+        bounded_regex.fullmatches(spec.target_regex, candidates, what="lora_target_modules")
+        if spec.target_regex is not None
+        else set()
+    )
+    paths = [
+        name
+        for name in candidates
+        if spec.target_linear or name.rsplit(".", 1)[-1] in spec.target_modules or name in by_regex
+    ]
     if not paths and not (
         spec.target_parameters and not spec.target_modules and not spec.target_linear and spec.target_regex is None
     ):

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ndparallel import owned_files
 from ndparallel.models.moe import moe_shape
 from ndparallel.progress import human_seconds, progress_fields, timing_line
 
@@ -81,7 +82,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         self.records.append(record)
-        with open(self.path, "a", encoding="utf-8") as f:
+        with owned_files.open_append(self.path) as f:  # never through a link planted at metrics.jsonl
             f.write(json.dumps(record) + "\n")
         shown = progress_fields(record)
         if self._bar is not None:

@@ -15,7 +15,6 @@ adapter instead, or the base weights with the adapters merged in.
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from ndparallel import _compat
+from ndparallel import _compat, owned_files
 from ndparallel.errors import ModelError, NdParallelError
 from ndparallel.lora import LoraSpec, attach_lora, merge_lora_weights, save_peft_adapter
 from ndparallel.models.build import materialize, meta_model, model_config_for, restore_buffers
@@ -134,7 +133,8 @@ def save_pretrained(
     _raise_everywhere(problem)
     partial = out.with_name(f".partial-{out.name}")
     if topology.is_main:
-        shutil.rmtree(partial, ignore_errors=True)  # left by an export that was interrupted
+        owned_files.remove_tree(partial)  # left by an export that was interrupted (a link: unlinked, not followed)
+        partial.mkdir(parents=True)
     if lora is not None and not merge_lora:
         save_peft_adapter(model, lora, partial, base_model=base_model, write=topology.is_main)
     else:
@@ -153,6 +153,7 @@ def save_pretrained(
     if topology.is_main:
         if tokenizer is not None:
             tokenizer.save_pretrained(partial)
+        owned_files.mark_written(partial)
         if out.exists():
             out.rmdir()  # checked empty above
         os.replace(partial, out)

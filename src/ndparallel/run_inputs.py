@@ -121,6 +121,7 @@ def dataset_specs(cfg: TrainConfig, *, template: str | None) -> list[DatasetSpec
     """The datasets as the data pipeline reads them; each chat dataset gets its template's source (its own
     chat_template, else ``template``, the run's)."""
     specs = []
+    max_record_bytes = int(cfg.dataset_max_record_mb * 2**20)
     for d in cfg.datasets:
         own = (
             template_source(d.chat_template, d.chat_template_jinja, template)
@@ -145,6 +146,7 @@ def dataset_specs(cfg: TrainConfig, *, template: str | None) -> list[DatasetSpec
                 chat_template=own if d.type in ("chat_template", "chat") else None,
                 template_kwargs=dict(cfg.chat_template_kwargs),
                 train_on_inputs=cfg.train_on_inputs,
+                max_record_bytes=max_record_bytes,
             )
         )
     for p in cfg.pretraining_dataset or []:
@@ -158,6 +160,7 @@ def dataset_specs(cfg: TrainConfig, *, template: str | None) -> list[DatasetSpec
                 data_files=_files(p.data_files),
                 revision=p.revision,
                 skip=p.skip or 0,
+                max_record_bytes=max_record_bytes,
             )
         )
     return specs

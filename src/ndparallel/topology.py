@@ -32,6 +32,8 @@ from ndparallel.errors import LayoutError
 from ndparallel.layout import AXES, VIEWS, Layout
 
 DEFAULT_TIMEOUT_S = 600.0
+RENDEZVOUS_FILE_ENV = "NDPARALLEL_RENDEZVOUS_FILE"
+"""Set by ndparallel's one-node launcher (``launch.py``): the ranks meet through this file, not a network port."""
 
 
 def default_device_type() -> str:
@@ -39,7 +41,8 @@ def default_device_type() -> str:
 
 
 def init_distributed(*, device_type: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Join the process group the launcher describes (torchrun's env), or make a one-process group.
+    """Join the process group the launcher describes (torchrun's env, or the rendezvous file of ndparallel's
+    one-node launcher), or make a one-process group.
 
     gloo on CPU, NCCL on CUDA. Every group carries ``timeout_s`` so a rank that dies or takes another
     code path makes its peers fail instead of hanging for hours.
@@ -57,7 +60,12 @@ def init_distributed(*, device_type: str | None = None, timeout_s: float = DEFAU
         torch.cuda.set_device(local_rank)
     backend = "nccl" if device_type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    rendezvous = os.environ.get(RENDEZVOUS_FILE_ENV)
+    if rendezvous and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = dist.FileStore(rendezvous, world_size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, timeout=timeout)
     else:
         # Started without a launcher: a group of one, no network port needed.

@@ -17,7 +17,6 @@ import dataclasses
 import logging
 import math
 import os
-import shutil
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -27,7 +26,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from ndparallel import _compat, qat
+from ndparallel import _compat, owned_files, qat
 from ndparallel import checkpoint as ckpt
 from ndparallel.batching import prepare_batch
 from ndparallel.config import TrainConfig
@@ -312,7 +311,9 @@ def _resume(cfg: TrainConfig, checkpointer, resume_dir: Path, model, optimizer, 
 
 
 def _check_output_dir(cfg: TrainConfig, output_dir: Path) -> Path | None:
-    """The checkpoint to resume from; refuses to mix a fresh run into another run's checkpoints or export."""
+    """The checkpoint to resume from; refuses to mix a fresh run into another run's checkpoints or export, a
+    link (or a file of the wrong kind) where the run writes, and replacing files ndparallel did not write."""
+    owned_files.check_owned(output_dir / "metrics.jsonl", directory=False)
     resume_dir = ckpt.find_resume(output_dir, cfg.resume_from_checkpoint)
     if resume_dir is None and ckpt.has_checkpoints(output_dir) and not cfg.overwrite_output_dir:
         raise ConfigError(
@@ -320,11 +321,25 @@ def _check_output_dir(cfg: TrainConfig, output_dir: Path) -> Path | None:
             f"resume_from_checkpoint: latest, choose another output_dir, or set overwrite_output_dir: true"
         )
     export_dir = output_dir / "hf"
-    if cfg.export_hf and export_dir.exists() and any(export_dir.iterdir()) and not cfg.overwrite_output_dir:
-        raise ConfigError(
-            f"export_hf would replace {str(export_dir)!r}, which is not empty; move it away, choose "
-            f"another output_dir, or set overwrite_output_dir: true"
-        )
+    if cfg.export_hf:
+        foreign = owned_files.foreign_files(export_dir)  # a link or not a directory: refused here
+        if foreign:
+            raise ConfigError(
+                f"export_hf: {owned_files.foreign_message(export_dir, foreign)} (overwrite_output_dir replaces "
+                f"only an export ndparallel wrote)"
+            )
+        if export_dir.exists() and any(export_dir.iterdir()) and not cfg.overwrite_output_dir:
+            raise ConfigError(
+                f"export_hf would replace {str(export_dir)!r}, which is not empty; move it away, choose "
+                f"another output_dir, or set overwrite_output_dir: true"
+            )
+    if cfg.adapter in ("lora", "qlora"):
+        adapter_dir = output_dir / "adapter"
+        foreign = owned_files.foreign_files(adapter_dir)
+        if foreign:
+            raise ConfigError(
+                f"the LoRA adapter goes to output_dir/adapter: {owned_files.foreign_message(adapter_dir, foreign)}"
+            )
     return resume_dir
 
 
@@ -587,13 +602,18 @@ def _finish(run: TrainingRun, metrics: MetricsLogger) -> None:
     final = run.checkpointer.latest()
     if run.lora is not None:
         final = output_dir / "adapter"
+        if topo.is_main:
+            owned_files.clear_written(final)  # checked at start: only files an earlier run of ndparallel wrote
         save_peft_adapter(run.model, run.lora, final, base_model=cfg.base_model, write=topo.is_main)
+        if topo.is_main:
+            owned_files.mark_written(final)
     if cfg.export_hf:
         export_dir = output_dir / "hf"
         if topo.is_main:
             from ndparallel.export import export_checkpoint
 
-            shutil.rmtree(export_dir, ignore_errors=True)  # checked at start: empty, or overwrite_output_dir
+            # Checked at start: empty, or (overwrite_output_dir) only files an earlier export wrote.
+            owned_files.clear_written(export_dir)
             export_checkpoint(output_dir, export_dir, merge_lora=run.lora is not None, dtype="bfloat16")
             metrics.message(f"exported a Hugging Face model to {export_dir}")
         final = export_dir

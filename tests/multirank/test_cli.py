@@ -1,4 +1,4 @@
-"""The ``ndparallel`` command: validate, and train through its own launcher (real processes, torch.distributed.run)."""
+"""The ``ndparallel`` command: validate, and train through its own launcher (real processes, ``launch.py``)."""
 
 from __future__ import annotations
 

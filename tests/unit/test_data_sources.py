@@ -249,7 +249,36 @@ def test_unknown_type_lists_the_valid_ones():
 
 def test_spec_from_dict_rejects_unknown_and_missing_keys():
     assert DatasetSpec.from_dict({"path": "x.jsonl", "type": "chat"}).kind == "chat_template"
-    with pytest.raises(DataError, match="unknown setting.* feild; a dataset entry takes .*field, name, path"):
+    with pytest.raises(
+        DataError, match="unknown setting.* feild; a dataset entry takes .*field, max_record_bytes, name, path"
+    ):
         DatasetSpec.from_dict({"path": "x.jsonl", "type": "text", "feild": "body"})
     with pytest.raises(DataError, match="missing type; every dataset entry needs path: and type:"):
         DatasetSpec.from_dict({"path": "x.jsonl"})
+
+
+@pytest.mark.parametrize("name", ["big.jsonl", "big.jsonl.gz"])
+def test_a_record_over_the_limit_is_refused_before_it_is_held_in_memory(tmp_path, name):
+    import gzip
+    import tracemalloc
+
+    line = b'{"text": "' + b"a" * (48 * 2**20) + b'"}\n'
+    path = tmp_path / name
+    with gzip.open(path, "wb", compresslevel=1) if name.endswith(".gz") else open(path, "wb") as f:
+        f.write(b'{"text": "short"}\n' + line)  # the .gz is a few hundred KB: decompressed whole it was 48 MiB
+    del line
+    tracemalloc.start()
+    try:
+        with pytest.raises(DataError, match=rf"{name} line 2: the record is larger than dataset_max_record_mb=1 MiB"):
+            list(read_records(DatasetSpec(str(path), "completion", max_record_bytes=2**20)))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 2**20, f"{peak / 2**20:.0f} MiB held while reading"
+
+
+def test_a_json_line_nested_too_deeply_is_one_line(tmp_path):
+    path = tmp_path / "deep.jsonl"
+    path.write_text('{"text": ' + "[" * 100000 + "]" * 100000 + "}\n")
+    with pytest.raises(DataError, match=r"deep\.jsonl line 1: JSON nested too deeply to read"):
+        list(read_records(DatasetSpec(str(path), "completion")))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 import warnings
 import zlib
 from dataclasses import dataclass, field
@@ -79,6 +80,9 @@ class Checkpointer:
         self._group = (
             dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if self._distributed else None
         )
+        self.lineage = uuid.uuid4().hex
+        """This history's id in each index (the main rank's counts): pruning deletes only checkpoints of it.
+        A fresh Checkpointer starts a new history; ``load`` continues the loaded checkpoint's."""
         self._stager = None
         self._in_flight: _InFlight | None = None
         self.last_publish_s: float | None = None
@@ -119,11 +123,13 @@ class Checkpointer:
         adapted = adapt(states)
         name = store.free_name(self.root, step)
         partial = self.root / f"{store.PARTIAL_PREFIX}{name}"
+        error = None
         if self.is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
-            store.remove_partials(self.root)
-            (partial / "ranks").mkdir(parents=True)
-        self._barrier()
+            try:
+                store.new_partial(self.root, name)
+            except (OSError, CheckpointError) as exc:
+                error = loading.describe(exc)
+        self._raise_if_any_failed(error, name)  # also the barrier: the directory exists for every rank
         skeletons, tensors = {}, {}
         for key, obj in adapted.items():
             skeletons[key], found = codec.split_state(key, obj.state_dict())
@@ -146,6 +152,7 @@ class Checkpointer:
             "states": list(adapted),
             "per_rank": per_rank,
             "meta": meta or {},
+            "lineage": self.lineage,
         }
         writer = dcp.FileSystemWriter(str(partial / "tensors"))
         if self.async_save:
@@ -261,7 +268,7 @@ class Checkpointer:
                 raise CheckpointError(f"no checkpoint to resume from: {str(self.root / 'latest')!r} does not exist")
         else:
             target = Path(path)
-        return loading.load(
+        restored = loading.load(
             target,
             adapt(states),
             rank=self.rank,
@@ -270,12 +277,11 @@ class Checkpointer:
             process_group=self._group,
             distributed=self._distributed,
         )
+        if restored.lineage:  # saves from here continue the loaded history (and keep-K prunes within it)
+            self.lineage = restored.lineage
+        return restored
 
     # -- small collectives on the checkpoint group -----------------------------------------------
-    def _barrier(self) -> None:
-        if self._distributed:
-            dist.barrier(group=self._group)
-
     def _differing(self, skeletons: dict) -> list[str]:
         """The states whose non-tensor part differs between ranks (kept per rank; see ``loading``)."""
         if not self._distributed:

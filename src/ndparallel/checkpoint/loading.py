@@ -74,6 +74,8 @@ class Restored:
     step: int
     path: Path
     meta: dict = field(default_factory=dict)
+    lineage: str | None = None
+    """The history the checkpoint belongs to (``store.prune`` deletes only checkpoints of one history)."""
 
 
 def load(
@@ -106,7 +108,8 @@ def load(
         obj.load_state_dict(codec.join_state(skeletons[name], targets, where=str(rank_path)))
     if rng and same_world and saved.get("rng") is not None:
         codec.set_rng_state(saved["rng"], where=str(rank_path))
-    return Restored(step=index["step"], path=path, meta=index["meta"])
+    lineage = index.get("lineage") if isinstance(index.get("lineage"), str) else None
+    return Restored(step=index["step"], path=path, meta=index["meta"], lineage=lineage)
 
 
 def _targets(states: dict[str, Any], skeletons: dict, tensor_index: Metadata, path: Path) -> dict:

@@ -15,6 +15,12 @@ is pointed at it, then old checkpoints are pruned. A crash at any moment leaves 
 ``latest`` names (the previous one until the rename of ``latest``). Nothing is ever deleted before the
 new checkpoint is in place, and pruning never deletes the checkpoint just written or the one ``latest``
 names.
+
+Pruning deletes only checkpoints of the same history (``index.json``'s ``lineage``: a fresh run starts a
+new one, a resume continues the one it loaded): another run's checkpoints in the same directory, a
+directory ndparallel did not write and anything reached through a link are never deleted nor counted.
+Writes never follow links (``owned_files``): a link planted at ``latest.tmp`` or ``.partial-*`` is removed,
+not written through.
 """
 
 from __future__ import annotations
@@ -23,9 +29,11 @@ import json
 import os
 import re
 import shutil
+import stat
 import time
 from pathlib import Path
 
+from ndparallel import owned_files
 from ndparallel.errors import CheckpointError
 
 FORMAT_VERSION = 2
@@ -36,14 +44,26 @@ PARTIAL_PREFIX = ".partial-"
 def free_name(root: Path, step: int) -> str:
     """``step-N``, or ``step-N-rK`` when an earlier save of step N (another history) is still there."""
     name, k = f"step-{step}", 0
-    while (root / name).exists():
+    while os.path.lexists(root / name):  # a dangling link takes the name too
         k += 1
         name = f"step-{step}-r{k}"
     return name
 
 
 def is_checkpoint_dir(path: Path) -> bool:
-    return NAME.fullmatch(path.name) is not None and path.is_dir() and (path / "COMPLETE").is_file()
+    """A complete checkpoint: a real directory (not a link) named step-N holding a regular COMPLETE file."""
+    return (
+        NAME.fullmatch(path.name) is not None
+        and _is_real(path, stat.S_ISDIR)
+        and _is_real(path / "COMPLETE", stat.S_ISREG)
+    )
+
+
+def _is_real(path: Path, kind) -> bool:
+    try:
+        return kind(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def has_checkpoints(root: Path) -> bool:
@@ -73,8 +93,19 @@ def latest(root: Path) -> Path | None:
 
 
 def remove_partials(root: Path) -> None:
+    """Remove interrupted saves; a link or file under a partial's name is unlinked, never followed."""
     for stale in root.glob(PARTIAL_PREFIX + "*"):
-        shutil.rmtree(stale, ignore_errors=True)
+        owned_files.remove_tree(stale)
+
+
+def new_partial(root: Path, name: str) -> Path:
+    """A fresh, empty partial directory for checkpoint ``name`` (created here: nothing planted is reused)."""
+    root.mkdir(parents=True, exist_ok=True)
+    remove_partials(root)
+    partial = root / f"{PARTIAL_PREFIX}{name}"
+    partial.mkdir()
+    (partial / "ranks").mkdir()
+    return partial
 
 
 def publish(partial: Path, root: Path, name: str, index: dict, keep: int | None) -> Path:
@@ -90,13 +121,14 @@ def publish(partial: Path, root: Path, name: str, index: dict, keep: int | None)
     os.replace(partial, final)  # ``name`` is free: never replaces an existing checkpoint
     fsync_dir(root)
     write_atomic(root / "latest", name)
-    prune(root, keep, protect={name})
+    prune(root, keep, protect={name}, lineage=index.get("lineage"))
     return final
 
 
-def prune(root: Path, keep: int | None, *, protect: set[str]) -> list[Path]:
-    """Delete complete checkpoints beyond the ``keep`` most recently saved; never ``protect`` or ``latest``."""
-    if not keep:
+def prune(root: Path, keep: int | None, *, protect: set[str], lineage: str | None) -> list[Path]:
+    """Delete complete checkpoints of ``lineage`` beyond the ``keep`` most recently saved; never ``protect`` or
+    ``latest``, never a checkpoint of another history (or of none: written before histories were recorded)."""
+    if not keep or not lineage:
         return []
     try:
         current = latest(root)
@@ -104,31 +136,32 @@ def prune(root: Path, keep: int | None, *, protect: set[str]) -> list[Path]:
         current = None
     if current is not None:
         protect = protect | {current.name}
-    done = sorted((p for p in root.iterdir() if is_checkpoint_dir(p)), key=_saved_at, reverse=True)
+    ours = [(p, index) for p in root.iterdir() if is_checkpoint_dir(p) and (index := read_index(p)) is not None]
+    ours = [(p, index["saved_at"]) for p, index in ours if index.get("lineage") == lineage]
+    done = [p for p, _ in sorted(ours, key=lambda item: item[1], reverse=True)]
     removed = [p for p in done[keep:] if p.name not in protect]
-    for old in removed:
+    for old in removed:  # best effort: the new checkpoint is published already (real directories: no links)
         shutil.rmtree(old, ignore_errors=True)
     return removed
 
 
-def _saved_at(path: Path) -> float:
-    """When a checkpoint was saved: its index's time, else its COMPLETE file's (checkpoints of format 1)."""
+def read_index(path: Path) -> dict | None:
+    """A checkpoint's ``index.json`` as ndparallel writes it (a regular file, a time of saving), else None."""
+    index_file = path / "index.json"
+    if not _is_real(index_file, stat.S_ISREG):
+        return None
     try:
-        value = json.loads((path / "index.json").read_text(encoding="utf-8")).get("saved_at")
-        if isinstance(value, (int, float)):
-            return float(value)
-    except (OSError, ValueError, AttributeError):
-        pass
-    return (path / "COMPLETE").stat().st_mtime
+        index = json.loads(index_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(index, dict) or not isinstance(index.get("saved_at"), (int, float)):
+        return None
+    return index
 
 
 def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Replace ``path`` atomically, never writing through a link (``owned_files.write_atomic``)."""
+    owned_files.write_atomic(path, text)
 
 
 def fsync_dir(path: Path) -> None:

@@ -40,7 +40,9 @@ def source_identity(spec: DatasetSpec) -> dict[str, Any]:
     for path in resolve_files(spec):
         stat = path.stat()
         files.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
-    return {"spec": asdict(spec), "files": files}
+    described = asdict(spec)
+    described.pop("max_record_bytes")  # a bound on what is read, not a choice of rows
+    return {"spec": described, "files": files}
 
 
 def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:

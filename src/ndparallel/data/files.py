@@ -4,12 +4,19 @@ A ``path`` is a file, a directory (its data files, recursively, sorted), a glob 
 dataset saved with ``save_to_disk``: a directory with ``state.json`` listing its Arrow IPC stream files, or a
 ``DatasetDict`` directory with ``dataset_dict.json`` and one such directory per split. Arrow and Parquet are
 read with pyarrow directly: the ``datasets`` package is not needed.
+
+What is read is bounded: JSON lines (also compressed ones, decompressed as a stream) are read one record at a
+time and a record longer than ``dataset_max_record_mb`` is an error naming it, before it is held in memory
+(it would be tokenized whole before long_rows applies); ``**`` in a pattern does not follow directory links
+(a link loop would never end).
 """
 
 from __future__ import annotations
 
 import codecs
+import fnmatch
 import glob
+import io
 import json
 import os
 import sysconfig
@@ -17,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ndparallel import file_names
 from ndparallel.data.spec import DatasetSpec
 from ndparallel.errors import DataError
 
@@ -26,6 +34,16 @@ HF_METADATA_FILES = {"state.json", "dataset_info.json", "dataset_dict.json"}
 GLOB_CHARACTERS = set("*?[")
 STDLIB_PREFIX = "stdlib:"
 PARQUET_BATCH_ROWS = 1024
+DEFAULT_MAX_RECORD_MB = 16.0
+"""The default of ``dataset_max_record_mb``: a record (a JSON line, a row, a pretrain file) may hold this many
+MiB; about 4M tokens of English text."""
+
+
+def too_large(where: str, limit_bytes: int) -> DataError:
+    return DataError(
+        f"{where}: the record is larger than dataset_max_record_mb={limit_bytes / 2**20:g} MiB; it would be read "
+        f"and tokenized whole before long_rows applies. Split the document, or raise dataset_max_record_mb"
+    )
 
 
 def resolve_data_path(path: str) -> str:
@@ -46,7 +64,7 @@ def resolve_files(spec: DatasetSpec) -> list[Path]:
         return hub_files(spec)
     # An existing path is taken literally even if its name contains glob characters ("data[1].jsonl").
     if GLOB_CHARACTERS & set(pattern) and not Path(pattern).expanduser().exists():
-        files = sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True) if Path(p).is_file())
+        files = sorted(p for p in set(_glob(os.path.expanduser(pattern))) if p.is_file())
         if not files:
             raise DataError(f"dataset {spec.label}: no file matches path={pattern!r}; fix the pattern in path:")
         return files
@@ -68,6 +86,42 @@ def resolve_files(spec: DatasetSpec) -> list[Path]:
         wanted = "files" if spec.kind == "pretrain_files" else "*" + ", *".join(RECORD_SUFFIXES) + " files"
         raise DataError(f"dataset {spec.label}: directory {path} holds no {wanted}; fix path: or add data files")
     return files
+
+
+def _glob(pattern: str) -> list[Path]:
+    """``glob.glob(pattern, recursive=True)``, except that ``**`` does not descend into links to directories."""
+    if "**" not in Path(pattern).parts:
+        return [Path(p) for p in glob.glob(pattern, recursive=True)]
+    parts = Path(pattern).parts
+    fixed = next(i for i, part in enumerate(parts) if glob.has_magic(part))
+    base = Path(*parts[:fixed]) if fixed else Path(".")
+    return list(_expand(base, list(parts[fixed:])))
+
+
+def _expand(base: Path, parts: list[str]):
+    if not parts:
+        yield base
+        return
+    head, rest = parts[0], parts[1:]
+    if head == "**":  # zero or more directories, never through a link (glob's rule: no hidden ones)
+        yield from _expand(base, rest)
+        for entry in _entries(base):
+            if entry.is_dir(follow_symlinks=False) and not entry.name.startswith("."):
+                yield from _expand(Path(entry.path), parts)
+    elif glob.has_magic(head):
+        for entry in _entries(base):
+            if fnmatch.fnmatch(entry.name, head) and (head.startswith(".") or not entry.name.startswith(".")):
+                yield from _expand(Path(entry.path), rest)
+    elif os.path.lexists(base / head):
+        yield from _expand(base / head, rest)
+
+
+def _entries(directory: Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(directory) as found:
+            return sorted(found, key=lambda e: e.name)
+    except OSError:  # not a directory, or unreadable: as glob, no match
+        return []
 
 
 def _hidden(relative: Path) -> bool:
@@ -98,7 +152,13 @@ def _saved_dataset_files(path: Path) -> list[Path]:
             f"{path / 'state.json'}: no '_data_files' list of {{'filename': ...}}; this is not a directory "
             f"written by Dataset.save_to_disk: save it again or point path: at the data files"
         )
-    files = [path / entry["filename"] for entry in entries]
+    files = [file_names.inside(path, entry["filename"]) for entry in entries]
+    outside = next((e["filename"] for e, f in zip(entries, files) if f is None), None)
+    if outside is not None:
+        raise DataError(
+            f"{path / 'state.json'} lists {outside!r}, which is not a file name inside {path} (no absolute "
+            f"paths or '..'); save the dataset again"
+        )
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise DataError(f"{path / 'state.json'} lists {missing[0]}, which does not exist; save the dataset again")
@@ -134,12 +194,23 @@ def read_utf8(path: Path) -> str:
         ) from None
 
 
-def iter_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    """``(where, row)`` for each record of a data file; ``where`` names the file and record for messages."""
-    readers = {".jsonl": _iter_json_lines, ".json": _iter_json, ".parquet": _iter_parquet, ".arrow": _iter_arrow}
+def iter_rows(path: Path, *, max_record_bytes: int | None = None) -> Iterator[tuple[str, Any]]:
+    """``(where, row)`` for each record of a data file; ``where`` names the file and record for messages. A JSON
+    line longer than ``max_record_bytes`` (default ``dataset_max_record_mb``'s) is an error naming it."""
+    limit = max_record_bytes or int(DEFAULT_MAX_RECORD_MB * 2**20)
     if path.suffix in (".zst", ".gz") and Path(path.stem).suffix in (".jsonl", ".json"):
-        yield from _iter_json_lines(path, _decompress(path))
+        with _open_decompressed(path) as stream:
+            yield from _iter_json_lines(path, stream, limit)
         return
+    if path.suffix == ".jsonl":
+        try:
+            stream = open(path, "rb")
+        except OSError as error:
+            raise DataError(f"{path}: cannot be read ({error.strerror}); fix its permissions or remove it") from None
+        with stream:
+            yield from _iter_json_lines(path, stream, limit)
+        return
+    readers = {".json": _iter_json, ".parquet": _iter_parquet, ".arrow": _iter_arrow}
     reader = readers.get(path.suffix)
     if reader is None:
         raise DataError(
@@ -149,34 +220,53 @@ def iter_rows(path: Path) -> Iterator[tuple[str, Any]]:
     yield from reader(path)
 
 
-def _decompress(path: Path) -> str:
-    """The text of a .gz (gzip) or .zst (zstandard, through pyarrow) compressed file."""
+def _open_decompressed(path: Path):
+    """A binary stream of a .gz (gzip) or .zst (zstandard, through pyarrow) file, decompressed as it is read."""
     if path.suffix == ".gz":
         import gzip
 
-        with gzip.open(path, "rb") as f:
-            data = f.read()
-    else:
-        pyarrow, _ = _import_pyarrow(path)
-        with pyarrow.input_stream(str(path), compression="zstd") as f:
-            data = f.read()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise DataError(f"{path}: the decompressed data is not UTF-8 text (byte offset {error.start})") from None
+        return gzip.open(path, "rb")
+    pyarrow, _ = _import_pyarrow(path)
+    return io.BufferedReader(pyarrow.input_stream(str(path), compression="zstd"))
 
 
-def _iter_json_lines(path: Path, text: str | None = None) -> Iterator[tuple[str, Any]]:
-    text = read_utf8(path) if text is None else text
-    for line_number, line in enumerate(text.splitlines(), start=1):
+def _iter_json_lines(path: Path, stream, limit: int) -> Iterator[tuple[str, Any]]:
+    """Records of JSON lines read from the binary ``stream``, one line at a time, none longer than ``limit``."""
+    offset, line_number = 0, 0
+    while True:
+        try:
+            raw = stream.readline(limit + 2)  # the record, its newline (maybe \r\n), and one byte too many
+        except (OSError, EOFError) as error:  # a damaged compressed stream
+            raise DataError(f"{path}: cannot be read or decompressed ({error}); write it again or remove it") from None
+        if not raw:
+            return
+        line_number += 1
+        if len(raw.rstrip(b"\r\n")) > limit:
+            raise too_large(f"{path} line {line_number}", limit)
+        start = len(codecs.BOM_UTF8) if line_number == 1 and raw.startswith(codecs.BOM_UTF8) else 0
+        try:
+            line = raw[start:].decode("utf-8")
+        except UnicodeDecodeError as error:
+            at = offset + start + error.start
+            raise DataError(
+                f"{path}: not UTF-8 text (byte {raw[start + error.start]:#04x} at byte offset {at}); re-encode it as "
+                f"UTF-8 (e.g. iconv -f latin1 -t utf-8) or remove it from the dataset"
+            ) from None
+        offset += len(raw)
         if not line.strip():
             continue
-        try:
-            yield f"{path} line {line_number}", json.loads(line)
-        except json.JSONDecodeError as error:
-            raise DataError(
-                f"{path} line {line_number}: not valid JSON ({error.msg}, column {error.colno}); fix or remove the line"
-            ) from None
+        yield f"{path} line {line_number}", _json_line(path, line_number, line)
+
+
+def _json_line(path: Path, line_number: int, line: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as error:
+        raise DataError(
+            f"{path} line {line_number}: not valid JSON ({error.msg}, column {error.colno}); fix or remove the line"
+        ) from None
+    except RecursionError:
+        raise DataError(f"{path} line {line_number}: JSON nested too deeply to read; fix or remove the line") from None
 
 
 def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
@@ -187,8 +277,10 @@ def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
     except json.JSONDecodeError as error:
         if text.lstrip().startswith("["):
             raise DataError(f"{path}: not valid JSON ({error.msg}, line {error.lineno}); fix the file") from None
-        yield from _iter_json_lines(path, text)  # several values: JSON lines
+        yield from _iter_json_lines(path, io.BytesIO(text.encode("utf-8")), len(text.encode("utf-8")))  # JSON lines
         return
+    except RecursionError:
+        raise DataError(f"{path}: JSON nested too deeply to read; fix the file") from None
     records = content if isinstance(content, list) else [content]
     for number, record in enumerate(records, start=1):
         yield f"{path} record {number}", record

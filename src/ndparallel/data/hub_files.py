@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from ndparallel import bounded_yaml
 from ndparallel.data.spec import DatasetSpec
 from ndparallel.errors import DataError
 
@@ -102,8 +103,10 @@ def _card_configs(root: Path) -> dict[str, dict[str, list[str]]]:
     if not text.startswith("---"):
         return {}
     try:
-        header = yaml.safe_load(text.split("---", 2)[1]) or {}
+        header = bounded_yaml.load(text.split("---", 2)[1], source=f"{card}'s header", error=DataError) or {}
     except yaml.YAMLError:
+        return {}
+    if not isinstance(header, dict):
         return {}
     configs = {}
     for entry in header.get("configs") or []:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ndparallel.data.files import iter_rows, read_utf8, resolve_files
+from ndparallel.data.files import DEFAULT_MAX_RECORD_MB, iter_rows, read_utf8, resolve_files, too_large
 from ndparallel.data.spec import ALIASES, DATASET_TYPES, DatasetSpec
 from ndparallel.errors import DataError
 
@@ -82,14 +82,27 @@ def read_records(spec: DatasetSpec) -> Iterator[Record]:
 
 
 def _all_records(spec: DatasetSpec, files: list) -> Iterator[Record]:
+    limit = spec.max_record_bytes or int(DEFAULT_MAX_RECORD_MB * 2**20)
     for path in files:
-        if spec.kind == "pretrain_files":
+        if spec.kind == "pretrain_files":  # the whole file is one document
+            if path.stat().st_size > limit:
+                raise too_large(str(path), limit)
             yield TextRecord(read_utf8(path), str(path))
         else:
-            for where, row in iter_rows(path):
+            for where, row in iter_rows(path, max_record_bytes=limit):
                 record = _normalise(row, where, spec)
+                if record is not None and _chars(record) > limit:  # a Parquet / Arrow / JSON row
+                    raise too_large(where, limit)
                 if record is not None:
                     yield record
+
+
+def _chars(record: Record) -> int:
+    if isinstance(record, TextRecord):
+        return len(record.text)
+    if isinstance(record, InstructionRecord):
+        return len(record.instruction) + len(record.input) + len(record.output)
+    return sum(len(m["role"]) + len(m["content"]) for m in record.messages)
 
 
 def _slice_ranges(spec: DatasetSpec, files: list) -> list[tuple[int, int]] | None:

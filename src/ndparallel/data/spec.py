@@ -52,6 +52,9 @@ class DatasetSpec:
     template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     train_on_inputs: bool = False
     skip: int = 0
+    max_record_bytes: int | None = None
+    """The largest record read (None: dataset_max_record_mb's default); not part of the data cache's key: it
+    changes no row, a larger record is an error."""
 
     @property
     def split_parts(self) -> list[tuple[str, str | None, str | None]]:

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from ndparallel import _compat, hub
+from ndparallel import _compat, file_names, hub
 from ndparallel.errors import ModelError
 from ndparallel.lora import init_lora_tensor
 from ndparallel.models import presets
@@ -282,8 +282,14 @@ class _SafetensorsReader:
         path = Path(directory)
         index = path / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {key: path / file for key, file in weight_map.items()}
+            try:
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+                entries = weight_map.items()
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+                raise ModelError(
+                    f"{str(index)!r} has no readable weight_map ({type(exc).__name__}); fix or remove the index"
+                ) from None
+            self.files = {key: self._inside(path, index, key, file) for key, file in entries}
         else:
             files = sorted(path.glob("*.safetensors"))
             if not files:
@@ -301,6 +307,16 @@ class _SafetensorsReader:
             raise ModelError(f"base_model {directory!r}: the index names weight files that are missing: {missing}")
         self.directory = directory
         self.used: set[str] = set()
+
+    @staticmethod
+    def _inside(path: Path, index: Path, key: str, name: object) -> Path:
+        found = file_names.inside(path, name)
+        if found is None:
+            raise ModelError(
+                f"{str(index)!r} maps {key!r} to {name!r}, which is not a file name inside the model directory "
+                f"(no absolute paths or '..'); fix the index"
+            )
+        return found
 
     def get(self, key: str) -> torch.Tensor:
         """The whole weight ``key`` (for the few readers that need all of it: stacked experts, grown rows)."""
