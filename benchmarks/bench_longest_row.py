@@ -124,7 +124,7 @@ def _ndparallel_step(args, row: str, length: int):
     config = model_config_for(base_model=None, model_shape=args.model, overrides={}, max_position_embeddings=length)
     memory = row in ("ndparallel", "ndparallel-cpu-offload", "ndparallel-tiled")
     offloaded = 0
-    if memory and row != "ndparallel-tiled":  # as the trainer's activation_offloading: true decides (train.offload_layers)
+    if memory and row != "ndparallel-tiled":  # as activation_offloading: true decides (train.offload_layers)
         offloaded = offload_layer_count(
             args.offload_layers,
             num_layers=config.num_hidden_layers,
