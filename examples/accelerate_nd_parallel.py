@@ -79,8 +79,8 @@ def packed_batches(tokenizer, pattern: str, *, seq_len: int, rows: int, seed: in
 def train_step(model, optimizer, ids, position_ids, topo, max_grad_norm):
     batch = ndp.prepare_batch(ids, topo, position_ids=position_ids)  # this rank's rows and sequence chunks
     num_tokens = ndp.count_tokens(batch.num_tokens, topo)  # target tokens over every data rank
-    logits = model(**batch.model_inputs()).logits
-    loss = ndp.token_loss(logits, batch.labels, num_tokens=num_tokens, topology=topo)
+    # the loss without the (tokens x vocabulary) logits: lm_head's input goes to the fused loss
+    loss, _ = ndp.model_loss(model, batch.model_inputs(), batch.labels, num_tokens=num_tokens, topology=topo)
     loss.backward()
     grad_norm = ndp.clip_grad_norm_(model.parameters(), max_grad_norm)  # one norm over TP and FSDP meshes
     optimizer.step()

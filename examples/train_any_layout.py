@@ -72,8 +72,8 @@ def main() -> None:
     for step, ids in enumerate(byte_batches(args.text, rows=args.rows, seq=args.seq, steps=args.steps, seed=1)):
         batch = ndp.prepare_batch(ids, topo)
         num_tokens = ndp.count_tokens(batch.num_tokens, topo)
-        logits = model(**batch.model_inputs()).logits
-        loss = ndp.token_loss(logits, batch.labels, num_tokens=num_tokens, topology=topo)
+        # the loss without the (tokens x vocabulary) logits: lm_head's input goes to the fused loss
+        loss, _ = ndp.model_loss(model, batch.model_inputs(), batch.labels, num_tokens=num_tokens, topology=topo)
         loss.backward()
         grad_norm = ndp.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
