@@ -196,7 +196,10 @@ def parallelize(
         parts, options.activation_checkpointing, offload_layers=options.activation_offload_layers
     )
     if options.compile:
-        apply_compile(parts, inside_checkpoint=options.activation_offload_layers > 0)
+        # Inside the wrapper when it runs Python of its own (offload) or holds nested checkpoints (tiled MLP):
+        # on the H200 at 131k tokens, compiling the wrapper around tiled MLPs ran at 35.2k tok/s, compiling
+        # inside it (with offload) at 44.0k, against 40.5k untiled (RESULTS.md, issue 33)
+        apply_compile(parts, inside_checkpoint=options.activation_offload_layers > 0 or options.tiled_mlp)
     wrap_units(list(parts.layers), options.fsdp_wrap)  # the same error on one rank as on many
     flat = not options.cpu_offload and not options.single_rank_fsdp
     if topology.world_size == 1 and flat and eligible(model):
