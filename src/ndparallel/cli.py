@@ -91,10 +91,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _train_worker(cfg) -> int:
     from ndparallel.train import run_training
+    from ndparallel_cli import STARTED
 
     rank = int(os.environ.get("RANK", "0"))
     try:
-        run_training(cfg)
+        run_training(cfg, started=STARTED)  # the wall time's setup includes starting Python and the imports
         return 0
     except NdParallelError as exc:
         if rank == 0 or getattr(exc, "rank_specific", False):
@@ -168,7 +169,7 @@ def _launch(cfg, args) -> int:
         launcher += ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}"]
     else:
         launcher += ["--standalone"]
-    launcher += ["--module", "ndparallel.cli", "train", resolved]
+    launcher += ["--module", "ndparallel_cli", "train", resolved]  # workers start fast and quiet too
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # Fewer fragmented blocks in PyTorch's CUDA allocator (reserved memory ran 10-36% above allocated
     # without it); a user's own setting wins.
@@ -230,7 +231,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------------
-# export / plan (mounted from their modules)
+# export (plan: ndparallel.planner.cli)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -246,58 +247,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ndparallel", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    train = sub.add_parser("train", help="train (no CONFIG: the built-in default run on 8 CPU processes)")
-    train.add_argument("config", nargs="?", help="YAML config (Axolotl field names)")
-    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
-    train.add_argument("--resume", metavar="latest|PATH", help="resume from a checkpoint (resume_from_checkpoint)")
-    train.add_argument("--nproc-per-node", type=int, help="processes on this node (default: from the layout)")
-    train.add_argument("--nnodes", type=int, help="number of nodes (default 1, or num_machines of --accelerate-config)")
-    train.add_argument("--node-rank", type=int)
-    train.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0, for several nodes")
-    train.add_argument(
-        "--accelerate-config",
-        metavar="FILE",
-        help="an `accelerate config` file: sizes, CP method, FSDP options, mixed precision, processes",
-    )
-    train.set_defaults(func=cmd_train)
-
-    val = sub.add_parser("validate", help="check a config and print the layout, without starting processes")
-    val.add_argument("config", nargs="?")
-    val.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    val.add_argument("--world-size", type=int, help="number of processes to plan for (default: from the layout)")
-    val.add_argument("--help-fields", action="store_true", help="list every setting with its meaning")
-    val.add_argument(
-        "--accelerate-config",
-        metavar="FILE",
-        help="an `accelerate config` file: sizes, CP method, FSDP options, mixed precision, processes",
-    )
-    val.set_defaults(func=cmd_validate)
-
-    exp = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint (one process)")
-    exp.add_argument("checkpoint")
-    exp.add_argument("out_dir")
-    exp.add_argument("--merge-lora", action="store_true", help="fold LoRA adapters into the base weights")
-    exp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    exp.set_defaults(func=cmd_export)
-
-    plan = sub.add_parser("plan", help="recommend layouts for a model, a cluster and a sequence length")
-    try:
-        from ndparallel.planner import add_plan_arguments, run_plan
-    except ImportError as exc:  # the other commands still work; `plan` says why it cannot
-        plan.set_defaults(
-            func=lambda _args, why=f"{type(exc).__name__}: {exc}": _plan_unavailable(why), any_arguments=True
-        )
-    else:
-        add_plan_arguments(plan)
-        plan.set_defaults(func=run_plan)
-    return parser
-
-
-def _plan_unavailable(why: str) -> int:
+def plan_unavailable(why: str) -> int:
     _print_error(
         f"`ndparallel plan` is unavailable: importing ndparallel.planner failed ({why}); "
         f"reinstall ndparallel or report this as a bug"
@@ -306,12 +256,14 @@ def _plan_unavailable(why: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown and not getattr(args, "any_arguments", False):
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    return args.func(args)
+    """The ``ndparallel`` command, run from a program (parsed in ``ndparallel_cli``, which the console script
+    starts without importing torch first)."""
+    from ndparallel_cli import main as cli_main
+
+    return cli_main(argv)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # python -m ndparallel.cli, torchrun -m ndparallel.cli: this process is the command's
+    from ndparallel_cli import console_main
+
+    sys.exit(console_main())
