@@ -82,6 +82,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     _report_not_used(accelerate)
     if _under_launcher():
         return _train_worker(cfg)
+    from ndparallel.preflight import before_launch
+
+    problems = before_launch(cfg)  # what the workers would refuse after starting, said before they start
+    for problem in problems:
+        _print_error(problem)
+    if problems:
+        return EXIT_USER_ERROR
     for name, value in accelerate.launch.items():  # the command line's own flags win
         if getattr(args, name, None) is None:
             setattr(args, name, value)

@@ -49,6 +49,7 @@ from ndparallel.oom import (
 )
 from ndparallel.parallel.float8 import Fp8Spec
 from ndparallel.parallelize import ParallelOptions, parallelize
+from ndparallel.preflight import writable_dir_problem
 from ndparallel.progress import human_seconds
 from ndparallel.router_loss import router_aux_loss
 from ndparallel.run_inputs import (
@@ -278,6 +279,9 @@ def _check(cfg: TrainConfig, world: int, output_dir: Path):
     vocab_from, vocab_note = fit_vocab(model_config, len(tokenizer), added_tokens, tp=layout.tp)
     layout.check_model(model_config, seq_len=cfg.sequence_len)
     check_trackers_installed(cfg)
+    unwritable = writable_dir_problem(output_dir, "output_dir")  # not a raw PermissionError at the first write
+    if unwritable:
+        raise ConfigError(unwritable)
     resume_dir = _check_output_dir(cfg, output_dir)
     return model_config, layout, layout_reason, tokenizer, vocab_from, vocab_note, resume_dir
 

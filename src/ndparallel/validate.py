@@ -11,6 +11,7 @@ from ndparallel.config import TrainConfig
 from ndparallel.data.files import resolve_data_path
 from ndparallel.errors import NdParallelError
 from ndparallel.layout import Layout
+from ndparallel.preflight import Preflight, output_problems, preflight
 
 
 @dataclass
@@ -22,60 +23,74 @@ class RunPlan:
 
 
 def run_errors(cfg: TrainConfig, *, world_size: int | None) -> tuple[list[str], RunPlan | None]:
-    """Problems that would stop ``train`` (model, tokenizer, layout, data, optimizer), all of them, collected
-    rather than raised; hub ids are looked up in the hub cache (config and tokenizer files are fetched unless
-    HF_HUB_OFFLINE is set, weights are not)."""
+    """Problems that would stop ``train`` (model, tokenizer, layout, data, output_dir, optimizer), all of them,
+    collected rather than raised; hub ids are looked up in the hub cache (config and tokenizer files are fetched
+    unless HF_HUB_OFFLINE is set, weights are not). The data is sampled, not read whole (``preflight.py``)."""
     from ndparallel.run_inputs import load_run_tokenizer
-    from ndparallel.train import resolve_layout, run_model_config
-    from ndparallel.vocab import fit_vocab
+    from ndparallel.train import run_model_config
 
     problems: list[str] = []
     model_config = _attempt(problems, lambda: run_model_config(cfg))
     tokenizer = _attempt(problems, lambda: load_run_tokenizer(cfg))
-    world = world_size or cfg.fixed_world_size() or 1
-    plan = None
-    try:
-        layout, reason = (
-            resolve_layout(cfg, world, model_config)
-            if model_config is not None or cfg.dp_shard_size != "auto"
-            else (None, None)
-        )
-        if layout is not None:
-            plan = RunPlan(layout=layout, world_size=world, reason=reason)
-            if cfg.dp_replicate_size is None and layout.dp_replicate > 1:
-                plan.notes.append(
-                    f"dp_replicate_size is unset: {layout.dp_replicate} replicas fill the {world} "
-                    f"processes (Axolotl's rule)"
-                )
-    except NdParallelError as exc:
-        problems.append(str(exc))
-    if model_config is not None and tokenizer is not None and plan is not None:
-        note = _attempt(
-            problems, lambda: fit_vocab(model_config, len(tokenizer[0]), tokenizer[1], tp=plan.layout.tp)[1]
-        )
-        if note:
-            plan.notes.append(note)
-    if model_config is not None and plan is not None:
-        problems += list(plan.layout.model_problems(model_config, seq_len=cfg.sequence_len))
-    if model_config is not None and cfg.unfrozen_parameters:
-        note = _attempt(problems, lambda: _check_unfrozen(cfg, model_config))
-        if note and plan is not None:
-            plan.notes.append(note)
-    if model_config is not None and cfg.qat is not None:
-        note = _attempt(problems, lambda: _check_qat(cfg, model_config))
-        if note and plan is not None:
-            plan.notes.append(note)
-    problems += _data_problems(cfg)
+    plan = _plan(cfg, world_size, model_config, problems)
+    if model_config is not None:
+        notes = _model_checks(cfg, model_config, tokenizer, plan, problems)
+        if plan is not None:
+            plan.notes += notes
+    data_problems = _data_problems(cfg)
+    problems += data_problems
+    checks = (
+        preflight(cfg, tokenizer=tokenizer[0] if tokenizer else None)
+        if not data_problems
+        else Preflight(problems=output_problems(cfg))
+    )
+    problems += checks.problems
+    if plan is not None:
+        plan.notes += [*checks.notes, checks.not_checked_line()]
     if cfg.load_in_4bit:
         from ndparallel.quantized import nf4_available
 
-        try:
-            nf4_available()
-        except NdParallelError as exc:
-            problems.append(str(exc))
+        _attempt(problems, nf4_available)
     if cfg.eight_bit_optimizer and cfg.device == "cpu":
         problems.append(f"optimizer: {cfg.optimizer} (8-bit AdamW) needs a CUDA GPU; use adamw_torch with device: cpu")
     return problems, plan
+
+
+def _plan(cfg: TrainConfig, world_size: int | None, model_config, problems: list[str]) -> RunPlan | None:
+    """The layout train would use for ``world_size`` processes (None when it cannot be had)."""
+    from ndparallel.train import resolve_layout
+
+    world = world_size or cfg.fixed_world_size() or 1
+    if model_config is None and cfg.dp_shard_size == "auto":
+        return None
+    try:
+        layout, reason = resolve_layout(cfg, world, model_config)
+    except NdParallelError as exc:
+        problems.append(str(exc))
+        return None
+    plan = RunPlan(layout=layout, world_size=world, reason=reason)
+    if cfg.dp_replicate_size is None and layout.dp_replicate > 1:
+        plan.notes.append(
+            f"dp_replicate_size is unset: {layout.dp_replicate} replicas fill the {world} processes (Axolotl's rule)"
+        )
+    return plan
+
+
+def _model_checks(cfg: TrainConfig, model_config, tokenizer, plan: RunPlan | None, problems: list[str]) -> list[str]:
+    """The model against the tokenizer and the layout (when there is one), unfrozen_parameters and qat; the
+    notes to show."""
+    from ndparallel.vocab import fit_vocab
+
+    notes = []
+    if plan is not None and tokenizer is not None:
+        tp = plan.layout.tp
+        notes.append(_attempt(problems, lambda: fit_vocab(model_config, len(tokenizer[0]), tokenizer[1], tp=tp)[1]))
+    if plan is not None:
+        problems += list(plan.layout.model_problems(model_config, seq_len=cfg.sequence_len))
+    for wanted, check in ((cfg.unfrozen_parameters, _check_unfrozen), (cfg.qat is not None, _check_qat)):
+        if wanted:
+            notes.append(_attempt(problems, lambda check=check: check(cfg, model_config)))
+    return [note for note in notes if note]
 
 
 def _check_unfrozen(cfg: TrainConfig, model_config) -> str:

@@ -37,6 +37,13 @@ def _fake_8b(tmp: Path) -> Path:
     return path
 
 
+RECORDS = {
+    "completion": {"text": "hi"},
+    "alpaca": {"instruction": "Say hi.", "output": "hi"},
+    "chat_template": {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]},
+}
+
+
 @pytest.mark.parametrize(
     "example, world",
     [
@@ -48,10 +55,12 @@ def _fake_8b(tmp: Path) -> Path:
 )
 def test_examples_validate(tmp_path, capsys, example, world):
     model = _fake_8b(tmp_path)
-    data = tmp_path / "data.jsonl"
-    data.write_text('{"text": "hi"}\n')
     raw = yaml.safe_load((EXAMPLES / example).read_text())
-    sets = [f"datasets.{i}.path={data}" for i in range(len(raw["datasets"]))]
+    sets = []
+    for i, dataset in enumerate(raw["datasets"]):  # one record of the dataset's type (validate samples them)
+        data = tmp_path / f"data{i}.jsonl"
+        data.write_text(json.dumps(RECORDS[dataset["type"]]) + "\n")
+        sets.append(f"datasets.{i}.path={data}")
     sets += [f"base_model={model}"] if "base_model" in raw else [f"tokenizer_config={model}"]
     code = main(
         ["validate", str(EXAMPLES / example), "--world-size", str(world), *sum((["--set", s] for s in sets), [])]

@@ -46,7 +46,12 @@ HSDP_TP = {
         "parallelism_config_cp_size": 1,
     },
 }
-RUN = {"model_shape": "byte-tiny", "datasets": [{"path": "stdlib:os.py", "type": "pretrain_files"}], "sequence_len": 64}
+RUN = {
+    "model_shape": "byte-tiny",
+    "datasets": [{"path": "stdlib:os.py", "type": "pretrain_files"}],
+    "sequence_len": 64,
+    "long_rows": "split",  # one document of 40k tokens: cut into rows (dropped, no data would be left)
+}
 SIZE_VARIABLES = ("DP_REPLICATE_SIZE", "DP_SHARD_SIZE", "TP_SIZE", "CP_SIZE", "CP_COMM_STRATEGY")
 
 

@@ -26,6 +26,11 @@ HF_METADATA_FILES = {"state.json", "dataset_info.json", "dataset_dict.json"}
 GLOB_CHARACTERS = set("*?[")
 STDLIB_PREFIX = "stdlib:"
 PARQUET_BATCH_ROWS = 1024
+BINARY_SNIFF_BYTES = 8192
+HEAD_BYTES = 1 << 20
+"""How much of a JSON lines file a sample of its first records reads."""
+HEAD_RECORDS = 1000
+"""At most this many records of any other file are read for a sample."""
 
 
 def resolve_data_path(path: str) -> str:
@@ -117,16 +122,29 @@ def _read_json_file(path: Path) -> dict[str, Any]:
     return content
 
 
-def read_utf8(path: Path) -> str:
-    """The file's text; a DataError naming the byte offset of the first byte that is not UTF-8."""
+def read_utf8(path: Path, *, limit: int | None = None) -> str:
+    """The file's text (its first ``limit`` bytes, a character cut at the end dropped); a DataError naming the
+    byte offset of the first byte that is not UTF-8, or saying it is a binary file."""
     try:
-        data = path.read_bytes()
+        if limit is None:
+            data = path.read_bytes()
+        else:
+            with open(path, "rb") as f:
+                data = f.read(limit)
     except OSError as error:
         raise DataError(f"{path}: cannot be read ({error.strerror}); fix its permissions or remove it") from error
     start = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0  # a BOM is no content
+    nul = data.find(b"\0", 0, BINARY_SNIFF_BYTES)
+    if nul >= 0:  # text never holds NUL bytes: an image, an archive, a model file ...
+        raise DataError(
+            f"{path}: a binary file (a NUL byte at offset {nul}), not {path.suffix or 'plain'} text; point path: "
+            f"at the dataset's text (or Parquet / Arrow files named .parquet / .arrow)"
+        )
     try:
         return data[start:].decode("utf-8")
     except UnicodeDecodeError as error:
+        if limit is not None and len(data) == limit and error.start >= len(data) - 3:
+            return data[start : error.start].decode("utf-8")  # the limit cut a character in two
         offset = start + error.start
         raise DataError(
             f"{path}: not UTF-8 text (byte {data[offset]:#04x} at byte offset {offset}); re-encode it as UTF-8 "
@@ -149,17 +167,37 @@ def iter_rows(path: Path) -> Iterator[tuple[str, Any]]:
     yield from reader(path)
 
 
+def head_rows(path: Path) -> tuple[list[tuple[str, Any]], bool]:
+    """The first records of a data file, cheaply: a JSON lines file's first ``HEAD_BYTES`` (its last, cut line
+    left out), other formats up to ``HEAD_BYTES`` of their rows' worth read as a stream. Returns (rows, whether
+    they are all of the file's rows)."""
+    if path.suffix == ".jsonl" and path.stat().st_size > HEAD_BYTES:
+        text = read_utf8(path, limit=HEAD_BYTES)
+        return list(_iter_json_lines(path, text[: text.rfind("\n") + 1])), False
+    rows = []
+    for row in iter_rows(path):
+        rows.append(row)
+        if len(rows) >= HEAD_RECORDS:
+            return rows, False
+    return rows, True
+
+
 def _decompress(path: Path) -> str:
     """The text of a .gz (gzip) or .zst (zstandard, through pyarrow) compressed file."""
-    if path.suffix == ".gz":
-        import gzip
+    try:
+        if path.suffix == ".gz":
+            import gzip
 
-        with gzip.open(path, "rb") as f:
-            data = f.read()
-    else:
-        pyarrow, _ = _import_pyarrow(path)
-        with pyarrow.input_stream(str(path), compression="zstd") as f:
-            data = f.read()
+            with gzip.open(path, "rb") as f:
+                data = f.read()
+        else:
+            pyarrow, _ = _import_pyarrow(path)
+            with pyarrow.input_stream(str(path), compression="zstd") as f:
+                data = f.read()
+    except (OSError, EOFError) as error:  # gzip's BadGzipFile is an OSError; pyarrow raises OSError
+        raise DataError(
+            f"{path}: not a readable {path.suffix} file ({error}); compress it again, or remove it"
+        ) from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ndparallel.data.files import iter_rows, read_utf8, resolve_files
+from ndparallel.data.files import HEAD_BYTES, head_rows, iter_rows, read_utf8, resolve_files
 from ndparallel.data.spec import ALIASES, DATASET_TYPES, DatasetSpec
 from ndparallel.errors import DataError
 
@@ -29,6 +29,7 @@ __all__ = [
     "Record",
     "TextRecord",
     "read_records",
+    "sample_records",
 ]
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
@@ -79,6 +80,24 @@ def read_records(spec: DatasetSpec) -> Iterator[Record]:
             f"dataset {spec.label}: {spec.path} holds no records (for split={spec.split!r}); fix path: "
             f"or split:, or add data"
         )
+
+
+def sample_records(spec: DatasetSpec) -> tuple[list[Record], bool]:
+    """The dataset's first records, read cheaply (``files.head_rows``: at most about a MiB or a thousand records
+    of its first file that has any), checked as ``read_records`` checks them. Returns (records, whether they are
+    all of the dataset's records); ``split`` slices and ``skip`` are not applied."""
+    files = resolve_files(spec)
+    for number, path in enumerate(files):
+        if spec.kind == "pretrain_files":
+            whole = path.stat().st_size <= HEAD_BYTES
+            return [TextRecord(read_utf8(path, limit=None if whole else HEAD_BYTES), str(path))], whole and len(
+                files
+            ) == 1
+        rows, whole = head_rows(path)
+        records = [r for r in (_normalise(row, where, spec) for where, row in rows) if r is not None]
+        if records or not whole:
+            return records, whole and number == len(files) - 1
+    return [], True
 
 
 def _all_records(spec: DatasetSpec, files: list) -> Iterator[Record]:
