@@ -18,6 +18,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 from ndparallel.errors import ConfigError
 from ndparallel.from_axolotl import not_used_line, read_axolotl
 from ndparallel.parallelism_config import ParallelismConfig
+from ndparallel.validation_errors import format_validation_error
 
 
 class DatasetConfig(BaseModel):
@@ -65,6 +66,10 @@ class DatasetConfig(BaseModel):
     """Chat template for this dataset (a name, tokenizer_default or jinja); default: the top-level one."""
     chat_template_jinja: str | None = None
     """Jinja source of this dataset's chat template."""
+    field_thinking: str | None = None
+    """chat_template: the key of a message holding its reasoning trace (default: reasoning_content)."""
+    template_thinking_key: str | None = None
+    """chat_template: the key the chat template reads the reasoning trace from (default: reasoning_content)."""
 
     @property
     def role_key(self) -> str | None:
@@ -543,6 +548,16 @@ class TrainConfig(BaseModel):
             )
         if not self.datasets and not self.pretraining_dataset:
             yield "datasets is empty: add at least one entry with a path and a type (or a pretraining_dataset)"
+        if (
+            self.max_steps
+            and self.warmup_steps is not None
+            and self.warmup_steps >= 1
+            and self.warmup_steps > self.max_steps
+        ):
+            yield (
+                f"warmup_steps={self.warmup_steps:g} is more than max_steps={self.max_steps}: the learning rate would "
+                f"never reach learning_rate; lower warmup_steps (or give warmup_ratio)"
+            )
         if self.pretraining_dataset and self.max_steps is None:
             yield "pretraining_dataset needs max_steps (the corpus is read only as far as the steps need)"
         both = [("warmup_steps", "warmup_ratio"), ("save_steps", "saves_per_epoch"), ("eval_steps", "evals_per_epoch")]
@@ -631,17 +646,6 @@ def accepted_keys() -> set[str]:
     return keys
 
 
-def _format_validation_error(exc: ValidationError) -> list[str]:
-    lines = []
-    for err in exc.errors():
-        where = ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in err["loc"]).replace(".[", "[")
-        msg = err["msg"].removeprefix("Value error, ")
-        got = err.get("input")
-        shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
-        lines.append(f"{where}: {msg}{shown}" if where else f"{msg}")
-    return lines
-
-
 @dataclass
 class ConfigReading:
     """A raw config read: the validated config (None when it has errors), every error, and the notes
@@ -663,7 +667,7 @@ def read_config(raw: Any) -> ConfigReading:
     try:
         config = TrainConfig.model_validate(reading.settings)
     except ValidationError as exc:
-        errors += _format_validation_error(exc)
+        errors += format_validation_error(exc)
     notes = [line for line in [not_used_line(reading.not_used)] if line] + reading.notes
     return ConfigReading(None if errors else config, errors, notes, reading.settings)
 

@@ -145,6 +145,8 @@ def dataset_specs(cfg: TrainConfig, *, template: str | None) -> list[DatasetSpec
                 chat_template=own if d.type in ("chat_template", "chat") else None,
                 template_kwargs=dict(cfg.chat_template_kwargs),
                 train_on_inputs=cfg.train_on_inputs,
+                thinking_key=d.field_thinking or "reasoning_content",
+                template_thinking_key=d.template_thinking_key or "reasoning_content",
             )
         )
     for p in cfg.pretraining_dataset or []:

@@ -223,7 +223,15 @@ def _message(turn: Any, number: int, key: str, where: str, spec: DatasetSpec, ro
         raise DataError(f"{place}: expected {{role, content}} or {{from, value}}, found {_describe(turn)}; fix it")
     if not isinstance(role, str) or not isinstance(content, str):
         raise DataError(f"{place}: role and content must be strings, found {_describe(turn)}; fix it")
-    return {"role": role, "content": content}
+    message = {"role": role, "content": content}
+    trace = turn.get(spec.thinking_key)  # a reasoning trace, under the key the chat template reads it from
+    if trace:
+        if not isinstance(trace, str):
+            raise DataError(
+                f"{place}: {spec.thinking_key!r} must be a string (a reasoning trace), found {_kind(trace)}"
+            )
+        message[spec.template_thinking_key] = trace
+    return message
 
 
 def _describe(value: Any) -> str:
