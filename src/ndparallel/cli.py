@@ -225,15 +225,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
     world_size = args.world_size or accelerate.launch.get("world_size")
     problems, plan = run_errors(cfg, world_size=world_size) if cfg is not None else ([], None)
     problems = reading.errors + problems
+    if plan is not None and cfg is not None:  # the layout, also when something else is wrong
+        if not problems and (different := differences(cfg)):
+            print(different)
+        print(describe_run(cfg, plan, ok=not problems))
     if problems:
         print(f"{len(problems)} problem(s):", file=sys.stderr)
         for line in problems:
             print(f"  - {line}", file=sys.stderr)
         return EXIT_USER_ERROR
-    different = differences(cfg)
-    if different:
-        print(different)
-    print(describe_run(cfg, plan))
     return 0
 
 

@@ -31,7 +31,11 @@ def run_errors(cfg: TrainConfig, *, world_size: int | None) -> tuple[list[str], 
 
     problems: list[str] = []
     model_config = _attempt(problems, lambda: run_model_config(cfg))
-    tokenizer = _attempt(problems, lambda: load_run_tokenizer(cfg))
+    same_repository = (cfg.tokenizer_config or cfg.base_model) == cfg.base_model and cfg.base_model is not None
+    # base_model's tokenizer comes from the same repository: one line when that repository cannot be read
+    tokenizer = (
+        None if model_config is None and same_repository else _attempt(problems, lambda: load_run_tokenizer(cfg))
+    )
     plan = _plan(cfg, world_size, model_config, problems)
     if model_config is not None:
         notes = _model_checks(cfg, model_config, tokenizer, plan, problems)
@@ -45,6 +49,8 @@ def run_errors(cfg: TrainConfig, *, world_size: int | None) -> tuple[list[str], 
         else Preflight(problems=output_problems(cfg))
     )
     problems += checks.problems
+    if model_config is None:
+        checks.not_checked.append("the model against the layout and the tokenizer (its config is not at hand)")
     if plan is not None:
         plan.notes += [*checks.notes, checks.not_checked_line()]
     if cfg.load_in_4bit:
@@ -130,7 +136,7 @@ def _data_problems(cfg: TrainConfig) -> list[str]:
     for i, (setting, raw_path, revision) in enumerate(entries):
         path = resolve_data_path(raw_path)
         if hub.is_hub_id(path):
-            problem = _hub_dataset_problem(path, revision, f"{setting} path")
+            problem = _hub_dataset_problem(path, revision, f"{setting}[{i}].path")
             if problem:
                 problems.append(problem)
         elif not (Path(path).exists() or glob.glob(path)):
@@ -155,10 +161,9 @@ def _hub_dataset_problem(name: str, revision: str | None, setting: str) -> str |
     try:
         if not HfApi().repo_exists(name, repo_type="dataset"):
             return f"{setting} {name!r} is neither a local path nor a dataset on the Hugging Face Hub; check it"
-    except Exception as exc:  # no network: train will say more when it downloads
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return f"{setting} {name!r}: cannot reach the Hugging Face Hub to check it ({first[:120]})"
-    return None
+    except Exception as exc:  # no network here: train on this machine could not download it either
+        return hub.not_cached(setting, name, revision, "dataset", unreachable=hub.first_line(exc))
+    return None  # on the Hub: train downloads it (local rank 0 of each node)
 
 
 def differences(cfg: TrainConfig) -> str | None:
@@ -188,7 +193,7 @@ def differences(cfg: TrainConfig) -> str | None:
     return ("differs from Axolotl on purpose: " + "; ".join(items)) if items else None
 
 
-def describe_run(cfg: TrainConfig, plan: RunPlan) -> str:
+def describe_run(cfg: TrainConfig, plan: RunPlan, *, ok: bool = True) -> str:
     layout = plan.layout
     rows_per_step = cfg.micro_batch_size * layout.batch_size * cfg.gradient_accumulation_steps
     tokens_per_step = rows_per_step * cfg.sequence_len
@@ -202,6 +207,6 @@ def describe_run(cfg: TrainConfig, plan: RunPlan) -> str:
         f"{tokens_per_rank} tokens per rank after the cp split",
         f"  per optimizer step: {rows_per_step} rows, {tokens_per_step:,} tokens "
         f"({cfg.gradient_accumulation_steps} micro-step(s) x {layout.batch_size} data-parallel rank(s))",
-        f"config OK for {plan.world_size} process(es)",
+        f"config OK for {plan.world_size} process(es)" if ok else f"layout for {plan.world_size} process(es)",
     ]
     return "\n".join(lines)
