@@ -243,14 +243,16 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from ndparallel.export import export_checkpoint
+    from ndparallel.export import checkpoint_step, export_checkpoint, resolve_checkpoint
 
     try:
-        out = export_checkpoint(args.checkpoint, args.out_dir, merge_lora=args.merge_lora, dtype=args.dtype)
+        checkpoint = resolve_checkpoint(args.checkpoint)  # an output_dir means its latest checkpoint
+        out = export_checkpoint(checkpoint, args.out_dir, merge_lora=args.merge_lora, dtype=args.dtype)
     except NdParallelError as exc:
         _print_error(str(exc))
         return EXIT_USER_ERROR
-    print(f"wrote {out}")
+    step = checkpoint_step(checkpoint)
+    print(f"exported {'step ' + str(step) if step is not None else 'the checkpoint'} ({checkpoint}) to {out}")
     return 0
 
 

@@ -272,5 +272,7 @@ def _import_pyarrow(path: Path):
         import pyarrow
         import pyarrow.ipc as ipc
     except ImportError:
-        raise DataError(f"{path}: reading {path.suffix or 'Arrow'} data needs pyarrow; pip install pyarrow") from None
+        raise DataError(
+            f"{path}: reading {path.suffix or 'Arrow'} data needs pyarrow; pip install 'ndparallel[data]'"
+        ) from None
     return pyarrow, ipc
