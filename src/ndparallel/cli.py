@@ -25,6 +25,7 @@ import yaml
 from ndparallel.errors import NdParallelError
 
 EXIT_USER_ERROR = 2
+LAUNCHED_ENV = "NDPARALLEL_LAUNCHED"
 
 
 def _default_config_text() -> str:
@@ -76,7 +77,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             _print_error(str(exc))
         return EXIT_USER_ERROR
     cfg = reading.config
-    if first:  # the "not used" lines, once, from whoever read the user's file
+    if first and not os.environ.get(LAUNCHED_ENV):  # the notes once, from whoever read the user's file
         for note in reading.notes:
             print(f"ndparallel: {note}", flush=True)
     _report_not_used(accelerate)
@@ -177,6 +178,7 @@ def _launch(cfg, args) -> int:
     else:
         launcher += ["--standalone"]
     launcher += ["--module", "ndparallel_cli", "train", resolved]  # workers start fast and quiet too
+    os.environ[LAUNCHED_ENV] = "1"  # the workers read the resolved config: its notes were printed here
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # Fewer fragmented blocks in PyTorch's CUDA allocator (reserved memory ran 10-36% above allocated
     # without it); a user's own setting wins.

@@ -18,7 +18,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 from ndparallel.errors import ConfigError
 from ndparallel.from_axolotl import not_used_line, read_axolotl
 from ndparallel.parallelism_config import ParallelismConfig
-from ndparallel.validation_errors import format_validation_error
+from ndparallel.validation_errors import format_validation_error, warnings_for
 
 
 class DatasetConfig(BaseModel):
@@ -548,16 +548,6 @@ class TrainConfig(BaseModel):
             )
         if not self.datasets and not self.pretraining_dataset:
             yield "datasets is empty: add at least one entry with a path and a type (or a pretraining_dataset)"
-        if (
-            self.max_steps
-            and self.warmup_steps is not None
-            and self.warmup_steps >= 1
-            and self.warmup_steps > self.max_steps
-        ):
-            yield (
-                f"warmup_steps={self.warmup_steps:g} is more than max_steps={self.max_steps}: the learning rate would "
-                f"never reach learning_rate; lower warmup_steps (or give warmup_ratio)"
-            )
         if self.pretraining_dataset and self.max_steps is None:
             yield "pretraining_dataset needs max_steps (the corpus is read only as far as the steps need)"
         both = [("warmup_steps", "warmup_ratio"), ("save_steps", "saves_per_epoch"), ("eval_steps", "evals_per_epoch")]
@@ -669,6 +659,8 @@ def read_config(raw: Any) -> ConfigReading:
     except ValidationError as exc:
         errors += format_validation_error(exc)
     notes = [line for line in [not_used_line(reading.not_used)] if line] + reading.notes
+    if config is not None and not errors:
+        notes += warnings_for(config)
     return ConfigReading(None if errors else config, errors, notes, reading.settings)
 
 

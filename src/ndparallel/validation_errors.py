@@ -1,4 +1,5 @@
-"""pydantic's validation errors as one line per setting, naming the setting, what it takes and what it got.
+"""pydantic's validation errors as one line per setting, naming the setting, what it takes and what it got;
+and the warnings a valid config still earns (``warnings_for``).
 
 A setting whose type is a union (``bf16: bool | 'auto'``) fails once per member in pydantic, each error
 tagged with the member (``bf16.bool``, ``bf16.literal['auto']``): such errors are merged into one line,
@@ -49,3 +50,16 @@ def _member(err: dict) -> str:
 
 def _shown(value: Any) -> str:
     return "" if isinstance(value, (dict, list)) or value is None else f" (got {value!r})"
+
+
+def warnings_for(cfg) -> list[str]:
+    """Settings that are valid but most likely not what was meant (shown by validate and train, not refused:
+    a quick run with a lowered max_steps is a common, deliberate case)."""
+    lines = []
+    warmup, steps = cfg.warmup_steps, cfg.max_steps
+    if steps and warmup is not None and warmup >= 1 and warmup > steps and cfg.lr_scheduler != "constant":
+        lines.append(
+            f"warning: warmup_steps={warmup:g} is more than max_steps={steps}: the learning rate ends the run "
+            f"at {steps / warmup:.0%} of learning_rate, still warming up; lower warmup_steps (or give warmup_ratio)"
+        )
+    return lines

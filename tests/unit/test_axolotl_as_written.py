@@ -62,10 +62,10 @@ def test_one_bad_value_is_one_line(tmp_path, capsys):
     assert problems == ["  - bf16: must be true or false, or 'auto' (got 'maybe')"]
 
 
-def test_warmup_longer_than_the_run_is_refused(tmp_path, capsys):
-    code, _, err = run_validate(tmp_path, "max_steps: 10\nwarmup_steps: 50\n", capsys)
-    assert code == 2
-    assert "warmup_steps=50 is more than max_steps=10" in err
+def test_warmup_longer_than_the_run_is_said(tmp_path, capsys):
+    code, out, _ = run_validate(tmp_path, "max_steps: 10\nwarmup_steps: 50\n", capsys)
+    assert code == 0  # a quick run with max_steps lowered is deliberate: said, not refused
+    assert "warning: warmup_steps=50 is more than max_steps=10: the learning rate ends the run at 20%" in out
 
 
 def test_the_expert_parallel_plugin_means_world_is_ep_times_dp_shard(tmp_path, capsys):
