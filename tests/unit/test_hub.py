@@ -226,3 +226,19 @@ def test_missing_hub_inputs_are_one_consistent_line_each_and_the_layout_still_sh
         assert all(reason in line for line in problems), problems
         assert "world 1 = dp_replicate 1 x dp_shard 1 x cp 1 x tp 1" in out.out
         assert "the model against the layout and the tokenizer (its config is not at hand)" in out.out
+
+
+def test_the_rank_that_downloads_says_why_it_could_not(tmp_path, monkeypatch):
+    """Local rank 0 of a node tries the download; when the Hub cannot be reached it says so (it used to repeat
+    "downloads are left to local rank 0", which is itself)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    with pytest.raises(ModelError) as raised:
+        hub.model_dir("org/absent-model", download=True)
+    message = str(raised.value)
+    assert "cannot be downloaded from here (the Hugging Face Hub cannot be reached" in message
+    assert "left to local rank 0" not in message and "\n" not in message
