@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
 
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    quiet = own_process and not (args.verbose or os.environ.get(VERBOSE_ENV) == "1")
+    verbose = getattr(args, "verbose", False) or os.environ.get(VERBOSE_ENV) == "1"
+    quiet = own_process and not verbose
     if own_process and not quiet:
         os.environ[VERBOSE_ENV] = "1"  # the launched workers say everything too
     if quiet:

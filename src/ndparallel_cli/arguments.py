@@ -11,8 +11,11 @@ ACCELERATE_HELP = "an `accelerate config` file: sizes, CP method, FSDP options, 
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--verbose", action="store_true", help="also show other libraries' warnings and log lines (torch, torchao)"
+    common.add_argument(  # SUPPRESS: a subcommand's parser must not reset a --verbose given before it
+        "--verbose",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="also show other libraries' warnings and log lines (torch, torchao)",
     )
     parser = argparse.ArgumentParser(prog="ndparallel", description=DESCRIPTION, parents=[common])
     sub = parser.add_subparsers(dest="command", required=True)

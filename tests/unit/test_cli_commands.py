@@ -85,3 +85,14 @@ def test_other_libraries_warnings_are_hidden_unless_verbose():
     loud = _run_cli("verbose", code=probe).stderr
     assert all(word in loud for word in ("TORCHAO-LOAD", "PYTREE-DEPRECATION", "LIBRARY-WARNING", "OUR-WARNING"))
     assert "TRANSFORMERS_VERBOSITY" not in os.environ  # this (library-using) process is untouched
+
+
+@pytest.mark.parametrize(
+    "argv, verbose",
+    [(["--verbose", "train", "x.yaml"], True), (["train", "x.yaml", "--verbose"], True), (["train", "x.yaml"], False)],
+)
+def test_verbose_before_or_after_the_command(argv, verbose):
+    from ndparallel_cli.arguments import build_parser
+
+    args, _ = build_parser().parse_known_args(argv)
+    assert getattr(args, "verbose", False) is verbose
