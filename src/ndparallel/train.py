@@ -392,7 +392,10 @@ def run_training(cfg: TrainConfig, *, started: float | None = None) -> TrainResu
     ``started``: the ``time.perf_counter()`` the run's wall time counts from (default: now)."""
     rank = int(os.environ.get("RANK", "0"))
     if started is not None and rank == 0:
-        print(f"setup: Python, torch and transformers started in {human_seconds(time.perf_counter() - started)}")
+        print(
+            f"setup: Python, torch and transformers started in {human_seconds(time.perf_counter() - started)}",
+            flush=True,
+        )
     started = time.perf_counter() if started is None else started
     with quiet_libraries(rank):
         run = setup(cfg)
