@@ -6,7 +6,8 @@ FSDP2's root unit and the one-rank path's compute copies live in the hooks of th
 swapped (once, in ``parallelize``) for a ``LossHead`` holding the same parameters under the same names.
 Inside ``head.capture()`` its forward records its input and returns zero-width logits (B, S, 0), on
 which the family's own logit scaling or soft-capping costs nothing; the caller then computes the loss
-from the recorded input and ``head.weight`` (``step.model_loss``). Outside it, it is a plain linear layer
+from the recorded input and ``head.weight`` (``step.model_loss``) and adds the zero-width logits' sum
+(exactly 0) so that the model's output is part of the loss's graph, as hooks on it expect. Outside it, it is a plain linear layer
 (evaluation by a user's own code, generation, export all see the usual logits).
 
 Under tensor parallelism the head's weight is split by vocabulary rows (``parallel/tensor.py``); its input
@@ -49,7 +50,7 @@ class LossHead(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._captured is not None:
             self._captured.append(x)
-            return x.new_empty((*x.shape[:-1], 0))
+            return _ZeroWidthLogits.apply(x)
         return F.linear(x, _local(self.weight), _local(self.bias))
 
     @contextlib.contextmanager
@@ -67,6 +68,21 @@ class LossHead(nn.Linear):
 
     def local_bias(self) -> torch.Tensor | None:
         return _local(self.bias)
+
+
+class _ZeroWidthLogits(torch.autograd.Function):
+    """(..., 0) logits that are part of the autograd graph: the caller adds their sum (exactly 0) to the loss,
+    so whatever waits for the model output's gradient (FSDP2's root pre-backward, the one-rank path's swap
+    back to the masters) runs at the start of backward as with real logits. Nothing is computed either way:
+    forward allocates an empty tensor, backward sends no gradient to the head's input."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], 0))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> None:
+        return None
 
 
 def install_loss_head(model: nn.Module) -> LossHead | None:
