@@ -7,8 +7,8 @@ swapped (once, in ``parallelize``) for a ``LossHead`` holding the same parameter
 Inside ``head.capture()`` its forward records its input and returns zero-width logits (B, S, 0), on
 which the family's own logit scaling or soft-capping costs nothing; the caller then computes the loss
 from the recorded input and ``head.weight`` (``step.model_loss``) and adds the zero-width logits' sum
-(exactly 0) so that the model's output is part of the loss's graph, as hooks on it expect. Outside it, it is a plain linear layer
-(evaluation by a user's own code, generation, export all see the usual logits).
+(exactly 0) so that the model's output is part of the loss's graph, as hooks on it expect. Outside it,
+it is a plain linear layer (evaluation by a user's own code, generation, export all see the usual logits).
 
 Under tensor parallelism the head's weight is split by vocabulary rows (``parallel/tensor.py``); its input
 arrives gathered over the sequence as a local tensor whose gradient is a partial sum over tp, so the
