@@ -185,7 +185,7 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for bench_checkpoint.jsonl")
     args = p.parse_args()
     device_type = None if args.device == "auto" else args.device
-    topo = ndp.Topology.build(ndp.ParallelismConfig(), device_type=device_type)
+    topo = ndp.Topology.build(ndp.ParallelismConfig(dp_shard_size=-1), device_type=device_type)  # FSDP over all
     results = []
     for mode in args.modes.split(","):
         root = Path(args.dir) / mode

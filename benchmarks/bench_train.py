@@ -35,7 +35,8 @@ Every row: the same Llama-shaped model (random init), the same synthetic full ro
 weight decay 0.1, torch's fused kernel for the peers), clipping to norm 1.0, bf16 compute with fp32
 master weights (fp32 on CPU). The peers use transformers' own loss (labels=input_ids).
 MFU = tokens/s x FLOPs/token / (devices x 989 TFLOP/s), FLOPs/token = 6 x (non-embedding params +
-lm_head) + 12 x layers x hidden x seq. ``--warmup`` steps (compilation included) are not timed.
+lm_head) + the causal attention of a row per token (``ndparallel.flops``, as the trainer counts it).
+``--warmup`` steps (compilation included) are not timed.
 
 On one CUDA process each peer row runs in a subprocess of its own (``--isolate``, default on): its
 memory, its compile caches and the global settings Accelerate changes (dynamo flags) stay out of the
@@ -60,7 +61,8 @@ import torch
 import torch.distributed as dist
 
 import ndparallel as ndp
-from ndparallel.metrics import device_peak_flops, flops_per_token
+from ndparallel.flops import AttentionFlops, flops_per_token
+from ndparallel.metrics import device_peak_flops
 from ndparallel.models.build import materialize, meta_model, model_config_for
 from ndparallel.models.presets import PRESETS
 from ndparallel.train import forward_backward
@@ -440,7 +442,7 @@ def setup(args, device_type: str):
 
 
 def report(results: list[dict], args, topo, config) -> None:
-    fpt = flops_per_token(config, args.seq)
+    fpt = flops_per_token(config) + AttentionFlops(config).of_row(args.seq) / args.seq  # whole one-document rows
     peak = device_peak_flops(topo.device)
     name = torch.cuda.get_device_name() if topo.device.type == "cuda" else "cpu"
     print(

@@ -24,8 +24,9 @@ import time
 import torch
 
 import ndparallel as ndp
+from ndparallel.flops import AttentionFlops, flops_per_token
 from ndparallel.lora import LoraSpec
-from ndparallel.metrics import device_peak_flops, flops_per_token
+from ndparallel.metrics import device_peak_flops
 from ndparallel.models.build import materialize, meta_model, model_config_for
 from ndparallel.train import forward_backward
 
@@ -94,7 +95,9 @@ def run_case(case: str, topo, steps: int, compile_: bool, overrides: dict | None
             after_init_gib=after_init,
             step_s=step_s,
             tokens_per_s=tps,
-            mfu=tps * flops_per_token(config, seq) / device_peak_flops(topo.device),
+            mfu=tps
+            * (flops_per_token(config) + AttentionFlops(config).of_row(seq) / seq)
+            / device_peak_flops(topo.device),
         )
     except torch.OutOfMemoryError:
         record.update(status="oom", peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30)

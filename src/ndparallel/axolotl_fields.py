@@ -258,8 +258,8 @@ KERNEL_PLUGINS = ("CutCrossEntropyPlugin", "LigerPlugin", "KernelsPlugin", "LMEv
 DATASET_POLICY: list[tuple[str, Rule]] = [
     ("preprocess_shards input_format", _ignored(MEMORY)),
     (
-        "shards shards_idx input_transform conversation field_human field_model field_tools field_thinking "
-        "template_thinking_key message_field_training message_field_training_detail split_thinking logprobs_field "
+        "shards shards_idx input_transform conversation field_human field_model field_tools "
+        "message_field_training message_field_training_detail split_thinking logprobs_field "
         "temperature step_separator max_completion_length train_on_last_step_only",
         _refused(DATA_CHANGE),
     ),

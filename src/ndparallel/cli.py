@@ -26,6 +26,7 @@ import yaml
 from ndparallel.errors import NdParallelError
 
 EXIT_USER_ERROR = 2
+LAUNCHED_ENV = "NDPARALLEL_LAUNCHED"
 
 
 def _default_config_text() -> str:
@@ -77,12 +78,19 @@ def cmd_train(args: argparse.Namespace) -> int:
             _print_error(str(exc))
         return EXIT_USER_ERROR
     cfg = reading.config
-    if first:  # the "not used" lines, once, from whoever read the user's file
+    if first and not os.environ.get(LAUNCHED_ENV):  # the notes once, from whoever read the user's file
         for note in reading.notes:
             print(f"ndparallel: {note}", flush=True)
     _report_not_used(accelerate)
     if _under_launcher():
         return _train_worker(cfg)
+    from ndparallel.preflight import before_launch
+
+    problems = before_launch(cfg)  # what the workers would refuse after starting, said before they start
+    for problem in problems:
+        _print_error(problem)
+    if problems:
+        return EXIT_USER_ERROR
     for name, value in accelerate.launch.items():  # the command line's own flags win
         if getattr(args, name, None) is None:
             setattr(args, name, value)
@@ -92,27 +100,24 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _train_worker(cfg) -> int:
     from ndparallel.train import run_training
+    from ndparallel_cli import STARTED
 
     rank = int(os.environ.get("RANK", "0"))
     try:
-        run_training(cfg)
+        run_training(cfg, started=STARTED)  # the wall time's setup includes starting Python and the imports
         return 0
     except NdParallelError as exc:
         if rank == 0 or getattr(exc, "rank_specific", False):
             _print_error(str(exc))
         return EXIT_USER_ERROR
-    except KeyboardInterrupt:  # Ctrl-C reaches every rank of a terminal's job; the launcher says it once
-        return 128 + signal.SIGINT
     except Exception as exc:  # a bug or a failing peer: one line here, the full traceback in a file
-        from ndparallel.owned_files import write_atomic
-
         log_dir = Path(cfg.output_dir) / "logs"
         try:
             log_dir.mkdir(parents=True, exist_ok=True)
             path = log_dir / f"error-rank{rank}.txt"
-            write_atomic(path, traceback.format_exc())  # never through a link planted there
+            path.write_text(traceback.format_exc(), encoding="utf-8")
             where = f" (traceback: {path})"
-        except (OSError, NdParallelError):
+        except OSError:
             where = ""
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         print(
@@ -169,6 +174,7 @@ def _launch(cfg, args) -> int:
             f"through a private file, without a network port",
             flush=True,
         )
+    os.environ[LAUNCHED_ENV] = "1"  # the workers read the resolved config: its notes were printed here
     with launch.private_dir() as workdir:
         resolved = workdir / "config.yaml"
         resolved.write_text(
@@ -208,7 +214,7 @@ def _launch_nodes(args, nproc: int, worker_args: list[str]) -> list[int]:
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={args.rdzv_endpoint}",
         "--module",
-        "ndparallel.cli",
+        "ndparallel_cli",  # workers start fast and quiet too
         *worker_args,
     ]
     os.environ.update(launch.default_env(os.environ))
@@ -248,91 +254,38 @@ def cmd_validate(args: argparse.Namespace) -> int:
     world_size = args.world_size or accelerate.launch.get("world_size")
     problems, plan = run_errors(cfg, world_size=world_size) if cfg is not None else ([], None)
     problems = reading.errors + problems
+    if plan is not None and cfg is not None:  # the layout, also when something else is wrong
+        if not problems and (different := differences(cfg)):
+            print(different)
+        print(describe_run(cfg, plan, ok=not problems))
     if problems:
         print(f"{len(problems)} problem(s):", file=sys.stderr)
         for line in problems:
             print(f"  - {line}", file=sys.stderr)
         return EXIT_USER_ERROR
-    different = differences(cfg)
-    if different:
-        print(different)
-    print(describe_run(cfg, plan))
     return 0
 
 
 # ------------------------------------------------------------------------------------------------
-# export / plan (mounted from their modules)
+# export (plan: ndparallel.planner.cli)
 # ------------------------------------------------------------------------------------------------
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from ndparallel.export import export_checkpoint
+    from ndparallel.export import checkpoint_step, export_checkpoint, resolve_checkpoint
 
     try:
-        out = export_checkpoint(args.checkpoint, args.out_dir, merge_lora=args.merge_lora, dtype=args.dtype)
+        checkpoint = resolve_checkpoint(args.checkpoint)  # an output_dir means its latest checkpoint
+        out = export_checkpoint(checkpoint, args.out_dir, merge_lora=args.merge_lora, dtype=args.dtype)
     except NdParallelError as exc:
         _print_error(str(exc))
         return EXIT_USER_ERROR
-    print(f"wrote {out}")
+    step = checkpoint_step(checkpoint)
+    print(f"exported {'step ' + str(step) if step is not None else 'the checkpoint'} ({checkpoint}) to {out}")
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ndparallel", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    train = sub.add_parser("train", help="train (no CONFIG: the built-in default run on 8 CPU processes)")
-    train.add_argument("config", nargs="?", help="YAML config (Axolotl field names)")
-    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
-    train.add_argument("--resume", metavar="latest|PATH", help="resume from a checkpoint (resume_from_checkpoint)")
-    train.add_argument("--nproc-per-node", type=int, help="processes on this node (default: from the layout)")
-    train.add_argument("--nnodes", type=int, help="number of nodes (default 1, or num_machines of --accelerate-config)")
-    train.add_argument("--node-rank", type=int)
-    train.add_argument(
-        "--rdzv-endpoint",
-        help="HOST:PORT of node 0, for several nodes (not used on one node). Node 0 listens on PORT without "
-        "authentication, on all its interfaces: use a network only the cluster's nodes can reach",
-    )
-    train.add_argument(
-        "--accelerate-config",
-        metavar="FILE",
-        help="an `accelerate config` file: sizes, CP method, FSDP options, mixed precision, processes",
-    )
-    train.set_defaults(func=cmd_train)
-
-    val = sub.add_parser("validate", help="check a config and print the layout, without starting processes")
-    val.add_argument("config", nargs="?")
-    val.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    val.add_argument("--world-size", type=int, help="number of processes to plan for (default: from the layout)")
-    val.add_argument("--help-fields", action="store_true", help="list every setting with its meaning")
-    val.add_argument(
-        "--accelerate-config",
-        metavar="FILE",
-        help="an `accelerate config` file: sizes, CP method, FSDP options, mixed precision, processes",
-    )
-    val.set_defaults(func=cmd_validate)
-
-    exp = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint (one process)")
-    exp.add_argument("checkpoint")
-    exp.add_argument("out_dir")
-    exp.add_argument("--merge-lora", action="store_true", help="fold LoRA adapters into the base weights")
-    exp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    exp.set_defaults(func=cmd_export)
-
-    plan = sub.add_parser("plan", help="recommend layouts for a model, a cluster and a sequence length")
-    try:
-        from ndparallel.planner import add_plan_arguments, run_plan
-    except ImportError as exc:  # the other commands still work; `plan` says why it cannot
-        plan.set_defaults(
-            func=lambda _args, why=f"{type(exc).__name__}: {exc}": _plan_unavailable(why), any_arguments=True
-        )
-    else:
-        add_plan_arguments(plan)
-        plan.set_defaults(func=run_plan)
-    return parser
-
-
-def _plan_unavailable(why: str) -> int:
+def plan_unavailable(why: str) -> int:
     _print_error(
         f"`ndparallel plan` is unavailable: importing ndparallel.planner failed ({why}); "
         f"reinstall ndparallel or report this as a bug"
@@ -341,12 +294,14 @@ def _plan_unavailable(why: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown and not getattr(args, "any_arguments", False):
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    return args.func(args)
+    """The ``ndparallel`` command, run from a program (parsed in ``ndparallel_cli``, which the console script
+    starts without importing torch first)."""
+    from ndparallel_cli import main as cli_main
+
+    return cli_main(argv)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # python -m ndparallel.cli, torchrun -m ndparallel.cli: this process is the command's
+    from ndparallel_cli import console_main
+
+    sys.exit(console_main())

@@ -19,6 +19,7 @@ from ndparallel import bounded_yaml
 from ndparallel.errors import ConfigError
 from ndparallel.from_axolotl import not_used_line, read_axolotl
 from ndparallel.parallelism_config import ParallelismConfig
+from ndparallel.validation_errors import format_validation_error, warnings_for
 
 
 class DatasetConfig(BaseModel):
@@ -66,6 +67,10 @@ class DatasetConfig(BaseModel):
     """Chat template for this dataset (a name, tokenizer_default or jinja); default: the top-level one."""
     chat_template_jinja: str | None = None
     """Jinja source of this dataset's chat template."""
+    field_thinking: str | None = None
+    """chat_template: the key of a message holding its reasoning trace (default: reasoning_content)."""
+    template_thinking_key: str | None = None
+    """chat_template: the key the chat template reads the reasoning trace from (default: reasoning_content)."""
 
     @property
     def role_key(self) -> str | None:
@@ -665,17 +670,6 @@ def accepted_keys() -> set[str]:
     return keys
 
 
-def _format_validation_error(exc: ValidationError) -> list[str]:
-    lines = []
-    for err in exc.errors():
-        where = ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in err["loc"]).replace(".[", "[")
-        msg = err["msg"].removeprefix("Value error, ")
-        got = err.get("input")
-        shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
-        lines.append(f"{where}: {msg}{shown}" if where else f"{msg}")
-    return lines
-
-
 @dataclass
 class ConfigReading:
     """A raw config read: the validated config (None when it has errors), every error, and the notes
@@ -697,8 +691,10 @@ def read_config(raw: Any) -> ConfigReading:
     try:
         config = TrainConfig.model_validate(reading.settings)
     except ValidationError as exc:
-        errors += _format_validation_error(exc)
+        errors += format_validation_error(exc)
     notes = [line for line in [not_used_line(reading.not_used)] if line] + reading.notes
+    if config is not None and not errors:
+        notes += warnings_for(config)
     return ConfigReading(None if errors else config, errors, notes, reading.settings)
 
 

@@ -163,7 +163,7 @@ def write_hf_directory(
     else:
         if lora is not None:
             merge_lora_weights(model, lora)
-        model.to(dtype).save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
+        save_for_inference(model.to(dtype), out, max_shard_size=max_shard_size)
     if tokenizer_dir is not None and tokenizer_dir.is_dir():
         copy_tokenizer_files(tokenizer_dir, out)
     owned_files.mark_written(out)
@@ -208,6 +208,31 @@ def copy_tokenizer_files(tokenizer_dir: Path, out: Path) -> list[str]:
             shutil.copyfile(item, out / name)
             copied.append(name)
     return copied
+
+
+def save_for_inference(model, directory: Path, *, max_shard_size: str = "2GB") -> None:
+    """``save_pretrained`` of a trained model for inference: ``use_cache`` on in its config and generation config
+    (training turns the KV cache off; exported so, ``generate`` would run without one), and every file with the
+    permissions config.json got (transformers writes the safetensors through a private temporary file: 0600)."""
+    configs = [c for c in (model.config, getattr(model, "generation_config", None)) if hasattr(c, "use_cache")]
+    before = [c.use_cache for c in configs]
+    for config in configs:
+        config.use_cache = True
+    try:
+        model.save_pretrained(directory, safe_serialization=True, max_shard_size=max_shard_size)
+    finally:
+        for config, value in zip(configs, before):
+            config.use_cache = value
+    mode = (Path(directory) / "config.json").stat().st_mode & 0o777
+    for item in Path(directory).iterdir():
+        if item.is_file() and not item.is_symlink() and item.stat().st_mode & 0o777 != mode:
+            item.chmod(mode)
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The step of checkpoint directory ``path`` (``step-N``), or None."""
+    match = store.NAME.fullmatch(path.name)
+    return int(match.group(1)) if match else None
 
 
 def export_checkpoint(

@@ -18,6 +18,7 @@ LEFT_EMPTY = "left empty"
 # Axolotl's ring_attn_func -> the CP method that exchanges keys/values the same way.
 RING_ATTN_FUNCS = {"varlen_llama3": "allgather", "batch_ring": "ring", "batch_zigzag": "ring", "batch_stripe": "ring"}
 EXCESS_LENGTH = {"drop": "drop", "truncate": "truncate", "raise": "error"}
+EXPERT_PARALLEL_PLUGIN = "ExpertParallelPlugin"
 FSDP_NOT_USED = (
     "FSDP1 option or wrapping detail: ndparallel always wraps each decoder layer with FSDP2 and loads "
     "no full copy of the model on any rank"
@@ -81,6 +82,7 @@ def read_axolotl(raw: dict[str, Any], own_keys: set[str], dataset_keys: set[str]
         if key in translators:
             later.append((key, value))
         elif key in own_keys:
+            value = _as_axolotl_means(reading, key, value)
             if value is not None:  # null is Axolotl's "unset": the default applies
                 reading.settings[key] = value
             if key in OWN_NOT_USED and not is_placeholder(value):
@@ -104,6 +106,18 @@ def read_axolotl(raw: dict[str, Any], own_keys: set[str], dataset_keys: set[str]
             for entry in reading.settings["pretraining_dataset"]
         ]
     return reading
+
+
+def _as_axolotl_means(reading: Reading, key: str, value: Any) -> Any:
+    """Values Axolotl reads otherwise than their YAML type says: ``save_strategy: no`` unquoted (YAML 1.1 reads
+    false), ``evals_per_epoch: 0`` (no evaluation) and ``saves_per_epoch: 0`` (no cadence of its own)."""
+    if key in ("save_strategy", "eval_strategy") and value is False:
+        return "no"
+    if key in ("evals_per_epoch", "saves_per_epoch") and value == 0 and not isinstance(value, bool):
+        if key == "evals_per_epoch" and "eval_strategy" not in reading.settings:
+            reading.settings["eval_strategy"] = "no"
+        return None
+    return value
 
 
 def _sort_other(reading: Reading, key: str, value: Any, own_keys: set[str]) -> None:
@@ -244,6 +258,9 @@ def _fused_cross_entropy(reading: Reading, value: Any) -> None:
 def _plugins(reading: Reading, value: Any) -> None:
     plugins = value if isinstance(value, list) else [value]
     for plugin in plugins:
+        if str(plugin).rsplit(".", 1)[-1] == EXPERT_PARALLEL_PLUGIN:
+            _expert_parallel_plugin(reading)
+            continue
         problem = plugin_problem(plugin)
         if problem:
             reading.errors.append(problem)
@@ -252,6 +269,23 @@ def _plugins(reading: Reading, value: Any) -> None:
                 f"plugins: {str(plugin).rsplit('.', 1)[-1]}",
                 "kernel plugin: ndparallel runs its own kernels; same result",
             )
+
+
+def _expert_parallel_plugin(reading: Reading) -> None:
+    """Axolotl's ExpertParallelPlugin lays out world = expert_parallel_size x dp_shard_size on two orthogonal
+    axes: the experts split over ``ep``, the other weights sharded over ``dp_shard`` (one copy per ep rank), every
+    rank reading its own rows. ndparallel's expert parallelism borrows its ep ranks from dp_shard instead, so
+    the same run is dp_shard_size = ep x Axolotl's dp_shard_size here: the experts split ep ways and sharded over
+    the rest as in Axolotl, the other weights sharded over all ranks (less memory, the same training)."""
+    ep, shard = reading.settings.get("expert_parallel_size", 1), reading.settings.get("dp_shard_size")
+    reading.skip(f"plugins: {EXPERT_PARALLEL_PLUGIN}", "expert parallelism is ndparallel's own (expert_parallel_size)")
+    if isinstance(ep, int) and ep > 1 and isinstance(shard, int) and not isinstance(shard, bool) and shard >= 1:
+        reading.settings["dp_shard_size"] = ep * shard
+        reading.notes.append(
+            f"{EXPERT_PARALLEL_PLUGIN}: Axolotl's world = expert_parallel_size {ep} x dp_shard_size {shard}; here "
+            f"dp_shard_size {ep * shard} with the experts split {ep} ways (the non-expert weights are sharded over "
+            f"all {ep * shard} ranks instead of copied per expert rank: less memory, the same training)"
+        )
 
 
 def _dataset_entry(reading: Reading, index: int, entry: Any, known: set[str]) -> Any:

@@ -95,7 +95,7 @@ def model_dir(
     if cached is not None and _complete(cached, weights):
         return cached
     if not download or offline():
-        raise ModelError(_not_cached(setting, name, revision, "model"))
+        raise ModelError(not_cached(setting, name, revision, "model"))
     return _snapshot(name, "model", revision, patterns, local_only=False, error=ModelError, setting=setting)
 
 
@@ -117,7 +117,7 @@ def dataset_dir(
     ):
         return cached
     if not download or offline():
-        raise DataError(_not_cached(setting, name, revision, "dataset"))
+        raise DataError(not_cached(setting, name, revision, "dataset"))
     return _snapshot(name, "dataset", revision, patterns, local_only=False, error=DataError, setting=setting)
 
 
@@ -175,10 +175,11 @@ def _snapshot(
                 local_files_only=local_only or offline(),
             )
         )
-    except (LocalEntryNotFoundError, OfflineModeIsEnabled):
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as exc:
         if quiet:
             return None
-        raise error(_not_cached(setting, name, revision, kind)) from None
+        unreachable = None if local_only or offline() else first_line(exc.__cause__ or exc)
+        raise error(not_cached(setting, name, revision, kind, unreachable=unreachable)) from None
     except GatedRepoError:
         raise error(f"{where} is gated on the Hugging Face Hub: accept its terms on the hub and set HF_TOKEN") from None
     except RepositoryNotFoundError:
@@ -189,21 +190,29 @@ def _snapshot(
     except RevisionNotFoundError:
         raise error(f"{where}: the hub {kind} has no such revision; give a branch, tag or commit it has") from None
     except (HfHubHTTPError, OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise error(
-            f"{where}: cannot fetch it from the Hugging Face Hub ({first[:200]}); check the network or "
-            f"set HF_HUB_OFFLINE=1 to use the cache"
-        ) from None
+        raise error(not_cached(setting, name, revision, kind, unreachable=first_line(exc))) from None
 
 
-def _not_cached(setting: str, name: str, revision: str | None, kind: str) -> str:
-    how = "HF_HUB_OFFLINE is set" if offline() else "downloads are left to local rank 0 of each node"
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
+def not_cached(setting: str, name: str, revision: str | None, kind: str, *, unreachable: str | None = None) -> str:
+    """The one line for a hub repository that is not in the cache, whoever finds it (validate, a rank that
+    downloads, a rank that waits): why it cannot be had here, and how to get it."""
     rev = f" --revision {revision}" if revision else ""
-    return (
-        f"{setting} {name!r} is not in the Hugging Face cache {str(cache_dir())!r} and {how}; download it "
-        f"once (`hf download {name}{' --repo-type dataset' if kind == 'dataset' else ''}{rev}`), set HF_HOME to "
-        f"the cache that holds it, or give a local directory"
-    )
+    command = f"`hf download {name}{' --repo-type dataset' if kind == 'dataset' else ''}{rev}`"
+    if offline():
+        how, fix = "HF_HUB_OFFLINE is set", f"download it once ({command}), set HF_HOME to the cache that holds it"
+    elif unreachable is not None:
+        how = f"cannot be downloaded from here (the Hugging Face Hub cannot be reached: {unreachable})"
+        fix = f"download it once where there is network ({command}) and set HF_HOME to that cache"
+    else:
+        how = "downloads are left to local rank 0 of each node, which did not fetch it"
+        fix = f"download it once ({command}), set HF_HOME to the cache that holds it"
+    where = f"{setting} {name!r} is not in the Hugging Face cache {str(cache_dir())!r}"
+    return f"{where} and {how}; {fix}, or give a local directory"
 
 
 def on_each_node(

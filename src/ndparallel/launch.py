@@ -76,7 +76,7 @@ class _StopRequest(threading.Event):
 
 
 def run_local(worker_args: list[str], nproc: int, workdir: Path) -> Outcome:
-    """Run ``python -m ndparallel.cli *worker_args`` as ranks 0..nproc-1 of one node and wait for them.
+    """Run ``python -m ndparallel_cli *worker_args`` as ranks 0..nproc-1 of one node and wait for them.
 
     ``workdir``: a private directory (``private_dir``) for the rendezvous file.
     """
@@ -86,7 +86,7 @@ def run_local(worker_args: list[str], nproc: int, workdir: Path) -> Outcome:
         base.setdefault(name, loopback_interface())
     for name in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         base.pop(name, None)  # a launcher's leftovers: these ranks meet through the file only
-    command = [sys.executable, "-u", "-m", "ndparallel.cli", *worker_args]
+    command = [sys.executable, "-u", "-m", "ndparallel_cli", *worker_args]  # workers start fast and quiet too
     procs: list[subprocess.Popen] = []
     with _forwarded_signals() as stop_requested:
         try:

@@ -1,8 +1,8 @@
 """What the user sees: a rank-0 progress bar, ``metrics.jsonl``, the trackers (TensorBoard, W&B), a summary.
 
 Throughput: ``tokens`` counts the real (non-padding) input tokens processed over all data ranks.
-MFU uses FLOPs/token = 6 * (non-embedding params + lm_head params) + 12 * layers * hidden * seq
-(the attention term of a full, non-causal-skipping count) against the device's dense bf16 peak.
+MFU counts 6 FLOPs per weight per token and the attention each batch actually computes (per document,
+causal, sliding windows; ``flops.py``) against the device's dense bf16 peak.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from ndparallel import owned_files
-from ndparallel.models.moe import moe_shape
 from ndparallel.progress import human_seconds, progress_fields, timing_line
 
 # Dense bf16 peak FLOP/s per device, by a substring of the device name.
@@ -31,20 +30,6 @@ def device_peak_flops(device: torch.device) -> float | None:
         if key in name:
             return peak
     return None
-
-
-def flops_per_token(config: Any, seq_len: int) -> float:
-    """6 * (non-embedding parameters + lm_head) + 12 * layers * hidden * seq (see module docstring)."""
-    h, layers = config.hidden_size, config.num_hidden_layers
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or h // heads
-    attn = h * heads * head_dim * 2 + h * kv * head_dim * 2
-    moe = moe_shape(config)  # a MoE model: the experts a token passes through, not all of them
-    mlp = moe.active_mlp_params_per_layer if moe is not None else 3 * h * config.intermediate_size
-    per_layer = attn + mlp
-    lm_head = h * config.vocab_size
-    return 6.0 * (layers * per_layer + lm_head) + 12.0 * layers * h * seq_len
 
 
 class MetricsLogger:
@@ -88,17 +73,23 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.set_postfix(shown)
         else:
-            elapsed = time.perf_counter() - self.start
             timing = timing_line(record)
             print(
-                f"step {record['step']}/{self.total_steps} "
+                f"step {record['step']}/{self.total_steps} ({record['step'] / self.total_steps:.0%}) "
                 + " ".join(f"{k} {v}" for k, v in shown.items())
                 + (f" | {timing}" if timing else "")
-                + f" ({human_seconds(elapsed)})",
+                + f" | {self.clock_text(record)}",
                 flush=True,
             )
         for tracker in self.trackers:
             tracker.log(record)
+
+    def clock_text(self, record: dict[str, Any]) -> str:
+        """'elapsed 1m05s, ETA 3m20s': training time so far, and the steps left at the latest window's pace."""
+        elapsed = time.perf_counter() - self.start
+        left = self.total_steps - record["step"]
+        eta = f", ETA {human_seconds(left * record['step_time_s'])}" if left and record.get("step_time_s") else ""
+        return f"elapsed {human_seconds(elapsed)}{eta}"
 
     def artifact(self, path: Path, *, name: str) -> None:
         """A directory (checkpoint, adapter, export) as an artifact of the trackers that keep them (W&B)."""

@@ -6,7 +6,8 @@ variables for unset arguments, the same properties (``dp_dim_names``, ``fsdp_ena
 ``total_size`` ...) and the same mesh methods, whose mesh answers to Accelerate's flattened names
 (``dp``, ``dp_shard_cp``, ``dp_cp``). The deliberate differences are listed in one table in
 ``docs/from-accelerate.md`` and tested in ``tests/unit/test_accelerate_parallelism_config.py``; in short:
-``dp_shard_size`` defaults to -1 (fill the ranks the other sizes leave), TP or CP with plain replicas
+``dp_shard_size`` defaults to -1 (fill the ranks the other sizes leave) once any size is given (none: plain
+replicas over the world, as Accelerate), TP or CP with plain replicas
 (``dp_shard_size=1``) is allowed, the mesh keeps every dim even at size 1, ``cp_comm_strategy`` also
 takes ``ring``, and DeepSpeed sequence parallelism (``sp_size > 1``) is refused.
 """
@@ -165,9 +166,13 @@ class ParallelismConfig:
         self._settle_cp_method()
 
     def _settle_sizes(self) -> None:
+        # No size anywhere (arguments or environment): Accelerate's meaning, plain replicas over the world once
+        # the mesh is built. Any size given: FSDP fills the ranks the given sizes leave.
+        sizes = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
+        none_given = all(getattr(self, name) is None and _env(name.upper()) is None for name in sizes)
         defaults = {
             "dp_replicate_size": 1,
-            "dp_shard_size": -1,
+            "dp_shard_size": 1 if none_given else -1,
             "tp_size": 1,
             "cp_size": 1,
             "sp_size": 1,
@@ -272,6 +277,13 @@ class ParallelismConfig:
                 f"{device_type!r}; build a new ParallelismConfig for another device type"
             )
         return self.topology.mesh
+
+    def _get_mesh(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """Accelerate's view of the mesh: the enabled dims' names and sizes, in its order (dp_replicate,
+        dp_shard, cp, sp, tp); ``((), ())`` when none is enabled. The mesh built here holds all four dims."""
+        order = ("dp_replicate", "dp_shard", "cp", "sp", "tp")
+        enabled = [(axis, self._size(axis)) for axis in order if self._size(axis) > 1]
+        return tuple(zip(*enabled)) if enabled else ((), ())
 
     # -- Accelerate's properties ---------------------------------------------------------------------
     def _size(self, axis: str) -> int:

@@ -207,7 +207,9 @@ def _write_hf(
         restore_buffers(skeleton, torch.device("cpu"))
     if lora is not None:
         merge_lora_weights(skeleton, lora)
-    skeleton.to(dtype).save_pretrained(directory, safe_serialization=True, max_shard_size=max_shard_size)
+    from ndparallel.export import save_for_inference
+
+    save_for_inference(skeleton.to(dtype), directory, max_shard_size=max_shard_size)
 
 
 def _raise_everywhere(problem: str | None, error: type[NdParallelError] = NdParallelError) -> None:

@@ -22,9 +22,11 @@ def _three_digits(x: float) -> str:
 
 
 def human_seconds(seconds: float) -> str:
-    """'0 ms' below 0.5 ms, '612 ms' below 10 s, '23.3 s' below 10 min, else '12m05s'."""
-    if seconds < 10:
+    """'0 ms' below 0.5 ms, '612 ms' below 1 s, '4.73 s' below 10 s, '23.3 s' below 10 min, else '12m05s'."""
+    if seconds < 1:
         return f"{seconds * 1000:.0f} ms"
+    if seconds < 10:
+        return f"{seconds:.2f} s"
     if seconds < 600:
         return f"{seconds:.1f} s"
     minutes, rest = divmod(int(round(seconds)), 60)

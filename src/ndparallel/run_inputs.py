@@ -147,6 +147,8 @@ def dataset_specs(cfg: TrainConfig, *, template: str | None) -> list[DatasetSpec
                 template_kwargs=dict(cfg.chat_template_kwargs),
                 train_on_inputs=cfg.train_on_inputs,
                 max_record_bytes=max_record_bytes,
+                thinking_key=d.field_thinking or "reasoning_content",
+                template_thinking_key=d.template_thinking_key or "reasoning_content",
             )
         )
     for p in cfg.pretraining_dataset or []:

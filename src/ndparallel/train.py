@@ -32,13 +32,12 @@ from ndparallel.batching import prepare_batch
 from ndparallel.config import TrainConfig
 from ndparallel.data import DataOrder, build_rows_distributed
 from ndparallel.errors import ConfigError
-from ndparallel.freeze import describe_trainable
+from ndparallel.flops import AttentionFlops, flops_per_token
 from ndparallel.layout import Layout
 from ndparallel.lora import LoraSpec, save_peft_adapter
 from ndparallel.loss import IGNORE_INDEX
-from ndparallel.metrics import MetricsLogger, device_peak_flops, flops_per_token
+from ndparallel.metrics import MetricsLogger, device_peak_flops
 from ndparallel.models.build import initialize_adapters, materialize, meta_model, model_config_for
-from ndparallel.models.decoder import decoder_parts
 from ndparallel.oom import (
     DeviceMemoryError,
     device_memory_gib,
@@ -49,22 +48,26 @@ from ndparallel.oom import (
 )
 from ndparallel.parallel.float8 import Fp8Spec
 from ndparallel.parallelize import ParallelOptions, parallelize
+from ndparallel.preflight import writable_dir_problem
 from ndparallel.progress import human_seconds
-from ndparallel.quantized import describe
 from ndparallel.router_loss import router_aux_loss
 from ndparallel.run_inputs import (
     base_model_dir,
     build_run_optimizer,
     dataset_specs,
     fetch_run_inputs,
+    hub_fetches,
     load_run_tokenizer,
     token_budget,
 )
+from ndparallel.run_log import first_step_done, open_metrics
 from ndparallel.schedule import Schedule, schedule_for
+from ndparallel.setup_progress import SetupProgress, run_summary, weights_phase
 from ndparallel.step import clip_grad_norm_, count_tokens, model_loss, set_gradient_sync
 from ndparallel.steptime import PhaseTimer
+from ndparallel.summary import RunClock, print_summary
 from ndparallel.topology import Topology, default_device_type, init_distributed
-from ndparallel.tracking import check_trackers_installed, open_trackers, wandb_wanted
+from ndparallel.tracking import check_trackers_installed
 from ndparallel.vocab import fit_vocab
 from ndparallel.window import LogWindow, StepResult
 
@@ -175,6 +178,7 @@ class TrainingRun:
     """When to save, evaluate and log, and the learning-rate factor per step (schedule.py)."""
     load_s: float | None = None
     vocab_note: str | None = None
+    clock: RunClock = field(default_factory=RunClock)
 
     @property
     def trainable(self) -> list[torch.nn.Parameter]:
@@ -182,7 +186,8 @@ class TrainingRun:
 
 
 def setup(cfg: TrainConfig) -> TrainingRun:
-    """Check the config, build mesh, data, model and optimizer, and resume if asked (on every rank)."""
+    """Check the config, build mesh, data, model and optimizer, and resume if asked (on every rank). Rank 0
+    says what each phase does and how long it took (``setup_progress.py``)."""
     device_type = default_device_type() if cfg.device == "auto" else cfg.device
     if device_type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(
@@ -190,20 +195,44 @@ def setup(cfg: TrainConfig) -> TrainingRun:
         )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     torch.manual_seed(cfg.seed)
-    fetch_run_inputs(cfg, device_type)  # hub ids: local rank 0 of each node downloads while the others wait
+    fetches = bool(hub_fetches(cfg))
+    progress = SetupProgress(enabled=int(os.environ.get("RANK", "0")) == 0, total=6 if fetches else 5)
+    if fetches:
+        with progress.phase("fetching hub files (local rank 0 of each node downloads, the other ranks wait)"):
+            fetch_run_inputs(cfg, device_type)
 
     output_dir = Path(cfg.output_dir)
-    model_config, layout, layout_reason, tokenizer, vocab_from, vocab_note, resume_dir, offloaded = _check(
-        cfg, world, output_dir
-    )
+    with progress.phase("reading the model config and the tokenizer, choosing the layout"):
+        model_config, layout, layout_reason, tokenizer, vocab_from, vocab_note, resume_dir, offloaded = _check(
+            cfg, world, output_dir
+        )
 
     # Mesh, data, model: collective from here on.
     init_distributed(device_type=device_type, timeout_s=cfg.process_group_timeout_s)
     topo = Topology.build(layout, device_type=device_type, timeout_s=cfg.process_group_timeout_s)
-    train_rows, eval_rows = _load_rows(cfg, tokenizer, layout, topo, output_dir)
-    model, lora = _build_model(cfg, model_config, topo, vocab_from=vocab_from, offloaded=offloaded)
-    optimizer = build_run_optimizer(model, cfg, device_type)
+    progress.message(topo.describe())
+    progress.message(run_summary(cfg, layout))
+    with progress.phase("tokenizing and packing the data (cached for the next run)") as found:
+        train_rows, eval_rows = _load_rows(cfg, tokenizer, layout, topo, output_dir)
+        found.detail = f"{len(train_rows):,} rows of {cfg.sequence_len:,} tokens" + (
+            f", {len(eval_rows):,} evaluation rows" if eval_rows is not None else ""
+        )
+    model, lora = _build_model(cfg, model_config, topo, vocab_from=vocab_from, offloaded=offloaded, progress=progress)
+    with progress.phase("building the optimizer" + (f", resuming from {resume_dir}" if resume_dir else "")):
+        optimizer = build_run_optimizer(model, cfg, device_type)
+        run = _finish_setup(cfg, topo, model_config, tokenizer, model, optimizer, train_rows, eval_rows, lora)
+        run.layout_reason, run.vocab_note = layout_reason, vocab_note
+        if resume_dir is not None:
+            run.resume_dir = resume_dir
+            run.state, run.load_s = _resume(
+                cfg, run.checkpointer, resume_dir, model, optimizer, run.scheduler, run.order
+            )
+    return run
 
+
+def _finish_setup(cfg, topo, model_config, tokenizer, model, optimizer, train_rows, eval_rows, lora) -> TrainingRun:
+    """The run before any resume: data order, schedule, learning-rate scheduler and checkpointer."""
+    output_dir = Path(cfg.output_dir)
     order = _data_order(cfg, len(train_rows), topo)
     steps_per_epoch = max(1, order.batches_per_epoch // cfg.gradient_accumulation_steps)
     schedule = schedule_for(cfg, steps_per_epoch=steps_per_epoch)
@@ -212,9 +241,6 @@ def setup(cfg: TrainConfig) -> TrainingRun:
     checkpointer = ckpt.trainer_checkpointer(
         output_dir, keep=cfg.save_total_limit, async_save=cfg.async_save, timeout_s=cfg.process_group_timeout_s
     )
-    state, load_s = ckpt.TrainState(), None
-    if resume_dir is not None:
-        state, load_s = _resume(cfg, checkpointer, resume_dir, model, optimizer, scheduler, order)
     return TrainingRun(
         cfg=cfg,
         topo=topo,
@@ -227,15 +253,13 @@ def setup(cfg: TrainConfig) -> TrainingRun:
         train_rows=train_rows,
         eval_rows=eval_rows,
         lora=lora,
-        state=state,
+        state=ckpt.TrainState(),
         checkpointer=checkpointer,
         total_steps=total_steps,
         steps_per_epoch=steps_per_epoch,
-        resume_dir=resume_dir,
-        layout_reason=layout_reason,
+        resume_dir=None,
+        layout_reason=None,
         schedule=schedule,
-        load_s=load_s,
-        vocab_note=vocab_note,
     )
 
 
@@ -273,6 +297,9 @@ def _check(cfg: TrainConfig, world: int, output_dir: Path):
     vocab_from, vocab_note = fit_vocab(model_config, len(tokenizer), added_tokens, tp=layout.tp)
     layout.check_model(model_config, seq_len=cfg.sequence_len)
     check_trackers_installed(cfg)
+    unwritable = writable_dir_problem(output_dir, "output_dir")  # not a raw PermissionError at the first write
+    if unwritable:
+        raise ConfigError(unwritable)
     resume_dir = _check_output_dir(cfg, output_dir)
     offloaded = offload_layers(cfg, model_config, layout)
     return model_config, layout, layout_reason, tokenizer, vocab_from, vocab_note, resume_dir, offloaded
@@ -296,6 +323,7 @@ def _load_rows(cfg: TrainConfig, tokenizer, layout, topo: Topology, output_dir: 
         token_budget=token_budget(cfg, global_rows),
         is_main=topo.is_main,
         barrier=dist.barrier,
+        show_progress=topo.is_main,
     )
 
 
@@ -344,7 +372,13 @@ def _check_output_dir(cfg: TrainConfig, output_dir: Path) -> Path | None:
 
 
 def _build_model(
-    cfg: TrainConfig, model_config, topo: Topology, *, vocab_from: int | None = None, offloaded: int = 0
+    cfg: TrainConfig,
+    model_config,
+    topo: Topology,
+    *,
+    vocab_from: int | None = None,
+    offloaded: int = 0,
+    progress: SetupProgress | None = None,
 ) -> tuple[torch.nn.Module, LoraSpec | None]:
     """The model built on the meta device, parallelized, then filled shard by shard (offloaded: on the CPU)."""
     bf16 = cfg.bf16 if cfg.bf16 != "auto" else topo.device.type == "cuda"
@@ -367,38 +401,47 @@ def _build_model(
     )
     model = meta_model(model_config)
     lora = LoraSpec.from_config(cfg)
+    progress = progress or SetupProgress(enabled=False)
+
+    def place() -> None:
+        with progress.phase("applying the layout to the model (built on the meta device: no memory yet)"):
+            parallelize(model, topo, options=options, lora=lora)
+
+    def fill(offload: bool) -> None:
+        with progress.phase(weights_phase(cfg)):
+            weights = base_model_dir(cfg)
+            materialize(
+                model, topo.device, weights_dir=weights, seed=cfg.seed, offload_params=offload, vocab_from=vocab_from
+            )
+
     if cfg.cpu_offload and topo.world_size == 1:
         # FSDP2 takes over a one-rank unit's parameters when fully_shard runs (it re-reads them later only when
         # they are sharded), so offloaded parameters must have their CPU storage before it.
-        materialize(
-            model,
-            topo.device,
-            weights_dir=base_model_dir(cfg),
-            seed=cfg.seed,
-            offload_params=True,
-            vocab_from=vocab_from,
-        )
-        parallelize(model, topo, options=options, lora=lora)
+        fill(True)
+        place()
         initialize_adapters(model, cfg.seed)
     else:
-        parallelize(model, topo, options=options, lora=lora)
-        materialize(
-            model,
-            topo.device,
-            weights_dir=base_model_dir(cfg),
-            seed=cfg.seed,
-            offload_params=cfg.cpu_offload,
-            vocab_from=vocab_from,
-        )
+        place()
+        fill(cfg.cpu_offload)
     model.train()
     return model, lora
 
 
-def run_training(cfg: TrainConfig) -> TrainResult:
-    """Set up and train, on every rank. Warning filters and log levels are the caller's again afterwards."""
-    with quiet_libraries(int(os.environ.get("RANK", "0"))):
+def run_training(cfg: TrainConfig, *, started: float | None = None) -> TrainResult:
+    """Set up and train, on every rank. Warning filters and log levels are the caller's again afterwards.
+    ``started``: the ``time.perf_counter()`` the run's wall time counts from (default: now)."""
+    rank = int(os.environ.get("RANK", "0"))
+    if started is not None and rank == 0:
+        print(
+            f"setup: Python, torch and transformers started in {human_seconds(time.perf_counter() - started)}",
+            flush=True,
+        )
+    started = time.perf_counter() if started is None else started
+    with quiet_libraries(rank):
         run = setup(cfg)
-        metrics = _open_metrics(run)
+        run.clock = RunClock(started=started)
+        metrics = open_metrics(run)
+        run.clock.setup_done()
         failed = True
         try:
             with run.checkpointer:  # on the way out, also on failure: finish the checkpoint save in flight
@@ -410,59 +453,9 @@ def run_training(cfg: TrainConfig) -> TrainResult:
             metrics.close(failed=failed)
     final = metrics.records[-1]["loss"] if metrics.records else None
     if run.topo.is_main:
-        _summary(metrics.records, Path(cfg.output_dir))
+        peak = device_peak_flops(run.topo.device)
+        print_summary(metrics.records, run.clock, Path(cfg.output_dir), devices=run.topo.world_size, peak_flops=peak)
     return TrainResult(steps=run.state.step, final_loss=final, records=metrics.records, layout=run.topo.layout)
-
-
-def _open_metrics(run: TrainingRun) -> MetricsLogger:
-    """Rank 0's progress line, metrics.jsonl and trackers, and the run's opening lines."""
-    cfg, topo, state = run.cfg, run.topo, run.state
-    output_dir = Path(cfg.output_dir)
-    trackers = []
-    if topo.is_main:
-        lay = topo.layout
-        trackers = open_trackers(
-            cfg,
-            output_dir,
-            layout_text=topo.describe(),
-            layout={
-                "dp_replicate": lay.dp_replicate,
-                "dp_shard": lay.dp_shard,
-                "cp": lay.cp,
-                "tp": lay.tp,
-                "cp_comm_strategy": lay.cp_comm_strategy,
-                "world_size": lay.world_size,
-            },
-        )
-    metrics = MetricsLogger(
-        output_dir, enabled=topo.is_main, total_steps=run.total_steps, start_step=state.step, trackers=trackers
-    )
-    metrics.message(topo.describe())
-    for note in filter(
-        None,
-        [
-            run.layout_reason and f"layout chosen by the planner: {run.layout_reason}",
-            run.vocab_note,
-            cfg.unfrozen_parameters and describe_trainable(run.model),
-            cfg.quantized_base and describe(decoder_parts(run.model).layers).line(),
-            cfg.qat and cfg.qat_spec.describe(),
-        ],
-    ):
-        metrics.message(note)
-    metrics.message(
-        f"data: {len(run.train_rows)} rows of {cfg.sequence_len} tokens; {run.steps_per_epoch} steps "
-        f"per epoch; {run.total_steps} steps"
-        + (
-            f"; resumed at step {state.step} from {run.resume_dir} (loaded in {human_seconds(run.load_s)})"
-            if run.resume_dir
-            else ""
-        )
-    )
-    if cfg.wandb_watch not in (None, False, "false") and wandb_wanted(cfg):
-        metrics.message(
-            f"wandb_watch: {cfg.wandb_watch} is not logged (parameters are sharded over ranks); the global grad_norm is"
-        )
-    return metrics
 
 
 def _train_loop(run: TrainingRun, metrics: MetricsLogger) -> None:
@@ -471,9 +464,11 @@ def _train_loop(run: TrainingRun, metrics: MetricsLogger) -> None:
     window = LogWindow(
         topo,
         nan_policy=cfg.nan_policy,
-        flops_per_token=flops_per_token(run.model_config, cfg.sequence_len),
+        flops_per_token=flops_per_token(run.model_config),
         peak_flops=device_peak_flops(topo.device),
+        attention=AttentionFlops(run.model_config),
     )
+    run.clock.start_step = state.step
     saved = run.resume_dir
     batches = iter(run.order)
     qat_spec = cfg.qat_spec
@@ -491,10 +486,12 @@ def _train_loop(run: TrainingRun, metrics: MetricsLogger) -> None:
                         )
                         for _ in range(cfg.gradient_accumulation_steps)
                     ]
-                window.add(step + 1, train_step(run, micro, window.timer))
+                window.add(step + 1, train_step(run, micro, window.timer), batches=micro)
             except torch.OutOfMemoryError:
                 raise _out_of_memory(run, step + 1) from None
             state.step = step + 1
+            if run.clock.first_step_s is None:
+                first_step_done(run, metrics)
             metrics.advance()
             if window.skipped_now:
                 metrics.message(f"step {state.step}: non-finite loss or gradient norm; step skipped (nan_policy: skip)")
@@ -504,7 +501,9 @@ def _train_loop(run: TrainingRun, metrics: MetricsLogger) -> None:
             if logging_now or saving:
                 window.raise_if_not_finite(saved)  # never log on, never save weights after a non-finite update
             if saving:
+                start = time.perf_counter()
                 saved = _save(run, metrics, window)
+                run.clock.checkpoints_s += time.perf_counter() - start
             if logging_now:
                 _log(run, metrics, window, evaluating)
 
@@ -587,10 +586,14 @@ def _save(run: TrainingRun, metrics: MetricsLogger, window: LogWindow) -> Path:
 def _log(run: TrainingRun, metrics: MetricsLogger, window: LogWindow, evaluating: bool) -> None:
     cfg, topo, state = run.cfg, run.topo, run.state
     record = window.close(state.step, lr=run.scheduler.get_last_lr()[0])
-    state.tokens += record.pop("window_tokens")
+    tokens, seconds, flops = (record.pop(key) for key in ("window_tokens", "window_s", "window_flops"))
+    run.clock.window(record, tokens=tokens, seconds=seconds, flops=flops)
+    state.tokens += tokens
     record["tokens"] = state.tokens
     if evaluating:
+        start = time.perf_counter()
         record["eval_loss"] = evaluate(run.model, run.eval_rows, topo, cfg.micro_batch_size, run.tokenizer.pad_token_id)
+        run.clock.evaluation_s += time.perf_counter() - start
     metrics.log(record)
     window.restart()  # evaluation and logging do not count as training time
 
@@ -677,19 +680,3 @@ def evaluate(model, rows, topo: Topology, micro_batch_size: int, pad_id: int) ->
     dist.all_reduce(count, group=topo.loss.get_group())
     model.train()
     return float(total / count.clamp(min=1))
-
-
-def _summary(records: list[dict], output_dir: Path) -> None:
-    if not records:
-        return
-    first, last = records[0], records[-1]
-    tps = [r["tokens_per_s"] for r in records[1:]] or [first["tokens_per_s"]]
-    lines = [
-        f"done: {last['step']} steps, {last['tokens']:,} tokens",
-        f"loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} (step {last['step']})"
-        + (f", eval loss {last['eval_loss']:.4f}" if last.get("eval_loss") is not None else ""),
-        f"throughput {sum(tps) / len(tps):,.0f} tokens/s, peak memory {last['peak_memory_gib']:.2f} GiB per rank"
-        + (f", MFU {last['mfu'] * 100:.1f}%" if last.get("mfu") else ""),
-        f"outputs: {output_dir} (metrics.jsonl, checkpoints/)",
-    ]
-    print("\n".join(lines), flush=True)

@@ -11,6 +11,7 @@ from ndparallel.config import TrainConfig
 from ndparallel.data.files import resolve_data_path
 from ndparallel.errors import NdParallelError
 from ndparallel.layout import Layout
+from ndparallel.preflight import Preflight, output_problems, preflight
 
 
 @dataclass
@@ -22,66 +23,94 @@ class RunPlan:
 
 
 def run_errors(cfg: TrainConfig, *, world_size: int | None) -> tuple[list[str], RunPlan | None]:
-    """Problems that would stop ``train`` (model, tokenizer, layout, data, optimizer), all of them, collected
-    rather than raised; hub ids are looked up in the hub cache (config and tokenizer files are fetched unless
-    HF_HUB_OFFLINE is set, weights are not)."""
+    """Problems that would stop ``train`` (model, tokenizer, layout, data, output_dir, optimizer), all of them,
+    collected rather than raised; hub ids are looked up in the hub cache (config and tokenizer files are fetched
+    unless HF_HUB_OFFLINE is set, weights are not). The data is sampled, not read whole (``preflight.py``)."""
     from ndparallel.run_inputs import load_run_tokenizer
-    from ndparallel.train import offload_layers, resolve_layout, run_model_config
-    from ndparallel.vocab import fit_vocab
+    from ndparallel.train import run_model_config
 
     problems: list[str] = []
     model_config = _attempt(problems, lambda: run_model_config(cfg))
-    tokenizer = _attempt(problems, lambda: load_run_tokenizer(cfg))
-    world = world_size or cfg.fixed_world_size() or 1
-    plan = None
-    try:
-        layout, reason = (
-            resolve_layout(cfg, world, model_config)
-            if model_config is not None or cfg.dp_shard_size != "auto"
-            else (None, None)
-        )
-        if layout is not None:
-            plan = RunPlan(layout=layout, world_size=world, reason=reason)
-            if cfg.dp_replicate_size is None and layout.dp_replicate > 1:
-                plan.notes.append(
-                    f"dp_replicate_size is unset: {layout.dp_replicate} replicas fill the {world} "
-                    f"processes (Axolotl's rule)"
-                )
-    except NdParallelError as exc:
-        problems.append(str(exc))
-    if model_config is not None and tokenizer is not None and plan is not None:
-        note = _attempt(
-            problems, lambda: fit_vocab(model_config, len(tokenizer[0]), tokenizer[1], tp=plan.layout.tp)[1]
-        )
-        if note:
-            plan.notes.append(note)
-    if model_config is not None and plan is not None:
-        problems += list(plan.layout.model_problems(model_config, seq_len=cfg.sequence_len))
-        offloaded = _attempt(problems, lambda: offload_layers(cfg, model_config, plan.layout))
-        if offloaded:
-            plan.notes.append(
-                f"activation offloading: the inputs of {offloaded} of {model_config.num_hidden_layers} decoder layers "
-                f"wait for backward in host memory (this machine's available memory; checked again at start)"
-            )
-    if model_config is not None and cfg.unfrozen_parameters:
-        note = _attempt(problems, lambda: _check_unfrozen(cfg, model_config))
-        if note and plan is not None:
-            plan.notes.append(note)
-    if model_config is not None and cfg.qat is not None:
-        note = _attempt(problems, lambda: _check_qat(cfg, model_config))
-        if note and plan is not None:
-            plan.notes.append(note)
-    problems += _data_problems(cfg)
+    same_repository = (cfg.tokenizer_config or cfg.base_model) == cfg.base_model and cfg.base_model is not None
+    # base_model's tokenizer comes from the same repository: one line when that repository cannot be read
+    tokenizer = (
+        None if model_config is None and same_repository else _attempt(problems, lambda: load_run_tokenizer(cfg))
+    )
+    plan = _plan(cfg, world_size, model_config, problems)
+    if model_config is not None:
+        notes = _model_checks(cfg, model_config, tokenizer, plan, problems)
+        if plan is not None:
+            plan.notes += notes
+    data_problems = _data_problems(cfg)
+    problems += data_problems
+    checks = (
+        preflight(cfg, tokenizer=tokenizer[0] if tokenizer else None)
+        if not data_problems
+        else Preflight(problems=output_problems(cfg))
+    )
+    problems += checks.problems
+    if model_config is None:
+        checks.not_checked.append("the model against the layout and the tokenizer (its config is not at hand)")
+    if plan is not None:
+        plan.notes += [*checks.notes, checks.not_checked_line()]
     if cfg.load_in_4bit:
         from ndparallel.quantized import nf4_available
 
-        try:
-            nf4_available()
-        except NdParallelError as exc:
-            problems.append(str(exc))
+        _attempt(problems, nf4_available)
     if cfg.eight_bit_optimizer and cfg.device == "cpu":
         problems.append(f"optimizer: {cfg.optimizer} (8-bit AdamW) needs a CUDA GPU; use adamw_torch with device: cpu")
     return problems, plan
+
+
+def _plan(cfg: TrainConfig, world_size: int | None, model_config, problems: list[str]) -> RunPlan | None:
+    """The layout train would use for ``world_size`` processes (None when it cannot be had)."""
+    from ndparallel.train import resolve_layout
+
+    world = world_size or cfg.fixed_world_size() or 1
+    if model_config is None and cfg.dp_shard_size == "auto":
+        return None
+    try:
+        layout, reason = resolve_layout(cfg, world, model_config)
+    except NdParallelError as exc:
+        problems.append(str(exc))
+        return None
+    plan = RunPlan(layout=layout, world_size=world, reason=reason)
+    if cfg.dp_replicate_size is None and layout.dp_replicate > 1:
+        plan.notes.append(
+            f"dp_replicate_size is unset: {layout.dp_replicate} replicas fill the {world} processes (Axolotl's rule)"
+        )
+    return plan
+
+
+def _model_checks(cfg: TrainConfig, model_config, tokenizer, plan: RunPlan | None, problems: list[str]) -> list[str]:
+    """The model against the tokenizer and the layout (when there is one), unfrozen_parameters and qat; the
+    notes to show."""
+    from ndparallel.vocab import fit_vocab
+
+    notes = []
+    if plan is not None and tokenizer is not None:
+        tp = plan.layout.tp
+        notes.append(_attempt(problems, lambda: fit_vocab(model_config, len(tokenizer[0]), tokenizer[1], tp=tp)[1]))
+    if plan is not None:
+        problems += list(plan.layout.model_problems(model_config, seq_len=cfg.sequence_len))
+        notes.append(_attempt(problems, lambda: _offload_note(cfg, model_config, plan)))
+    for wanted, check in ((cfg.unfrozen_parameters, _check_unfrozen), (cfg.qat is not None, _check_qat)):
+        if wanted:
+            notes.append(_attempt(problems, lambda check=check: check(cfg, model_config)))
+    return [note for note in notes if note]
+
+
+def _offload_note(cfg: TrainConfig, model_config, plan: RunPlan) -> str | None:
+    """activation_offloading against this machine's host memory (checked again when the run starts)."""
+    from ndparallel.train import offload_layers
+
+    offloaded = offload_layers(cfg, model_config, plan.layout)
+    if not offloaded:
+        return None
+    return (
+        f"activation offloading: the inputs of {offloaded} of {model_config.num_hidden_layers} decoder layers wait "
+        f"for backward in host memory (this machine's available memory; checked again at start)"
+    )
 
 
 def _check_unfrozen(cfg: TrainConfig, model_config) -> str:
@@ -121,7 +150,7 @@ def _data_problems(cfg: TrainConfig) -> list[str]:
     for i, (setting, raw_path, revision) in enumerate(entries):
         path = resolve_data_path(raw_path)
         if hub.is_hub_id(path):
-            problem = _hub_dataset_problem(path, revision, f"{setting} path")
+            problem = _hub_dataset_problem(path, revision, f"{setting}[{i}].path")
             if problem:
                 problems.append(problem)
         elif not (Path(path).exists() or glob.glob(path)):
@@ -146,10 +175,9 @@ def _hub_dataset_problem(name: str, revision: str | None, setting: str) -> str |
     try:
         if not HfApi().repo_exists(name, repo_type="dataset"):
             return f"{setting} {name!r} is neither a local path nor a dataset on the Hugging Face Hub; check it"
-    except Exception as exc:  # no network: train will say more when it downloads
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return f"{setting} {name!r}: cannot reach the Hugging Face Hub to check it ({first[:120]})"
-    return None
+    except Exception as exc:  # no network here: train on this machine could not download it either
+        return hub.not_cached(setting, name, revision, "dataset", unreachable=hub.first_line(exc))
+    return None  # on the Hub: train downloads it (local rank 0 of each node)
 
 
 def differences(cfg: TrainConfig) -> str | None:
@@ -179,7 +207,7 @@ def differences(cfg: TrainConfig) -> str | None:
     return ("differs from Axolotl on purpose: " + "; ".join(items)) if items else None
 
 
-def describe_run(cfg: TrainConfig, plan: RunPlan) -> str:
+def describe_run(cfg: TrainConfig, plan: RunPlan, *, ok: bool = True) -> str:
     layout = plan.layout
     rows_per_step = cfg.micro_batch_size * layout.batch_size * cfg.gradient_accumulation_steps
     tokens_per_step = rows_per_step * cfg.sequence_len
@@ -193,6 +221,6 @@ def describe_run(cfg: TrainConfig, plan: RunPlan) -> str:
         f"{tokens_per_rank} tokens per rank after the cp split",
         f"  per optimizer step: {rows_per_step} rows, {tokens_per_step:,} tokens "
         f"({cfg.gradient_accumulation_steps} micro-step(s) x {layout.batch_size} data-parallel rank(s))",
-        f"config OK for {plan.world_size} process(es)",
+        f"config OK for {plan.world_size} process(es)" if ok else f"layout for {plan.world_size} process(es)",
     ]
     return "\n".join(lines)

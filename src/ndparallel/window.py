@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ndparallel.errors import NumericsError
+from ndparallel.flops import AttentionFlops, mfu
 from ndparallel.step import reduce_loss
 from ndparallel.steptime import PhaseTimer
 from ndparallel.topology import Topology
@@ -38,9 +39,19 @@ class StepResult:
 class LogWindow:
     """Sums the steps since the last record; owns the NaN policy ('stop' or 'skip') and the phase timer."""
 
-    def __init__(self, topo: Topology, *, nan_policy: str, flops_per_token: float, peak_flops: float | None) -> None:
+    def __init__(
+        self,
+        topo: Topology,
+        *,
+        nan_policy: str,
+        flops_per_token: float,
+        peak_flops: float | None,
+        attention: AttentionFlops | None = None,
+    ) -> None:
         self.topo, self.nan_policy = topo, nan_policy
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.attention = attention
+        """Counts each batch's attention FLOPs on the host (None: attention not counted)."""
         self.timer = PhaseTimer(topo.device)
         self.skipped_total = 0
         self.skipped_now = False
@@ -52,11 +63,16 @@ class LogWindow:
     def restart(self) -> None:
         self.loss = torch.zeros((), device=self.topo.device)
         self.tokens = torch.zeros((), device=self.topo.device)
+        self.attention_flops = 0.0  # this rank's share, counted on the host from the batches' documents
         self.grad_norm = None
         self.steps = 0
         self.started = time.perf_counter()
 
-    def add(self, step: int, result: StepResult) -> None:
+    def add(self, step: int, result: StepResult, batches: list = ()) -> None:
+        """Step ``step``'s result, and its micro-batches (whose documents say what attention computed)."""
+        if self.attention is not None:
+            layout, rank = self.topo.layout, self.topo.cp_rank
+            self.attention_flops += sum(self.attention.of_batch(b, cp_size=layout.cp, cp_rank=rank) for b in batches)
         self.loss += result.loss
         self.tokens += result.tokens
         self.grad_norm = result.grad_norm
@@ -93,15 +109,20 @@ class LogWindow:
     def close(self, step: int, *, lr: float) -> dict:
         """The metrics record of the window ending at ``step`` (collectives; waits for the device).
 
-        ``window_tokens`` is this window's token count (the caller adds it to the run's total)."""
+        ``window_tokens``, ``window_s`` and ``window_flops`` are this window's tokens, training seconds and model
+        FLOPs (the caller takes them out of the record for the run's totals)."""
         topo, steps = self.topo, max(1, self.steps)
         loss = reduce_loss(self.loss, topo).item() / steps
-        dist.all_reduce(self.tokens, group=topo.loss.get_group())
-        tokens = self.tokens.item()
+        totals = torch.stack([self.tokens.double(), torch.tensor(self.attention_flops, dtype=torch.float64)])
+        totals = totals.to(self.topo.device)
+        dist.all_reduce(totals, group=topo.loss.get_group())  # one collective for both
+        tokens, attention_flops = totals.tolist()
         phases = self.timer.take()
         stall = phases.pop("checkpoint_stall", 0.0)
         elapsed = max(time.perf_counter() - self.started - stall, 1e-9)  # training time only
         tps = tokens / elapsed
+        flops = tokens * self.flops_per_token + attention_flops
+        peak = self.peak_flops * topo.world_size if self.peak_flops else None
         record = {
             "step": step,
             "loss": loss,
@@ -110,13 +131,14 @@ class LogWindow:
             "window_tokens": int(tokens),
             "tokens_per_s": tps,
             "tokens_per_s_per_device": tps / topo.world_size,
-            "mfu": tps * self.flops_per_token / (self.peak_flops * topo.world_size) if self.peak_flops else None,
+            "mfu": mfu(flops=flops, seconds=elapsed, peak=peak) if peak else None,
             "peak_memory_gib": peak_memory_gib(topo.device),
             "step_time_s": elapsed / steps,
             "skipped_steps": self.skipped_total,
         }
         record.update({f"{name}_s": seconds / steps for name, seconds in phases.items()})
         record["checkpoint_stall_s"] = stall
+        record.update(window_s=elapsed, window_flops=flops)
         return record
 
 

@@ -116,3 +116,25 @@ def test_difference_a_mesh_even_when_every_size_is_one():
     theirs, shape, names, loss_ranks = run_ranks(1, _all_sizes_one)[0]
     assert theirs is None  # Accelerate: no mesh at all
     assert shape == (1, 1, 1, 1) and names == AXES and loss_ranks == [0]
+
+
+def _no_sizes() -> dict:
+    warnings.simplefilter("ignore")
+    config = ndp.ParallelismConfig()  # no sizes: Accelerate's Accelerator makes this DDP over every process
+    mesh = config.get_device_mesh("cpu")
+    return {
+        "dp_replicate_size": config.dp_replicate_size,
+        "dp_dim_names": config.dp_dim_names,
+        "accelerate_mesh": config._get_mesh(),
+        "dp_ranks": _ranks(mesh["dp"]),
+    }
+
+
+def test_no_sizes_on_four_ranks_is_plain_data_parallelism():
+    for report in run_ranks(4, _no_sizes):
+        assert report == {
+            "dp_replicate_size": 4,
+            "dp_dim_names": ["dp_replicate"],
+            "accelerate_mesh": (("dp_replicate",), (4,)),
+            "dp_ranks": [0, 1, 2, 3],
+        }

@@ -11,6 +11,7 @@ import io
 import json
 from pathlib import Path
 
+import pyarrow
 import pytest
 import yaml
 from harness import run_ranks
@@ -178,7 +179,10 @@ def example_hub(tmp_path_factory):
     )
     add_dataset(cache, "mlabonne/FineTome-100k", {"data/train-00000-of-00001.parquet": chat_records()})
     add_dataset(cache, "princeton-nlp/TextbookChapters", {"data/train.parquet": [{"chapter": "x " * 50}] * 4})
-    add_dataset(cache, "togethercomputer/Long-Data-Collections", {"pretrain/rp_sub.jsonl.zst": b"(not read)"})
+    # alst's long documents (min_sample_len 200,000; validate samples them): one of 300,000 byte tokens, zstd
+    long_document = (json.dumps({"text": "x " * 150_000}) + "\n").encode()
+    zstd = pyarrow.compress(long_document, codec="zstd", asbytes=True)
+    add_dataset(cache, "togethercomputer/Long-Data-Collections", {"pretrain/rp_sub.jsonl.zst": zstd})
     return root
 
 

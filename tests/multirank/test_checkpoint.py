@@ -115,15 +115,18 @@ def _trained_logits(config: dict, checkpoint: str):
     return logits, run.topo.batch_rank
 
 
-def test_export_gives_the_parallel_models_logits(saved, tmp_path):
+def test_export_gives_the_parallel_models_logits(saved, tmp_path, capsys):
     tmp, config, _ = saved
     from ndparallel.cli import main
 
     out = tmp_path / "hf"
     assert main(["export", str(tmp / "out"), str(out), "--dtype", "float32"]) == 0
+    assert f"exported step 6 ({tmp / 'out' / 'checkpoints' / 'step-6'}) to {out}" in capsys.readouterr().out
     assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
     assert list(out.glob("*.safetensors"))
+    assert len({p.stat().st_mode & 0o777 for p in out.iterdir()}) == 1  # model.safetensors was 0600 alone
     exported = AutoModelForCausalLM.from_pretrained(out, attn_implementation="sdpa").eval()
+    assert exported.config.use_cache and exported.generation_config.use_cache  # generate keeps a KV cache
     with torch.no_grad():
         want = exported(input_ids=PROBE).logits
     results = run_ranks(

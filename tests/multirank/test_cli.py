@@ -37,6 +37,13 @@ def _fake_8b(tmp: Path) -> Path:
     return path
 
 
+RECORDS = {
+    "completion": {"text": "hi"},
+    "alpaca": {"instruction": "Say hi.", "output": "hi"},
+    "chat_template": {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]},
+}
+
+
 @pytest.mark.parametrize(
     "example, world",
     [
@@ -48,10 +55,12 @@ def _fake_8b(tmp: Path) -> Path:
 )
 def test_examples_validate(tmp_path, capsys, example, world):
     model = _fake_8b(tmp_path)
-    data = tmp_path / "data.jsonl"
-    data.write_text('{"text": "hi"}\n')
     raw = yaml.safe_load((EXAMPLES / example).read_text())
-    sets = [f"datasets.{i}.path={data}" for i in range(len(raw["datasets"]))]
+    sets = []
+    for i, dataset in enumerate(raw["datasets"]):  # one record of the dataset's type (validate samples them)
+        data = tmp_path / f"data{i}.jsonl"
+        data.write_text(json.dumps(RECORDS[dataset["type"]]) + "\n")
+        sets.append(f"datasets.{i}.path={data}")
     sets += [f"base_model={model}"] if "base_model" in raw else [f"tokenizer_config={model}"]
     code = main(
         ["validate", str(EXAMPLES / example), "--world-size", str(world), *sum((["--set", s] for s in sets), [])]
@@ -99,7 +108,7 @@ def _cli(args: list[str], cwd: Path, timeout: int = 240) -> subprocess.Completed
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None), env.pop("WORLD_SIZE", None)
     return subprocess.run(
-        [sys.executable, "-m", "ndparallel.cli", *args],
+        [sys.executable, "-m", "ndparallel_cli", *args],  # the console script's module
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -119,6 +128,25 @@ def test_train_launches_its_own_processes_and_matches_one_process(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "cli" / "metrics.jsonl").read_text().splitlines()]
     assert max_rel_diff(losses(records), losses(single)) < 1e-5
     assert "Traceback" not in done.stderr
+    # what a newcomer sees: the layout and the run first, every setup phase with its time, plain progress lines
+    # with percentage and ETA, then steady-state speed apart from the wall time; no other library's warnings
+    out = done.stdout
+    for expected in (
+        "world 4 = dp_replicate 1 x dp_shard 2 x cp 1 x tp 2",
+        "run: lr 0.003 (cosine, warm-up 2 steps); batch 8 rows x 64 tokens per step",
+        "setup 2/5: tokenizing and packing the data",
+        "setup 4/5: initializing the weights at random",
+        "setup 5/5: done in ",
+        "step 1: first step done in ",
+        "step 2/4 (50%) loss ",
+        "ETA ",
+        "steady state (",
+        "wall time ",
+    ):
+        assert expected in out, (expected, out[-3000:])
+    assert out.index("run: lr") < out.index("setup 2/5") < out.index("setup 5/5: done") < out.index("step 1/4")
+    assert out.count("setup 2/5: done in") == 1  # rank 0 only
+    assert "_pytree" not in done.stderr and "Failed to load" not in done.stderr
 
 
 @pytest.mark.slow

@@ -33,7 +33,7 @@ def _metrics(path: Path) -> dict[int, dict]:
 def _worker_with_rank(launcher: subprocess.Popen, rank: int) -> psutil.Process | None:
     for child in psutil.Process(launcher.pid).children(recursive=True):
         try:
-            if child.environ().get("RANK") == str(rank) and "ndparallel.cli" in " ".join(child.cmdline()):
+            if child.environ().get("RANK") == str(rank) and "ndparallel_cli" in " ".join(child.cmdline()):
                 return child
         except psutil.Error:
             continue

@@ -46,7 +46,12 @@ HSDP_TP = {
         "parallelism_config_cp_size": 1,
     },
 }
-RUN = {"model_shape": "byte-tiny", "datasets": [{"path": "stdlib:os.py", "type": "pretrain_files"}], "sequence_len": 64}
+RUN = {
+    "model_shape": "byte-tiny",
+    "datasets": [{"path": "stdlib:os.py", "type": "pretrain_files"}],
+    "sequence_len": 64,
+    "long_rows": "split",  # one document of 40k tokens: cut into rows (dropped, no data would be left)
+}
 SIZE_VARIABLES = ("DP_REPLICATE_SIZE", "DP_SHARD_SIZE", "TP_SIZE", "CP_SIZE", "CP_COMM_STRATEGY")
 
 
@@ -259,3 +264,32 @@ def test_train_launches_what_the_accelerate_file_says(tmp_path, monkeypatch):
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "8")
     again = parse_config(cli._load_raw(str(resolved), [])[0])
     assert again.tensor_parallel_size == 2
+
+
+def test_a_config_file_written_by_accelerate_config(tmp_path, capsys):
+    """The file ``accelerate config`` writes (Accelerate's own ClusterConfig.to_yaml_file), with its
+    ``parallelism_config:`` block, lays out the run as Accelerate would."""
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    accelerate = tmp_path / "default_config.yaml"
+    ClusterConfig(
+        compute_environment="LOCAL_MACHINE",
+        distributed_type="FSDP",
+        mixed_precision="no",
+        use_cpu=True,
+        debug=False,
+        num_processes=8,
+        fsdp_config={"fsdp_version": 2, "fsdp_reshard_after_forward": True},
+        parallelism_config={
+            "parallelism_config_dp_replicate_size": 2,
+            "parallelism_config_dp_shard_size": 2,
+            "parallelism_config_tp_size": 1,
+            "parallelism_config_cp_size": 2,
+            "parallelism_config_cp_comm_strategy": "alltoall",
+        },
+    ).to_yaml_file(accelerate)
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump(RUN))
+    assert main(["validate", str(run), "--accelerate-config", str(accelerate)]) == 0
+    out = capsys.readouterr().out
+    assert "world 8 = dp_replicate 2 x dp_shard 2 x cp 2 x tp 1" in out and "alltoall" in out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from unittest.mock import Mock
 
 import accelerate.parallelism_config as acc_pc
 import accelerate.utils as acc_utils
@@ -269,3 +270,84 @@ def test_sizes_all_one_on_several_ranks_mean_plain_data_parallelism():
         warnings.simplefilter("ignore")
         with pytest.raises(LayoutError, match="= 4, but 8 processes were started"):
             ndp.ParallelismConfig(dp_shard_size=2, tp_size=2).resolve(8)
+
+
+# --- Accelerate's own test cases and tools, run against ours as a user switching would -----------------
+
+# Accelerate's tests/test_dataclasses.py::TestParallelismConfig::test_get_mesh table: its view of the mesh.
+ACCELERATE_MESHES = [
+    ((8, 1, 1, 1), (8,), ("dp_replicate",)),  # DDP
+    ((1, 8, 1, 1), (8,), ("dp_shard",)),  # FSDP
+    ((2, 4, 1, 1), (2, 4), ("dp_replicate", "dp_shard")),  # HSDP
+    ((1, 4, 2, 1), (4, 2), ("dp_shard", "tp")),  # FSDP + TP
+    ((2, 2, 2, 1), (2, 2, 2), ("dp_replicate", "dp_shard", "tp")),  # HSDP + TP
+    ((1, 1, 8, 1), (8,), ("tp",)),  # TP only
+    ((1, 1, 1, 4), (4,), ("cp",)),  # CP only
+    ((1, 4, 1, 2), (4, 2), ("dp_shard", "cp")),  # FSDP + CP
+    ((1, 2, 2, 2), (2, 2, 2), ("dp_shard", "cp", "tp")),  # FSDP + CP + TP
+    ((2, 2, 2, 2), (2, 2, 2, 2), ("dp_replicate", "dp_shard", "cp", "tp")),  # HSDP + CP + TP
+]
+
+
+@pytest.mark.parametrize("row, shape, names", ACCELERATE_MESHES)
+def test_accelerates_get_mesh_cases(row, shape, names):
+    ours, theirs = ndp.ParallelismConfig(**_sizes(row)), acc_pc.ParallelismConfig(**_sizes(row))
+    assert ours._get_mesh() == theirs._get_mesh() == (names, shape)
+
+
+def test_no_sizes_on_n_processes_is_plain_data_parallelism_as_in_accelerate(monkeypatch):
+    """``ParallelismConfig()`` on 8 processes: Accelerate's Accelerator makes it DDP over the 8; so do we (it
+    was FSDP over the 8 here). Before the mesh both read total_size 1, as Accelerate does."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    ours, theirs = ndp.ParallelismConfig(), acc_pc.ParallelismConfig()
+    for name in PROPERTIES:
+        assert getattr(ours, name) == getattr(theirs, name), name
+    accelerator = Mock(multi_device=True, num_processes=8, is_fsdp2=False, distributed_type="MULTI_CPU")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs._validate_accelerator(accelerator)
+    layout = ours.resolve(8)
+    assert (layout.dp_replicate, layout.dp_shard) == (theirs.dp_replicate_size, theirs.dp_shard_size) == (8, 1)
+
+
+@pytest.mark.parametrize("row", [r for r, _, _ in ACCELERATE_MESHES])
+def test_the_environment_accelerate_launch_writes(monkeypatch, row):
+    """The PARALLELISM_CONFIG_* variables exactly as ``accelerate launch --use_parallelism_config`` writes them
+    (Accelerate's own parser and function), read by both classes."""
+    from accelerate.commands.launch import launch_command_parser
+    from accelerate.utils.launch import prepare_extend_env_parallelism_config
+
+    r, s, t, c = row
+    argv = ["--use_parallelism_config", "--parallelism_config_dp_replicate_size", str(r)]
+    argv += ["--parallelism_config_dp_shard_size", str(s), "--parallelism_config_tp_size", str(t)]
+    argv += ["--parallelism_config_cp_size", str(c), "--parallelism_config_cp_comm_strategy", "alltoall", "x.py"]
+    env = prepare_extend_env_parallelism_config(launch_command_parser().parse_args(argv), {})
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    ours, theirs = ndp.ParallelismConfig(), acc_pc.ParallelismConfig()
+    for name in PROPERTIES:
+        assert getattr(ours, name) == getattr(theirs, name), name
+    assert ours.resolve(math.prod(row)).shape == (r, s, c, t)
+    if c > 1:
+        assert ours.cp_comm_strategy == theirs.cp_handler.cp_comm_strategy == "alltoall"
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ndp.ParallelismConfig(tp_size=0),
+        lambda: ndp.ParallelismConfig(tp_size="2"),
+        lambda: ndp.ParallelismConfig(cp_size=2, cp_handler="ring"),
+        lambda: ndp.ParallelismConfig(cp_size=2, cp_comm_strategy="zigzag"),
+        lambda: ndp.ParallelismConfig(sp_size=2),
+        lambda: ndp.TorchContextParallelConfig(cp_comm_strategy="invalid"),
+        lambda: ndp.ParallelismConfig().get_device_mesh(),
+        lambda: ndp.ParallelismConfig(tp_size=3).resolve(8),
+        lambda: ndp.ParallelismConfig(tp_size=2, dp_shard_size=2).resolve(8),  # 4 ranks asked, 8 started
+    ],
+)
+def test_every_error_a_user_can_cause_is_a_value_error(make):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError):
+            make()

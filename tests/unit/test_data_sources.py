@@ -234,8 +234,21 @@ def test_errors_are_one_line_and_say_what_to_fix(tmp_path, build, message):
 def test_parquet_without_pyarrow_says_how_to_install_it(tmp_path, monkeypatch):
     pq.write_table(pa.Table.from_pylist(TEXTS), tmp_path / "a.parquet")
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow now fails as if it were not installed
-    with pytest.raises(DataError, match=r"a\.parquet: reading \.parquet data needs pyarrow; pip install pyarrow"):
+    with pytest.raises(
+        DataError, match=r"a\.parquet: reading \.parquet data needs pyarrow; pip install 'ndparallel\[data\]'"
+    ):
         list(read_records(DatasetSpec(str(tmp_path / "a.parquet"), "completion")))
+
+
+def test_the_readme_names_the_data_extra_and_pyproject_has_it():
+    """Parquet hub datasets need pyarrow: the README says which extra installs it, and that extra exists."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    assert "pip install 'ndparallel[data]'" in (root / "README.md").read_text()
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(requirement.startswith("pyarrow") for requirement in extras["data"])
 
 
 def test_unknown_type_lists_the_valid_ones():

@@ -196,3 +196,49 @@ def test_eight_bit_adamw_is_refused_where_it_cannot_run(monkeypatch):
         build_run_optimizer(model, cfg, "cuda")
     plain = read_config({"model_shape": "tiny", "datasets": [{"path": "d"}], "optimizer": "adamw_torch"}).config
     assert isinstance(build_run_optimizer(model, plain, "cpu"), torch.optim.AdamW)
+
+
+def test_missing_hub_inputs_are_one_consistent_line_each_and_the_layout_still_shows(tmp_path, monkeypatch, capsys):
+    """No HF_HUB_OFFLINE and no reachable Hub: the model (not again for its tokenizer) and the dataset each say
+    the same thing, once; validate still prints the layout. With HF_HUB_OFFLINE=1 they say that instead."""
+    from huggingface_hub import constants
+
+    from ndparallel.cli import main
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens: refused at once
+    config = tmp_path / "config.yaml"
+    config.write_text("base_model: org/absent-model\ndatasets:\n  - path: org/absent-data\n    type: alpaca\n")
+    for offline, reason in (
+        (None, "cannot be downloaded from here (the Hugging Face Hub cannot be reached"),
+        ("1", "HF_HUB_OFFLINE is set; download it once"),
+    ):
+        if offline:
+            monkeypatch.setenv("HF_HUB_OFFLINE", offline)
+        assert main(["validate", str(config)]) == 2
+        out = capsys.readouterr()
+        problems = [line for line in out.err.splitlines() if line.startswith("  - ")]
+        assert len(problems) == 2, problems
+        assert problems[0].startswith("  - base_model 'org/absent-model' is not in the Hugging Face cache")
+        assert problems[1].startswith("  - datasets[0].path 'org/absent-data' is not in the Hugging Face cache")
+        assert all(reason in line for line in problems), problems
+        assert "world 1 = dp_replicate 1 x dp_shard 1 x cp 1 x tp 1" in out.out
+        assert "the model against the layout and the tokenizer (its config is not at hand)" in out.out
+
+
+def test_the_rank_that_downloads_says_why_it_could_not(tmp_path, monkeypatch):
+    """Local rank 0 of a node tries the download; when the Hub cannot be reached it says so (it used to repeat
+    "downloads are left to local rank 0", which is itself)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    with pytest.raises(ModelError) as raised:
+        hub.model_dir("org/absent-model", download=True)
+    message = str(raised.value)
+    assert "cannot be downloaded from here (the Hugging Face Hub cannot be reached" in message
+    assert "left to local rank 0" not in message and "\n" not in message

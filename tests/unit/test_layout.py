@@ -8,7 +8,8 @@ from ndparallel.layout import Layout
 
 # (sizes, world, expected (dp_replicate, dp_shard, cp, tp)), one comment per row.
 GOOD = [
-    (dict(), 8, (1, 8, 1, 1)),  # default: FSDP over every rank
+    (dict(), 8, (8, 1, 1, 1)),  # no size at all: plain replicas over every rank (Accelerate's meaning)
+    (dict(dp_shard_size=-1), 8, (1, 8, 1, 1)),  # FSDP over every rank
     (dict(dp_shard_size=-1, tp_size=2), 8, (1, 4, 1, 2)),  # -1 fills what tp leaves
     (dict(dp_replicate_size=2, dp_shard_size=-1, cp_size=2), 8, (2, 2, 2, 1)),
     (dict(dp_replicate_size=2, dp_shard_size=1, tp_size=4), 8, (2, 1, 1, 4)),  # TP with plain replicas

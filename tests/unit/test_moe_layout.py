@@ -1,5 +1,7 @@
 """Expert parallelism in the layout, and what MoE models refuse, one line each, before any process starts."""
 
+import json
+
 import pytest
 import torch
 from transformers import DeepseekV3Config, GptOssConfig, LlamaConfig, OlmoeConfig, Qwen3MoeConfig
@@ -169,8 +171,15 @@ def test_moe_example_validates(tmp_path, capsys):
         vocab_size=151936,
         max_position_embeddings=40960,
     ).save_pretrained(model)
+    from ndparallel.data.templates import template_source
+    from ndparallel.data.tokenizer import byte_tokenizer
+
+    tokenizer = byte_tokenizer()  # the repository's tokenizer carries Qwen3's chat template
+    tokenizer.chat_template = template_source("qwen3", None, None)
+    tokenizer.save_pretrained(model)
     data = tmp_path / "data.jsonl"
-    data.write_text('{"text": "hi"}\n')
+    chat = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]
+    data.write_text(json.dumps({"messages": chat}) + "\n")  # the example's chat_template dataset (validate samples it)
     example = Path(__file__).resolve().parents[2] / "examples" / "qwen3-moe-expert-parallel.yaml"
     code = main(
         [

@@ -228,3 +228,44 @@ def test_load_in_4bit_and_8bit(capsys):
     assert code == 2 and "NF4 base weights cannot be split by tensor parallelism" in err
     code, _, err = run(["--model", "llama-8b", "--seq-len", "4096", "--load-in-8bit"], capsys)
     assert code == 2 and "give --lora-rank" in err
+
+
+def test_nothing_fits_says_so_first_with_what_would_fit(capsys):
+    """The issue's case: a 70B on one node at 8192 tokens; the verdict comes before the table."""
+    from ndparallel.cli import main
+
+    assert main(["plan", "--model", "70b", "--nodes", "1", "--seq-len", "8192"]) == 1
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("nothing fits: 0 of 40 layouts of 8 GPUs hold llama-70b (the leanest needs 138 GiB")
+    assert "would fit: --nodes 2; LoRA (--lora-rank 16); 4-bit QLoRA (--lora-rank 16 --load-in-4bit)" in first
+
+
+def test_hub_ids_and_moe_models_plan_as_train_reads_them(tmp_path, monkeypatch, capsys):
+    """``--model Qwen/Qwen3-30B-A3B`` (a hub id, a mixture of experts) from the hub cache, as train reads it:
+    30.5B parameters held, about 3.0B used per token."""
+    from hub_cache import add_model
+    from transformers import Qwen3MoeConfig
+
+    from ndparallel.cli import main
+
+    published = Qwen3MoeConfig(
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+    )
+    add_model(tmp_path / "hub", "Qwen/Qwen3-30B-A3B", published, "qwen3")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["plan", "--model", "Qwen/Qwen3-30B-A3B", "--seq-len", "4096", "--top", "1"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.startswith("Qwen3-30B-A3B: 30.53B parameters on 1 x 8") and "8 of 128 per token" in header
+    shape = load_model_shape("Qwen/Qwen3-30B-A3B")
+    assert shape.matmul_params() / 1e9 == pytest.approx(3.04, abs=0.01)  # what a token uses: the MFU's 6N

@@ -28,7 +28,9 @@ def test_human_count(value, text):
     assert human_count(value) == text
 
 
-@pytest.mark.parametrize("seconds, text", [(0.0004, "0 ms"), (0.612, "612 ms"), (23.3, "23.3 s"), (725, "12m05s")])
+@pytest.mark.parametrize(
+    "seconds, text", [(0.0004, "0 ms"), (0.612, "612 ms"), (4.7321, "4.73 s"), (23.3, "23.3 s"), (725, "12m05s")]
+)
 def test_human_seconds(seconds, text):
     assert human_seconds(seconds) == text
 

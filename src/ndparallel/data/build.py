@@ -8,8 +8,10 @@ builds, the others wait at a barrier and then map the same files.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +98,7 @@ def build_rows(
     eval_packing: bool | None = None,
     token_budget: int | None = None,
     deduplicate: bool = False,
+    show_progress: bool = False,
 ) -> tuple[Rows, Rows | None]:
     """Training rows and evaluation rows (None when ``eval_fraction`` is 0), from the cache when possible.
 
@@ -108,7 +111,7 @@ def build_rows(
     ``packing``) says whether its rows are packed. ``token_budget``: stop reading the datasets (in order) once
     this many tokens are tokenized (a pretraining corpus read only as far as the steps need). A tokenizer
     without a pad token gets eos as pad token (``ensure_pad_token``): pad positions are masked, so the id does
-    not matter.
+    not matter. ``show_progress``: a bar per dataset while tokenizing (in a terminal; else a line each).
     """
     options = _Options.of(
         seq_len=seq_len,
@@ -124,7 +127,7 @@ def build_rows(
     specs, directory, inputs = _cache_location(specs, tokenizer, cache_dir, options)
     cached = load_splits(directory)
     if cached is None:
-        save_splits(directory, _build(specs, tokenizer, options), {"inputs": inputs})
+        save_splits(directory, _build(specs, tokenizer, options, show_progress), {"inputs": inputs})
         cached = load_splits(directory)
         if cached is None:
             raise DataError(f"the data cache {directory} was written but cannot be read back; check cache_dir's disk")
@@ -141,6 +144,7 @@ def build_rows_distributed(
     is_main: bool,
     barrier: Callable[[], None],
     cache_dir: str | Path,
+    show_progress: bool = False,
     **options,
 ) -> tuple[Rows, Rows | None]:
     """``build_rows`` on the main process only; every process waits at ``barrier`` and then maps the cache.
@@ -152,7 +156,7 @@ def build_rows_distributed(
     """
     if is_main:
         try:
-            result = build_rows(specs, tokenizer, cache_dir=cache_dir, **options)
+            result = build_rows(specs, tokenizer, cache_dir=cache_dir, show_progress=show_progress, **options)
         finally:
             barrier()
         return result
@@ -205,7 +209,7 @@ def _cache_location(specs, tokenizer, cache_dir, options: _Options):
     return specs, Path(cache_dir).expanduser() / cache_key(inputs), inputs
 
 
-def _build(specs, tokenizer, options: _Options) -> dict[str, Rows]:
+def _build(specs, tokenizer, options: _Options, show_progress: bool = False) -> dict[str, Rows]:
     """Tokenize all datasets in order (up to the token budget), leave out repeats if asked, fit the lengths,
     split, then pack or pad each split."""
     pad_id = ensure_pad_token(tokenizer)
@@ -213,10 +217,12 @@ def _build(specs, tokenizer, options: _Options) -> dict[str, Rows]:
     examples = ExampleStore()
     for spec in specs:
         before = len(examples)
-        for example in tokenize_records(read_records(spec), tokenizer, spec):
-            examples.append(example)
-            if budget is not None and examples.num_tokens >= budget:
-                break
+        with _tokenizing_bar(spec.label, show_progress, lambda: len(examples) - before) as bar:
+            for example in tokenize_records(read_records(spec), tokenizer, spec):
+                examples.append(example)
+                bar.update(1)
+                if budget is not None and examples.num_tokens >= budget:
+                    break
         logger.info("dataset %s: %d examples", spec.label, len(examples) - before)
         if budget is not None and examples.num_tokens >= budget:
             break
@@ -234,6 +240,18 @@ def _build(specs, tokenizer, options: _Options) -> dict[str, Rows]:
     if evaluation is not None:
         splits["eval"] = (pack_examples if options.eval_packing else pad_examples)(evaluation, seq_len, pad_id)
     return splits
+
+
+@contextlib.contextmanager
+def _tokenizing_bar(label: str, show: bool, count: Callable[[], int]):
+    """A tqdm bar counting examples in a terminal; elsewhere one closing line per dataset (logs, CI)."""
+    from tqdm.auto import tqdm
+
+    in_terminal = show and sys.stderr.isatty()
+    with tqdm(desc=f"tokenizing {label}", unit=" examples", disable=not in_terminal, dynamic_ncols=True) as bar:
+        yield bar
+    if show and not in_terminal:
+        print(f"  tokenized {label}: {count():,} examples", flush=True)
 
 
 def without_repeats(examples: ExampleStore) -> ExampleStore:

@@ -34,6 +34,11 @@ HF_METADATA_FILES = {"state.json", "dataset_info.json", "dataset_dict.json"}
 GLOB_CHARACTERS = set("*?[")
 STDLIB_PREFIX = "stdlib:"
 PARQUET_BATCH_ROWS = 1024
+BINARY_SNIFF_BYTES = 8192
+HEAD_BYTES = 1 << 20
+"""How much of a plain-text (pretrain_files) document a sample reads."""
+HEAD_RECORDS = 1000
+"""At most this many records of a file are read for a sample (``head_rows``)."""
 DEFAULT_MAX_RECORD_MB = 16.0
 """The default of ``dataset_max_record_mb``: a record (a JSON line, a row, a pretrain file) may hold this many
 MiB; about 4M tokens of English text."""
@@ -177,16 +182,29 @@ def _read_json_file(path: Path) -> dict[str, Any]:
     return content
 
 
-def read_utf8(path: Path) -> str:
-    """The file's text; a DataError naming the byte offset of the first byte that is not UTF-8."""
+def read_utf8(path: Path, *, limit: int | None = None) -> str:
+    """The file's text (its first ``limit`` bytes, a character cut at the end dropped); a DataError naming the
+    byte offset of the first byte that is not UTF-8, or saying it is a binary file."""
     try:
-        data = path.read_bytes()
+        if limit is None:
+            data = path.read_bytes()
+        else:
+            with open(path, "rb") as f:
+                data = f.read(limit)
     except OSError as error:
         raise DataError(f"{path}: cannot be read ({error.strerror}); fix its permissions or remove it") from error
     start = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0  # a BOM is no content
+    nul = data.find(b"\0", 0, BINARY_SNIFF_BYTES)
+    if nul >= 0:  # text never holds NUL bytes: an image, an archive, a model file ...
+        raise DataError(
+            f"{path}: a binary file (a NUL byte at offset {nul}), not {path.suffix or 'plain'} text; point path: "
+            f"at the dataset's text (or Parquet / Arrow files named .parquet / .arrow)"
+        )
     try:
         return data[start:].decode("utf-8")
     except UnicodeDecodeError as error:
+        if limit is not None and len(data) == limit and error.start >= len(data) - 3:
+            return data[start : error.start].decode("utf-8")  # the limit cut a character in two
         offset = start + error.start
         raise DataError(
             f"{path}: not UTF-8 text (byte {data[offset]:#04x} at byte offset {offset}); re-encode it as UTF-8 "
@@ -218,6 +236,20 @@ def iter_rows(path: Path, *, max_record_bytes: int | None = None) -> Iterator[tu
             f"'{path.suffix}' files; convert it, or use type: pretrain_files for plain text"
         )
     yield from reader(path)
+
+
+def head_rows(path: Path) -> tuple[list[tuple[str, Any]], bool]:
+    """The first records of a data file, cheaply: at most ``HEAD_RECORDS`` of them, read as a stream (a JSON
+    lines file's first bytes are checked for a binary file first). Returns (rows, whether they are all of the
+    file's rows)."""
+    if path.suffix == ".jsonl":
+        read_utf8(path, limit=BINARY_SNIFF_BYTES)  # a binary file given as JSON lines: one line saying so
+    rows = []
+    for row in iter_rows(path):
+        rows.append(row)
+        if len(rows) >= HEAD_RECORDS:
+            return rows, False
+    return rows, True
 
 
 def _open_decompressed(path: Path):
@@ -326,5 +358,7 @@ def _import_pyarrow(path: Path):
         import pyarrow
         import pyarrow.ipc as ipc
     except ImportError:
-        raise DataError(f"{path}: reading {path.suffix or 'Arrow'} data needs pyarrow; pip install pyarrow") from None
+        raise DataError(
+            f"{path}: reading {path.suffix or 'Arrow'} data needs pyarrow; pip install 'ndparallel[data]'"
+        ) from None
     return pyarrow, ipc

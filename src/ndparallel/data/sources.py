@@ -16,7 +16,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ndparallel.data.files import DEFAULT_MAX_RECORD_MB, iter_rows, read_utf8, resolve_files, too_large
+from ndparallel.data.files import (
+    DEFAULT_MAX_RECORD_MB,
+    HEAD_BYTES,
+    head_rows,
+    iter_rows,
+    read_utf8,
+    resolve_files,
+    too_large,
+)
 from ndparallel.data.spec import ALIASES, DATASET_TYPES, DatasetSpec
 from ndparallel.errors import DataError
 
@@ -29,6 +37,7 @@ __all__ = [
     "Record",
     "TextRecord",
     "read_records",
+    "sample_records",
 ]
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
@@ -79,6 +88,24 @@ def read_records(spec: DatasetSpec) -> Iterator[Record]:
             f"dataset {spec.label}: {spec.path} holds no records (for split={spec.split!r}); fix path: "
             f"or split:, or add data"
         )
+
+
+def sample_records(spec: DatasetSpec) -> tuple[list[Record], bool]:
+    """The dataset's first records, read cheaply (``files.head_rows``: at most a thousand records of its first
+    file that has any), checked as ``read_records`` checks them. Returns (records, whether they are
+    all of the dataset's records); ``split`` slices and ``skip`` are not applied."""
+    files = resolve_files(spec)
+    for number, path in enumerate(files):
+        if spec.kind == "pretrain_files":
+            whole = path.stat().st_size <= HEAD_BYTES
+            return [TextRecord(read_utf8(path, limit=None if whole else HEAD_BYTES), str(path))], whole and len(
+                files
+            ) == 1
+        rows, whole = head_rows(path)
+        records = [r for r in (_normalise(row, where, spec) for where, row in rows) if r is not None]
+        if records or not whole:
+            return records, whole and number == len(files) - 1
+    return [], True
 
 
 def _all_records(spec: DatasetSpec, files: list) -> Iterator[Record]:
@@ -217,7 +244,15 @@ def _message(turn: Any, number: int, key: str, where: str, spec: DatasetSpec, ro
         raise DataError(f"{place}: expected {{role, content}} or {{from, value}}, found {_describe(turn)}; fix it")
     if not isinstance(role, str) or not isinstance(content, str):
         raise DataError(f"{place}: role and content must be strings, found {_describe(turn)}; fix it")
-    return {"role": role, "content": content}
+    message = {"role": role, "content": content}
+    trace = turn.get(spec.thinking_key)  # a reasoning trace, under the key the chat template reads it from
+    if trace:
+        if not isinstance(trace, str):
+            raise DataError(
+                f"{place}: {spec.thinking_key!r} must be a string (a reasoning trace), found {_kind(trace)}"
+            )
+        message[spec.template_thinking_key] = trace
+    return message
 
 
 def _describe(value: Any) -> str:

@@ -31,8 +31,9 @@ class DatasetSpec:
     configs), optionally sliced as in ``datasets``: ``train[:10%]``, ``train[100:200]``, ``train+test``.
     ``field`` names the text column of a completion dataset (default ``text``) or the messages column of a
     chat dataset; ``name`` is a hub dataset's configuration. The chat options (``role_key``, ``content_key``,
-    ``roles``, ``roles_to_train``, ``drop_system_message``, ``chat_template`` source, ``template_kwargs``) and
-    ``train_on_inputs`` decide which tokens are trained; all of them are part of the data cache's key.
+    ``roles``, ``roles_to_train``, ``drop_system_message``, ``chat_template`` source, ``template_kwargs``, the
+    reasoning-trace keys) and ``train_on_inputs`` decide which tokens are trained; all of them are part of the
+    data cache's key.
     """
 
     path: str
@@ -52,6 +53,10 @@ class DatasetSpec:
     template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     train_on_inputs: bool = False
     skip: int = 0
+    thinking_key: str = "reasoning_content"
+    """chat_template: the message key holding a reasoning trace (Axolotl's field_thinking)."""
+    template_thinking_key: str = "reasoning_content"
+    """chat_template: the key the chat template reads it from (Axolotl's template_thinking_key)."""
     max_record_bytes: int | None = None
     """The largest record read (None: dataset_max_record_mb's default); not part of the data cache's key: it
     changes no row, a larger record is an error."""

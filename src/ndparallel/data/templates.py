@@ -22,9 +22,16 @@ def _blocks(body: str, generation_prompt: str, *, prefix: str = "") -> str:
 
 
 _CHATML = _blocks("<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n", "<|im_start|>assistant\n")
+# Qwen3's turns: an assistant turn's reasoning trace (``reasoning_content``) inside <think> before its answer.
+_QWEN3 = _blocks(
+    "<|im_start|>{{ message['role'] }}\n{% if message['role'] == 'assistant' and message.reasoning_content is defined "
+    "and message.reasoning_content %}<think>\n{{ message.reasoning_content | trim }}\n</think>\n\n{% endif %}"
+    "{{ message['content'] }}<|im_end|>\n",
+    "<|im_start|>assistant\n",
+)
 TEMPLATES = {
     "chatml": _CHATML,
-    "qwen3": _CHATML,
+    "qwen3": _QWEN3,
     "qwen_25": _blocks(
         "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n",
         "<|im_start|>assistant\n",

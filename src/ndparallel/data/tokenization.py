@@ -54,6 +54,7 @@ class RecordTokenizer:
         self.template_kwargs = dict(spec.template_kwargs) if spec else {}
         self.trained_roles = set(spec.roles_to_train) if spec else {"assistant"}
         self.train_on_inputs = bool(spec and spec.train_on_inputs)
+        self.trace_key = spec.template_thinking_key if spec else "reasoning_content"
 
     def __call__(self, record: Record) -> Example:
         if isinstance(record, TextRecord):
@@ -118,6 +119,13 @@ class RecordTokenizer:
                 f"{record.where}: the chat template failed on this conversation ({error}); fix the record or "
                 f"the chat_template"
             ) from None
+        trace = "" if generation_prompt else messages[-1].get(self.trace_key, "")
+        if trace and trace.strip() not in text:  # a trace the template does not read would vanish silently
+            raise DataError(
+                f"{record.where}: message {len(messages)} has a reasoning trace, but the chat template does not "
+                f"render it from the key {self.trace_key!r}; set the dataset's template_thinking_key to the key "
+                f"the template reads (Qwen3: reasoning_content, gpt-oss: thinking), or use a template that renders it"
+            )
         return self._encode(text)
 
     @staticmethod

@@ -19,6 +19,7 @@ import sys
 from ndparallel.errors import ConfigError
 from ndparallel.layout import AXES, CP_METHODS
 from ndparallel.models import presets
+from ndparallel.planner.advice import nothing_fits
 from ndparallel.planner.gpus import DEFAULT_GPU, GPUS, gpu_preset
 from ndparallel.planner.hardware import Cluster
 from ndparallel.planner.plan import plan
@@ -211,12 +212,15 @@ def run_plan(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"ndparallel plan: {exc}", file=sys.stderr)
         return 2
+    fits = any(row.fits for row in rows)
     if args.json:
         print(json.dumps(to_json(rows), indent=1))
     else:
+        if not fits:  # the verdict first, with what would fit, before the table of what does not
+            print(nothing_fits(model, cluster, workload, rows, constraints))
         print(header(model, cluster, workload, gpu_given=bool(args.gpu)))
         print(format_table(rows, top=args.top))
-    return 0 if any(row.fits for row in rows) else 1
+    return 0 if fits else 1
 
 
 def main(argv: list[str] | None = None) -> int:

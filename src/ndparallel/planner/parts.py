@@ -58,6 +58,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ndparallel.flops import packed_row_pairs
 from ndparallel.layout import Layout
 from ndparallel.planner.activations import kv_width_allgather, kv_width_alltoall
 from ndparallel.planner.memory import local_params, lora_params
@@ -120,8 +121,9 @@ def linear_s(mb: MicroBatch, rates: Rates) -> float:
 
 
 def attention_pairs(seq: int, keys: int) -> float:
-    """Visible (query, key) pairs of one causal row of ``seq`` tokens made of documents of ``keys`` tokens."""
-    return seq * (keys + 1) / 2
+    """Visible (query, key) pairs of one causal row of ``seq`` tokens made of documents of ``keys`` tokens
+    (the last one shorter when they do not divide the row): the trainer's MFU count (``ndparallel.flops``)."""
+    return float(packed_row_pairs(seq, keys))
 
 
 def attention_s(mb: MicroBatch, rates: Rates) -> float:

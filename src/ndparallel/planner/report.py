@@ -59,6 +59,10 @@ def header(model: ModelShape, cluster: Cluster, workload: Workload, *, gpu_given
         options.append(f"LoRA r={workload.lora_rank}{base}")
     if workload.doc_len:
         options.append(f"packed documents of {workload.doc_len} tokens")
+    if model.experts:
+        options.append(
+            f"mixture of experts ({model.active_experts} of {model.experts} per token; expert parallelism not weighed)"
+        )
     lines = [
         f"{model.name}: {model.params / 1e9:.2f}B parameters on {cluster.nodes} x {cluster.gpus_per_node} "
         f"{gpu.name} ({gpu.memory_gib:g} GiB), {workload.rows} rows x {workload.seq_len} tokens per step, "

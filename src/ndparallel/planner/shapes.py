@@ -8,6 +8,12 @@ Parameter counts, with h hidden, q = heads x head_dim, kv = kv_heads x head_dim,
     one decoder layer   h*q (q_proj) + 2*h*kv (k_proj, v_proj) + q*h (o_proj) + 3*h*i (gate, up, down)
                         + 2*h (two RMSNorm weights) [+ q + 2*kv q/k/v biases] [+ 2*head_dim q/k norms]
     embedding           V*h;  lm_head V*h unless tied;  final norm h
+
+Mixture-of-experts models are planned as the dense model a token sees: ``intermediate`` is the width of the
+experts a token passes (top-k x expert width, + shared experts and the router, averaged over the layers), so
+compute and activations are a token's; ``idle_expert_params`` (per layer) are the other experts' weights,
+which memory and FSDP traffic count and compute does not. Expert parallelism itself is not weighed (its
+all-to-all, the gathered experts per rank): ``expert_parallel_size`` is applied to the layout chosen.
 """
 
 from __future__ import annotations
@@ -45,6 +51,12 @@ class ModelShape:
     qk_norm: bool = False
     """Per-head RMSNorm on queries and keys (Qwen3)."""
     name: str = "custom"
+    experts: int = 0
+    """Mixture of experts: experts per MoE layer (0: a dense model)."""
+    active_experts: int = 0
+    """Experts each token passes through (top-k)."""
+    idle_expert_params: int = 0
+    """Per layer (averaged): expert weights stored but not used by a given token."""
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -73,7 +85,7 @@ class ModelShape:
     def layer_split_params(self) -> int:
         """Parameters of one layer that tensor parallelism splits (all linears and q/k/v biases)."""
         h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
-        n = h * q + 2 * h * kv + q * h + 3 * h * i
+        n = h * q + 2 * h * kv + q * h + 3 * h * i + self.idle_expert_params
         if self.attention_bias:
             n += q + 2 * kv
         return n
@@ -125,7 +137,7 @@ class ModelShape:
 
         The embedding lookup is a gather, not a product, so it is left out of the 6*N FLOP count.
         """
-        return self.layers * self.layer_split_params() + self.vocab * self.hidden
+        return self.layers * (self.layer_split_params() - self.idle_expert_params) + self.vocab * self.hidden
 
     def lora_params_per_layer(self, rank: int) -> int:
         """LoRA adapter parameters of one layer, all seven linears adapted: r * (in + out) each."""
@@ -168,10 +180,11 @@ class ModelShape:
             )
         heads = int(get("num_attention_heads"))
         model_type = str(get("model_type", "") or "")
+        experts = _experts(cfg)
         return cls(
             vocab=int(get("vocab_size")),
             hidden=int(get("hidden_size")),
-            intermediate=int(get("intermediate_size")),
+            intermediate=experts.get("intermediate", int(get("intermediate_size"))),
             layers=int(get("num_hidden_layers")),
             heads=heads,
             kv_heads=int(get("num_key_value_heads") or heads),
@@ -180,6 +193,9 @@ class ModelShape:
             attention_bias=bool(get("attention_bias", model_type == "qwen2")),
             qk_norm=model_type.startswith("qwen3"),
             name=name or str(get("_name_or_path", "") or model_type or "custom"),
+            experts=experts.get("experts", 0),
+            active_experts=experts.get("active_experts", 0),
+            idle_expert_params=experts.get("idle_expert_params", 0),
         )
 
     @classmethod
@@ -221,6 +237,27 @@ class ModelShape:
         return LlamaConfig(**common, attention_bias=False)
 
 
+def _experts(cfg: Any) -> dict[str, int]:
+    """A mixture-of-experts config's planning fields (see the module docstring); {} for a dense model."""
+    from ndparallel.models.moe import is_moe_config, moe_shape
+
+    config = SimpleNamespace(**cfg) if isinstance(cfg, dict) else cfg
+    if not is_moe_config(config):
+        return {}
+    moe, h, layers = moe_shape(config), config.hidden_size, config.num_hidden_layers
+    routed = moe.shared_params + moe.router_params
+    active = (
+        moe.moe_layers * (moe.top_k * moe.expert_params + routed) + moe.dense_layers * moe.dense_mlp_params
+    ) / layers
+    idle = moe.moe_layers * (moe.num_experts - moe.top_k) * moe.expert_params / layers
+    return {
+        "intermediate": max(1, round(active / (3 * h))),
+        "experts": moe.num_experts,
+        "active_experts": moe.top_k,
+        "idle_expert_params": round(idle),
+    }
+
+
 def preset_shape(name: str) -> ModelShape | None:
     """The shape of a preset of ``models/presets.py`` ('8b' or 'llama-8b'), or None."""
     key = presets.canonical_name(name)
@@ -254,6 +291,9 @@ def load_model_shape(spec: "str | dict | ModelShape | Any") -> ModelShape:
                 f"--model inline JSON does not parse ({exc.msg} at char {exc.pos}); check quoting"
             ) from None
     path = os.path.join(text, "config.json") if os.path.isdir(text) else text
+    name = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    if not os.path.exists(path) and _is_hub_id(text):
+        path, name = _hub_config(text), text.split("/")[-1]
     if os.path.isfile(path):
         with open(path) as f:
             try:
@@ -262,8 +302,25 @@ def load_model_shape(spec: "str | dict | ModelShape | Any") -> ModelShape:
                 raise ConfigError(
                     f"model config {path} is not valid JSON ({exc.msg}); fix or replace the file"
                 ) from None
-        return ModelShape.from_hf_config(data, name=os.path.basename(os.path.dirname(os.path.abspath(path))))
+        return ModelShape.from_hf_config(data, name=name)
     raise ConfigError(
-        f"model={spec!r} is not a preset ({presets.choices()}), a directory with config.json, a config file "
-        f"or inline JSON; pass one of those"
+        f"model={spec!r} is not a preset ({presets.choices()}), a directory with config.json, a config file, "
+        f"a hub id (org/name) or inline JSON; pass one of those"
     )
+
+
+def _is_hub_id(text: str) -> bool:
+    from ndparallel.hub import is_hub_id
+
+    return is_hub_id(text)
+
+
+def _hub_config(name: str) -> str:
+    """config.json of hub model ``name``, as train reads it (the hub cache; fetched when missing and online)."""
+    from ndparallel.errors import NdParallelError
+    from ndparallel.hub import model_dir
+
+    try:
+        return str(model_dir(name, weights=False, setting="--model") / "config.json")
+    except NdParallelError as exc:
+        raise ConfigError(str(exc)) from None
