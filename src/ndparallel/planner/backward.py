@@ -26,8 +26,9 @@ attention stage
     backward (the kernel of packed rows and every CP method): a float32 dQ accumulator 4q/t, dQ e*q/t, and
     dK, dV per query head, 2e*q/t, summed into 2e*kv/t under grouped-query attention (else 2e*kv/t once);
     + CP's exchange buffers (``memory.cp_buffer_bytes``). With the MLP over tiles this stage is the larger
-    one: on the H200 (1B, tiled, 15 layers offloaded, compiled) the model gives 25.31 GiB at 131,072 tokens
-    (24.95 measured) and 74.64 at 1,048,576 (73.13); without the flash buffers it would give 21.8 / 46.6.
+    one: on the H200 (1B, tiled, 15 layers offloaded, compiled) the model gives 25.30 GiB at 131,072 tokens
+    (24.95 measured) and 74.65 at 1,048,576 (73.13); without the flash buffers, where the MLP stage would be
+    the larger, 24.49 / 67.49.
 
 Where in the backward: processing layer j (L-1 first, 0 last) frees its kept activations once done and
 leaves its gradients (bf16 on the one-rank flat path, the reduced float32 shard under FSDP; nothing new
