@@ -45,6 +45,31 @@ gradient): (4h + 4)/t once. The linears' inputs stay saved (each adapter's A rea
                 sequence) and every B output (o/down: sequence-split)
 Measured on CPU (``tiny-gqa4-*-lora*`` rows, world 1 and tp 2) and on the H200 (1B LoRA rows).
 
+fused loss (``Workload.fused_loss``, the trainer's default: ``fused_loss.py``; counted on CPU, H200 rows)
+    head        lm_head's input is not saved; the loss's gradient of it is, e*h per token (made in forward
+                whenever the hidden states need a gradient: under LoRA too)
+    loss        no logits: lm_head's weight gradient, summed in float32 from forward to backward, 4*V*h/t
+                once, not per token (none under LoRA)
+    its forward (``fused_loss_peak``: the loss computes the gradients there), beyond the kept activations,
+    per micro-batch of n tokens, w = V/t: lm_head's input e*n*h; that float32 weight gradient 4*w*h; one
+    chunk of c = min(n, ~1 GiB / (e*w)) rows' logits, e*c*w (4,096 rows at w = 128,256 in bf16); then the
+    larger of the chunk's float32 temporaries (eager: 12*c*w in bf16, 8*c*w in fp32, as the chunked loss's;
+    compiled on CUDA the Triton kernels make none) and, bf16 on CUDA, the float32 product of the weight-
+    gradient GEMM before it is added, 4*w*h (``torch.addmm(..., out_dtype=float32)`` makes one); 18 bytes
+    per token (the local and the clamped label, two masks) and 20 per chunk row. H200, the 1B's head at
+    8,192 tokens: 3.49 GiB above its inputs, as counted (``tests/gpu/fused_loss_check.py``). The CPU keeps
+    each chunk's bf16 product instead, e*w*h (the CPU measurements count it: ``device='cpu'``).
+    lm_head's backward (``fused_head_backward``): the float32 gradient and autograd's cast of it to the
+    weight's dtype at once, (4 + e)*w*h (fp32: 4*w*h, no cast).
+tiled MLP (``Workload.tiled_mlp``: ``parallel/tiled_mlp.py``; no checkpointing or full)
+    the MLP's four tensors are not kept; each tile's checkpoint keeps its input, a view of the post-attention
+    norm's sequence-split output, e*h/t instead of the gathered e*h (LoRA: the gate, up and down adapters' A
+    outputs go with the tiles). Under selective checkpointing nothing changes: its policy caches the tiles'
+    matmul outputs too (counted on CPU). What one tile holds in backward: ``backward.py``.
+activation offload (``Workload.activation_offload``: ``parallel/offload.py``; full checkpointing)
+    the first K layers' inputs (e*h/t per token each) wait in host memory: ``layers`` counts the other L - K,
+    ``offloaded`` those K. When they come back: ``backward.py``.
+
 torch.compile (the trainer's ``compile``: each decoder layer compiled, and the loss's chunk functions)
 changes what is kept, because the compiled layer's backward graph is partitioned from the forward by
 need (the min-cut partitioner recomputes cheap elementwise results, and saves only what backward reads):
@@ -80,9 +105,10 @@ class ActivationBytes:
     """All decoder layers."""
     embedding: float
     head: float
-    """Final norm, lm_head input and labels."""
+    """Final norm, lm_head input (fused loss: its gradient) and labels."""
     loss_saved: float
-    """What the loss keeps for backward: the logits (compute dtype) and 14 bytes per token."""
+    """What the loss keeps for backward: the logits (compute dtype) and 14 bytes per token; fused, lm_head's
+    float32 weight gradient."""
     layer_recompute: float
     """Backward working set of the layer being processed: what checkpointing recomputes for it."""
     offloaded: float = 0.0

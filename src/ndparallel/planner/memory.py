@@ -35,18 +35,30 @@ the "reduce-scatter" is ``output.copy_(input / divide_factor)``, one more fp32 t
 and 2.13 make it even for the factor 1.0 that ``_compat.set_gradient_sum`` sets; later releases may skip
 it): reduce(x) = 4x * (1 + 1/f) (+ 4x when f = 1). The moments:
     loss              backward of the chunked cross-entropy: the logits, their gradient and the chunk's
-                      float32 temporaries (activations.loss_peak; no full float32 copy is ever made)
+                      float32 temporaries (activations.loss_peak; no full float32 copy is ever made); with the
+                      fused loss (the trainer's default) its forward, which makes the gradients: lm_head's
+                      input, its float32 weight gradient, one chunk's logits and temporaries
+                      (activations.fused_loss_peak)
     head backward     the logits (the trainer holds them until ``loss.backward()`` returns) and their
                       gradient, 2e * n*V/t, + lm_head's unsharded gradient e * V*h/t (or, untied, its
-                      unit's reduction once the gradient of the logits and the unit's copy are freed)
-    layer backward    the first layer processed: what checkpointing recomputes + activation gradients
-                      e*n*(2h + 3i/t) + the unit's gradient e * P_layer/t + CP buffers, or later its
-                      reduction once those are freed; + the logits the trainer holds, + the tied
-                      embedding's unsharded gradient from lm_head (kept until the root unit reduces at the end)
+                      unit's reduction once the gradient of the logits and the unit's copy are freed); fused:
+                      the float32 weight gradient and its cast to the weight's dtype, (4 + e) * V*h/t
+    layer backward    a layer's backward beyond the kept activations (``backward.py``): the larger of its MLP
+                      and attention stages (what checkpointing recomputes, the gradients and the kernels'
+                      buffers, CP's), at the layer of the backward where the kept inputs and finished
+                      gradients add up to the most (with activation offload: the layer inputs prefetched
+                      from the host); or the first layer's reduction once its activations and copy are freed;
+                      + the logits the trainer holds (unfused), + the tied embedding's unsharded gradient from
+                      lm_head (kept until the root unit reduces at the end). The head's activations are gone
+                      by then (freed by its backward: counted on CPU); the labels stay.
     end of backward   every other unit's sharded gradient + the logits + the embedding unit's reduction
                       (its gathered copy is freed first), or the embedding backward just before it
     optimizer step    gradients, master weights and AdamW states only
     overhead          fixed: CUDA context, NCCL, fragmentation (Cluster.overhead_gib)
+Activation offload puts the first K layers' inputs in pinned host memory: ``offload_host_bytes`` per node
+(every GPU's, each layer's input in a block of the next power of two, as PyTorch's pinned allocator hands
+them out), which must fit in ``offload.HOST_SHARE`` of ``Cluster.host_bytes`` (``evaluate.py``); K is the
+run's, or as many as that holds (``offload_layers_for``, the trainer's rule).
 A world of one on the engine's flat path (no FSDP; ``Workload.single_rank_fsdp`` False, bf16) differs where
 its buffers do (``_flat_path_rows``): the compute copies stay at every moment, gradients are bf16 until the
 end of backward, and with ``Workload.master_grads`` the fp32 ones are made while the bf16 ones still exist.
@@ -55,7 +67,8 @@ end of backward, and with ``Workload.master_grads`` the fp32 ones are made while
 H200 it is within 0.01% of every measured world-1 eager case (1B and 3B on FSDP over one rank, three
 checkpointing modes, sequences of 2k to 128k tokens; a Llama-2-7B layer shape on the flat path) and 0.3% of
 the LoRA ones, see ``benchmarks/planner_validation.md``; with torch.compile
-(``Workload.compile``) within 5% (activations.py says what compile changes).
+(``Workload.compile``) within 5% (activations.py says what compile changes). With the fused loss (1B,
+compiled, 4096 x 2 and 131,072 tokens) within 0.01%; with the tiled MLP and offload 1.4-2.1% high (backward.py).
 """
 
 from __future__ import annotations
