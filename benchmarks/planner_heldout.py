@@ -350,6 +350,10 @@ def cluster_for(row: Published) -> Cluster:
 
 
 def workload_for(row: Published) -> Workload:
+    """The published run as ndparallel's step, as the trainer ran it when this comparison was written (before
+    2026-12-03): the model's logits and the chunked loss, no tiled MLP or activation offload. With the fused
+    loss, the trainer's default since, the predicted peaks differ (planner/activations.py); the analysis
+    below, and its numbers, are for that step."""
     data_ranks = row.layout[0] * row.layout[1]
     return Workload(
         seq_len=row.seq,
@@ -359,6 +363,9 @@ def workload_for(row: Published) -> Workload:
         compile=row.compile,
         fp8=row.fp8,
         cp_methods=(row.cp_method,),
+        fused_loss=False,
+        tiled_mlp=False,
+        activation_offload=False,
     )
 
 
@@ -497,17 +504,17 @@ known, one sized:
   rows are charged 0.59-1.24 of the measured time (the attention is short there and the simulation's
   whole-row fp32 accumulators, which the real methods lack, weigh): no published CP row is packed.
 
-**Memory, allocated (ATorch, 4 rows): 0.39-0.52, all outside 15%.** ATorch's rank 0 printed 38.7, 34.0,
-31.6 and 30.4 GiB on 8, 16, 32 and 64 GPUs; the planner predicts 20.3, 15.5, 13.2 and 12.0 GiB for
+**Memory, allocated (ATorch, 4 rows): 0.35-0.49, all outside 15%.** ATorch's rank 0 printed 38.7, 34.0,
+31.6 and 30.4 GiB on 8, 16, 32 and 64 GPUs; the planner predicts 19.0, 14.3, 11.9 and 10.7 GiB for
 ndparallel's step on those layouts. The part that sharding divides agrees: the published peaks are
 12 bytes per parameter over N (fp32 parameters and AdamW's two moments; no gradient exists at their peak)
 plus 29.25 GiB on all four rows (to 0.001 GiB), and the planner's fall from 8 to 64 GPUs is 8.3 GiB against
-the published 8.2. The part that does not shrink with N is 29.3 GiB in ATorch's step and 10.7 GiB in
-ndparallel's (each layer's input kept in bf16, 0.125 GiB per layer at 16,384 tokens; the chunked loss's
-bf16 logits and their gradient; one gathered bf16 layer). ATorch ran transformers' Llama under autocast on
-FSDP1's fp32 flat parameters (each gathered unit in fp32) with transformers' loss (float32 logits, 2 GiB a
-copy at 16,384 x 32,000). That step's unsharded part, measured on our H200 at this layer shape with 8 and
-16 layers (`benchmarks/peer_memory_autocast.py`, `results/h200_peer_memory_autocast.jsonl`;
+the published 8.2. The part that does not shrink with N is 29.3 GiB in ATorch's step and 9.5 GiB in
+ndparallel's (each layer's input kept in bf16, 0.125 GiB per layer at 16,384 tokens; the first layer's
+backward, with the bf16 logits the trainer holds; two gathered bf16 layers). ATorch ran transformers'
+Llama under autocast on FSDP1's fp32 flat parameters (each gathered unit in fp32) with transformers' loss
+(float32 logits, 2 GiB a copy at 16,384 x 32,000). That step's unsharded part, measured on our H200 at
+this layer shape with 8 and 16 layers (`benchmarks/peer_memory_autocast.py`, `results/h200_peer_memory_autocast.jsonl`;
 transformers 5.17, non-reentrant checkpointing, without FSDP: FSDP1 on one GPU switches to NO_SHARD),
 keeps 0.75 GiB per layer after forward (ndparallel: 0.125) and its loss adds 6.2 GiB; at 32 layers that is
 27 GiB after forward, the order of the published 29.3 (the 2023 releases ATorch ran are not reproduced).
@@ -520,7 +527,7 @@ shape at 8 and 16 layers on one GPU among them) and within 0.5% on the compiled 
 82.4 and 77.0 reserved) are in the expected relation; the long-sequence and TP rows are far below the
 published reservations because torchtitan's loss materializes float32 logits (16 GB at 32k tokens of a 128k
 vocabulary) that ndparallel's chunked loss never makes. The 8B TP 8, local batch 12 row (compiled,
-selective) now fits at 66.9 GiB (was 90.4, `fits: no`): compiled layers do not keep `down_proj`'s output,
+selective) now fits at 66.3 GiB (was 90.4, `fits: no`): compiled layers do not keep `down_proj`'s output,
 which backward never reads (measured on the H200 at tp 1, `planner_validation.md`; at tp 8 it is the
 full-width output before the reduce-scatter, unmeasured). Eager, ndparallel's selective mode still keeps the
 full-width outputs of `o_proj` and `down_proj` (2 x h elements per token and layer where the
@@ -573,7 +580,12 @@ compiled pointwise fractions moved from 0.479 / 0.500 to 0.471 / 0.491, every ra
 Then (2026-12-02, not prompted by these rows): the variable-length kernel's head_dim-128 rate was measured
 (above: the CP rows moved to 1.05-1.59); compiled layers' kept activations follow the H200's compiled
 peaks (MLP and selective terms, `planner/activations.py`): predicted memory of compiled rows fell by up to
-24 GiB (the TP 8 row), no throughput moved.
+24 GiB (the TP 8 row), no throughput moved. Then (2026-12-03, not prompted by these rows): a layer's
+backward is counted stage by stage, as CPU counts and the H200 showed (`planner/backward.py`: the head's
+activations are freed by then, the MLP holds six of its tensors at once, not seven, FlashAttention's
+buffers): predicted memory of the rows that peak there fell by up to 5.6 GiB (cp 8 at 262,144 tokens), the
+ATorch rows by 1.3. Every row is ndparallel's step as it ran before the fused loss became the trainer's
+default (`workload_for`: the model's logits and the chunked loss, no tiled MLP or offload).
 
 ## What the planner cannot express
 
