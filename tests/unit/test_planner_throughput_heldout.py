@@ -55,9 +55,9 @@ LORA_8B = [
 def _predicted(shape, **work) -> float:
     cluster = Cluster(nodes=1, gpus_per_node=1, gpu=GPUS["h200"])
     layout = dict(zip(("dp_replicate", "dp_shard", "cp", "tp"), Layout().shape))
-    return plan(PRESETS[shape], cluster, Workload(master_grads=True, **work), constraints=layout)[
-        0
-    ].tokens_per_s_per_gpu
+    # measured before the fused loss, the tiled MLP and offload (2026-12-03): the step as it ran then
+    old = dict(master_grads=True, fused_loss=False, tiled_mlp=False, activation_offload=False)
+    return plan(PRESETS[shape], cluster, Workload(**old, **work), constraints=layout)[0].tokens_per_s_per_gpu
 
 
 @pytest.mark.parametrize("ac, doc, seq, measured", LONG_ROWS)
