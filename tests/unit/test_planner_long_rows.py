@@ -276,3 +276,28 @@ def test_out_of_memory_advice_names_the_features_that_would_fit(monkeypatch):
     advice = planner_advice(cfg, config, Layout(), 139.8)
     assert "\n" not in advice and advice.startswith("the planner suggests nothing fits as configured")
     assert "set tiled_mlp: true and activation_offloading: true" in advice
+
+
+def test_plan_command_takes_the_features_and_the_host_memory(capsys):
+    import argparse
+    import json
+
+    from ndparallel.planner import PlanRow, add_plan_arguments, run_plan
+
+    def run(*extra):
+        base = ["--model", "1b", "--gpu", "h200", "--gpus-per-node", "1", "--seq-len", "1048576", "--global-batch"]
+        parser = add_plan_arguments(argparse.ArgumentParser(prog="ndparallel plan"))
+        code = run_plan(parser.parse_args([*base, "1", "--micro-batch-sizes", "1", "--compile", *extra]))
+        return code, capsys.readouterr().out
+
+    code, out = run("--host-memory-gib", "128")
+    assert code == 0 and "full +tiled +offload 15" in out
+    assert "tiled MLP where nothing fits without, activation offload where nothing fits without" in out
+    code, out = run("--tiled-mlp", "false", "--activation-offload", "false")
+    assert code == 1 and "tiled MLP off, activation offload off" in out  # nothing fits: exit 1
+    code, _ = run("--host-memory-gib", "128", "--unfused-loss")
+    assert code == 1  # the model's logits alone: 1,048,576 x 128,256 in bf16, 250 GiB
+    code, out = run("--host-memory-gib", "128", "--json")
+    rows = [PlanRow.from_dict(d) for d in json.loads(out)]
+    assert rows[0].tiled_mlp and rows[0].offload_layers == 15 and rows[0].host_bytes == 60 * GIB
+    assert rows[0].to_dict() == json.loads(out)[0]
