@@ -182,7 +182,12 @@ def test_host_memory_bounds_offload():
     )
     row = plan("llama-1b", Cluster(nodes=1, gpus_per_node=1, gpu=GPUS["h200"], host_memory_gib=16), fixed)[0]
     assert not row.host_fits and not row.fits
-    assert row.reasons[0].startswith("does not fit: the inputs of 15 offloaded layers need 60.0 GiB of host memory")
+    assert row.reasons[0].startswith("does not fit: the inputs of 15 layers offloaded need 60.0 GiB of host memory")
+    # offload asked for with a host that holds no layer (the trainer refuses such a run): said the same way
+    asked = Workload(seq_len=1 << 20, global_batch_rows=1, micro_batch_sizes=(1,), activation_offload=True)
+    row = plan("llama-1b", small, asked)[0]
+    assert row.offload_layers == 1 and not row.host_fits
+    assert row.reasons[0].startswith("does not fit: the inputs of 1 layer offloaded need 4.0 GiB of host memory")
 
 
 def test_time_of_the_features():
@@ -263,7 +268,7 @@ def test_dp_shard_size_auto_plans_the_runs_features():
     assert "tiled_mlp" not in reason and "activation_offloading" not in reason
     on = parse_config({**cfg.model_dump(exclude_unset=True), "tiled_mlp": True, "activation_offloading": True})
     _, reason = resolve_layout(on, 2, TINY)
-    assert "activation_checkpointing=full, tiled_mlp=true, activation_offloading=true (1 layers)" in reason
+    assert "activation_checkpointing=full, tiled_mlp=true, activation_offloading=true (1 layer)" in reason
 
 
 def test_out_of_memory_advice_names_the_features_that_would_fit(monkeypatch):

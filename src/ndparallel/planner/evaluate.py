@@ -43,14 +43,6 @@ class PlanRow:
     """The offloaded inputs fit in ``offload.HOST_SHARE`` of the node's host memory."""
 
     @property
-    def features(self) -> str:
-        """The long-row features this candidate uses, as the trainer's settings ('' without any)."""
-        out = ["tiled_mlp: true"] if self.tiled_mlp else []
-        if self.offload_layers:
-            out.append(f"activation_offloading: true ({self.offload_layers} layers)")
-        return ", ".join(out)
-
-    @property
     def step_s(self) -> float:
         return self.time.step_s
 

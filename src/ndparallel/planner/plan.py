@@ -126,8 +126,10 @@ def _features(
         if mode != "full":
             return None
         layers = offload_layers_for(model, layout, workload, cluster, knobs.micro_batch)
-        if layers < 1:
-            return None
+        if layers < 1 and workload.activation_offload is not True:
+            return None  # 'auto': nothing to try
+        if workload.activation_offload_layers is None:
+            layers = max(layers, 1)  # the run's setting: one layer, to say the host memory does not hold it
     return dataclasses.replace(knobs, tiled_mlp=tiled, offload_layers=layers)
 
 
@@ -233,7 +235,7 @@ def _sizes(row: PlanRow) -> str:
     if row.tiled_mlp:
         setting += ", tiled_mlp=true"
     if row.offload_layers:
-        setting += f", activation_offloading=true ({row.offload_layers} layers)"
+        setting += f", activation_offloading=true ({row.offload_layers} layer{'' if row.offload_layers == 1 else 's'})"
     return f"{sizes}, {setting}"
 
 

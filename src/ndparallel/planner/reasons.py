@@ -24,6 +24,10 @@ def _gb(x: float) -> str:
     return f"{x / GB:.1f} GB" if x >= 0.1 * GB else f"{x / 1e6:.0f} MB"
 
 
+def _layers(n: int) -> str:
+    return f"{n} layer" + ("" if n == 1 else "s")
+
+
 def _link(comm: AxisComm, cluster: Cluster) -> str:
     return cluster.link_name(comm.crosses_nodes, comm.per_node, comm.pattern, comm.size)
 
@@ -45,7 +49,7 @@ def fit_reason(row: PlanRow, cluster: Cluster, workload: Workload) -> str:
     where = f"peak at {mem.transient_kind}"
     if not row.host_fits:
         return (
-            f"does not fit: the inputs of {row.offload_layers} offloaded layers need {_gib(row.host_bytes)} of host "
+            f"does not fit: the inputs of {_layers(row.offload_layers)} offloaded need {_gib(row.host_bytes)} of host "
             f"memory per node, {_gib(HOST_SHARE * cluster.host_bytes)} usable ({HOST_SHARE:.0%} of "
             f"{_gib(cluster.host_bytes)}; --host-memory-gib)"
         )
