@@ -116,6 +116,9 @@ def predict(key: tuple, eff: Efficiency, *, fp8: bool = False, fsdp: bool = True
         doc_len=doc,
         single_rank_fsdp=fsdp,
         master_grads=True,  # every fitted row ran before AdamW read bf16 gradients in place (2026-12-02)
+        fused_loss=False,  # ... and before the fused loss, the tiled MLP and activation offload (2026-12-03)
+        tiled_mlp=False,
+        activation_offload=False,
     )
     row = plan(
         load_model_shape(shape),

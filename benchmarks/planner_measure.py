@@ -24,6 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import planner_measure_long_rows as long_rows  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from harness import run_ranks  # noqa: E402
@@ -159,61 +160,46 @@ def _config(layout):
 
 
 def measure_all() -> list[dict]:
-    rows = []
+    """Every CPU row: the activation and loss cases below (the unfused loss, no tiling or offload: what the
+    planner's coefficients were read from) and the long-row features' (``planner_measure_long_rows.py``)."""
     cases = [(*case, None) for case in ACTIVATION_CASES]
     cases += [(model, layout, mode, "bf16", LORA_RANK) for model, layout, mode in LORA_CASES]
-    for model, layout, mode, precision, lora_rank in cases:
-        world = layout["dp_replicate"] * layout["dp_shard"] * layout["cp"] * layout["tp"]
-        got = run_ranks(
-            world,
-            measure_activations,
-            model,
-            _config(layout),
-            seq_len=SEQ,
-            micro_batch=ROWS,
-            activation_checkpointing=mode,
-            precision=precision,
-            lora_rank=lora_rank,
-        )[0]
-        base = {
-            "model": model.to_dict(),
-            "layout": layout,
-            "seq_len": SEQ,
-            "micro_batch": ROWS,
-            "activation_checkpointing": mode,
-            "precision": precision,
-            **({"lora_rank": lora_rank} if lora_rank else {}),
-        }
-        name = _name(model, layout, mode, precision, lora_rank)
-        rows.append({"case": name, **base, "quantity": "activations_retained", "measured_bytes": got["retained"]})
-        if got["layer_saved"] is not None:
-            rows.append(
-                {"case": name + "-layer", **base, "quantity": "layer_saved", "measured_bytes": got["layer_saved"]}
-            )
-        else:
-            # Checkpointed layers hide their tensors from autograd hooks: measure one layer as the difference
-            # between the same model with two more layers and this one.
-            deeper = dataclasses.replace(model, layers=model.layers + 2)
-            more = run_ranks(
-                world,
-                measure_activations,
-                deeper,
-                _config(layout),
-                seq_len=SEQ,
-                micro_batch=ROWS,
-                activation_checkpointing=mode,
-                precision=precision,
-                lora_rank=lora_rank,
-            )[0]
-            rows.append(
-                {
-                    "case": name + "-per-layer",
-                    **base,
-                    "quantity": "layer_retained",
-                    "measured_bytes": (more["retained"] - got["retained"]) / 2,
-                }
-            )
-        print(f"{name}: {got['retained']} B retained", flush=True)
+    rows = [row for case in cases for row in _activation_rows(*case)]
+    rows += _loss_rows()
+    return rows + long_rows.feature_rows() + long_rows.fused_loss_rows() + long_rows.step_rows()
+
+
+def _activation_rows(model, layout, mode, precision, lora_rank) -> list[dict]:
+    world = layout["dp_replicate"] * layout["dp_shard"] * layout["cp"] * layout["tp"]
+    common = dict(seq_len=SEQ, micro_batch=ROWS, activation_checkpointing=mode, precision=precision)
+    got = run_ranks(world, measure_activations, model, _config(layout), lora_rank=lora_rank, **common)[0]
+    base = {
+        "model": model.to_dict(),
+        "layout": layout,
+        "seq_len": SEQ,
+        "micro_batch": ROWS,
+        "activation_checkpointing": mode,
+        "precision": precision,
+        **({"lora_rank": lora_rank} if lora_rank else {}),
+        "fused_loss": False,  # measure_activations' default: the model's logits, then the chunked loss
+    }
+    name = _name(model, layout, mode, precision, lora_rank)
+    rows = [{"case": name, **base, "quantity": "activations_retained", "measured_bytes": got["retained"]}]
+    if got["layer_saved"] is not None:
+        rows.append({"case": name + "-layer", **base, "quantity": "layer_saved", "measured_bytes": got["layer_saved"]})
+    else:
+        # Checkpointed layers hide their tensors from autograd hooks: measure one layer as the difference
+        # between the same model with two more layers and this one.
+        deeper = dataclasses.replace(model, layers=model.layers + 2)
+        more = run_ranks(world, measure_activations, deeper, _config(layout), lora_rank=lora_rank, **common)[0]
+        per_layer = (more["retained"] - got["retained"]) / 2
+        rows.append({"case": name + "-per-layer", **base, "quantity": "layer_retained", "measured_bytes": per_layer})
+    print(f"{name}: {got['retained']} B retained", flush=True)
+    return rows
+
+
+def _loss_rows() -> list[dict]:
+    rows = []
     for vocab, tokens, tp, precision in LOSS_CASES:
         got = run_ranks(tp, measure_loss_peak, vocab=vocab, tokens=tokens, precision=precision)[0]
         model = dataclasses.replace(TINY, vocab=vocab, name=f"tiny-v{vocab}")
@@ -225,6 +211,7 @@ def measure_all() -> list[dict]:
                 "seq_len": tokens,
                 "micro_batch": 1,
                 "precision": precision,
+                "fused_loss": False,
                 "quantity": "loss_peak",
                 "measured_bytes": got["peak"],
             }
@@ -272,6 +259,10 @@ def _gpu_row(r: dict, file: str, *, accumulation: int = 1) -> dict:
         **({"quantized_base": quantized} if quantized else {}),
         **({"compile": True} if compiled else {}),
         **({"accumulation": accumulation} if accumulation > 1 else {}),
+        # measured before the fused loss, the tiled MLP and activation offload existed
+        "fused_loss": False,
+        "tiled_mlp": False,
+        "activation_offload_layers": 0,
         "quantity": "peak_allocated",
         "measured_bytes": peak * 2**30,
         "device": r.get("device", "NVIDIA H200"),
@@ -311,6 +302,7 @@ def gpu_rows(results_dir: str = os.path.join(ROOT, "benchmarks", "results")) -> 
                 seen.add(key)
                 record = {**r, "seq": r["length"], "micro_batch": 1, "peak_allocated_gib": r["peak_gib"]}
                 rows.append(_gpu_row(record, file))
+    rows += long_rows.gpu_rows(results_dir)
     modes = ("none", "selective", "full")
     rows.sort(
         key=lambda r: (
@@ -321,6 +313,8 @@ def gpu_rows(results_dir: str = os.path.join(ROOT, "benchmarks", "results")) -> 
             modes.index(r["activation_checkpointing"]),
             r["seq_len"],
             r["micro_batch"],
+            r.get("fused_loss", True),
+            r.get("tiled_mlp", False),
         )
     )
     return rows
@@ -379,9 +373,6 @@ def _gpu_table(rows: list[dict]) -> list[str]:
 def write_report(rows: list[dict], env: dict, path: str) -> None:
     cpu = [r for r in rows if r["quantity"] != "peak_allocated"]
     gpu = [r for r in rows if r["quantity"] == "peak_allocated"]
-    worst_cpu = max(abs(t[3]) for t in compare_to_measurements(cpu))
-    worst_gpu = max(compare_to_measurements(gpu), key=lambda t: abs(t[3]))
-    g = gpu[0]
     lines = [
         "# Planner memory model: measured vs predicted",
         "",
@@ -390,6 +381,16 @@ def write_report(rows: list[dict], env: dict, path: str) -> None:
         "Unit tests hold every row below to 15% (`tests/unit/test_planner_calibration.py`); a multi-rank test",
         "re-measures a few CPU rows (`tests/multirank/test_planner_measure.py`).",
         "",
+    ]
+    lines += _gpu_section(gpu) + _cpu_section(cpu, env) + _scope_section()
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+def _gpu_section(gpu: list[dict]) -> list[str]:
+    worst_gpu = max(compare_to_measurements(gpu), key=lambda t: abs(t[3]))
+    g = gpu[0]
+    return [
         "## GPU: peak allocated memory of a training step (H200)",
         "",
         f"Measured {', '.join(sorted({r['date'] for r in gpu}))} on one {g['device']}, torch {g['torch']}, "
@@ -425,12 +426,22 @@ def write_report(rows: list[dict], env: dict, path: str) -> None:
         "GiB high) and the 1B compiled rows of `h200_memory_sweep_quantized_fix.jsonl` (the fourth model",
         "compiled in one process hit torch.compile's recompile limit, and ran partly uncompiled).",
         "",
+        *long_rows.GPU_TEXT,
+        "",
         *_gpu_table(gpu),
         "",
         f"Largest relative error: {abs(worst_gpu[3]):.3%} ({worst_gpu[0]}) over {len(gpu)} rows. Eager rows,",
         "and compiled full fine-tunes, agree to 0.5%; compiled LoRA rows (8B) are predicted 4-6% high: the",
         "model keeps the eager count of the MLP's saved tensors under LoRA (`planner/activations.py`).",
         "",
+        *long_rows.GPU_ERRORS,
+        "",
+    ]
+
+
+def _cpu_section(cpu: list[dict], env: dict) -> list[str]:
+    worst_cpu = max(abs(t[3]) for t in compare_to_measurements(cpu))
+    return [
         "## CPU: activations and loss, counted storage by storage",
         "",
         f"Date {env['date']}; machine {env['machine']}; {env['device']}; torch {env['torch']}; "
@@ -447,10 +458,17 @@ def write_report(rows: list[dict], env: dict, path: str) -> None:
         "caller through backward, as the trainer does; `n` = tokens on the rank, `v` = vocabulary).",
         "Layouts are r(eplicate) s(hard) c(p) t(p) sizes.",
         "",
+        *long_rows.CPU_TEXT,
+        "",
         *_cpu_table(cpu),
         "",
         f"Largest relative error: {worst_cpu:.1%} over {len(cpu)} rows.",
         "",
+    ]
+
+
+def _scope_section() -> list[str]:
+    return [
         "## What this does and does not validate",
         "",
         "- Validated on the H200 (world 1): the whole step's peak for the 1B and 3B shapes, sequences 2048 to",
@@ -475,9 +493,9 @@ def write_report(rows: list[dict], env: dict, path: str) -> None:
         "  fine-tuning runs (1-2% with LoRA), far more than that 2 GiB. Throughput is checked separately",
         "  (`tests/unit/test_planner_perf.py`, `benchmarks/planner_heldout.md`).",
         "",
+        *long_rows.SCOPE,
+        "",
     ]
-    with open(path, "w") as f:
-        f.write("\n".join(lines))
 
 
 def main() -> None:

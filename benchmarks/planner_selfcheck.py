@@ -39,8 +39,14 @@ from ndparallel.planner.workload import Workload  # noqa: E402
 
 
 def predict(model, cluster: Cluster, seq: int, b: int, compiled: bool) -> tuple[float, float]:
-    work = Workload(
-        seq_len=seq, global_batch_rows=b, micro_batch_sizes=(b,), activation_checkpointing="none", compile=compiled
+    work = Workload(  # the step it runs: the trainer's fused loss, no tiled MLP or offload
+        seq_len=seq,
+        global_batch_rows=b,
+        micro_batch_sizes=(b,),
+        activation_checkpointing="none",
+        compile=compiled,
+        tiled_mlp=False,
+        activation_offload=False,
     )
     row = plan(model, cluster, work)[0]
     return row.tokens_per_s_per_gpu, row.memory.allocated / GIB

@@ -27,21 +27,15 @@ def layout_text(layout: Layout) -> str:
 
 
 def planner_advice(cfg, model_config, layout: Layout, device_memory_gib: float) -> str:
-    """What the planner would run instead on these GPUs, or why it cannot say."""
+    """What the planner would run instead on these GPUs, or why it cannot say: a layout, and the long-row
+    features to turn on when the run as configured fits nowhere (``planner.plan.best_layout``)."""
     from ndparallel.planner import best_layout
+    from ndparallel.planner.request import layout_request
 
+    # the run's settings (request.py), checkpointing left to the planner: the advice may change it
+    request = {**layout_request(cfg), "activation_checkpointing": "auto"}
     try:
-        choice = best_layout(
-            model_config,
-            layout.world_size,
-            cfg.sequence_len,
-            device_memory_gib=device_memory_gib,
-            micro_batch_size=cfg.micro_batch_size,
-            activation_checkpointing="auto",
-            cp_comm_strategy=cfg.cp_comm_strategy,
-            lora_rank=cfg.lora_r if cfg.adapter else None,
-            quantized_base=cfg.quantized_base if cfg.adapter else None,
-        )
+        choice = best_layout(model_config, layout.world_size, device_memory_gib=device_memory_gib, **request)
     except NdParallelError as exc:
         return f"the planner has no layout for it ({exc})"
     return f"the planner suggests {choice.reason} (or set dp_shard_size: auto)"

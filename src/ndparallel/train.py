@@ -86,19 +86,9 @@ def resolve_layout(cfg: TrainConfig, world_size: int, model_config) -> tuple[Lay
     """The layout for this world size; with dp_shard_size: auto the planner picks it (and says why)."""
     if cfg.dp_shard_size == "auto":
         from ndparallel.planner import best_layout
+        from ndparallel.planner.request import layout_request
 
-        layout, reason = best_layout(
-            model_config,
-            world_size,
-            cfg.sequence_len,
-            micro_batch_size=cfg.micro_batch_size,
-            cp_comm_strategy=cfg.cp_comm_strategy,
-            activation_checkpointing=cfg.ac_mode,
-            compile=cfg.torch_compile,
-            gradient_sync=cfg.gradient_sync,
-            lora_rank=cfg.lora_r if cfg.adapter else None,
-            quantized_base=cfg.quantized_base if cfg.adapter else None,
-        )
+        layout, reason = best_layout(model_config, world_size, **layout_request(cfg))
         # The planner does not weigh expert parallelism yet: the ep size asked for is applied to its layout.
         return dataclasses.replace(layout, ep=cfg.expert_parallel_size), reason
     return cfg.parallelism(world_size=world_size).resolve(world_size), None

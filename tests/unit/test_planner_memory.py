@@ -55,7 +55,7 @@ def test_flat_path_full_checkpointing_peaks_while_the_gradients_are_upcast_by_ha
     shape = ModelShape.from_dict(
         {**PRESETS["llama-8b"].to_dict(), "intermediate": 11008, "kv_heads": 32, "vocab": 32000, "layers": 16}
     )
-    work = Workload(seq_len=4096, global_batch_rows=4, master_grads=True)
+    work = Workload(seq_len=4096, global_batch_rows=4, master_grads=True, fused_loss=False)
     mem = estimate_memory(shape, Layout(), work, micro_batch=4, activation_checkpointing="full")
     assert mem.transient_kind == "end of backward"
     expected = 20 * shape.params + 2 * 4 * 4096 * 32000 + GPU_WORKSPACE_BYTES
@@ -132,7 +132,7 @@ def test_loss_peak_is_the_logits_their_gradient_and_float32_chunk_temporaries():
 
 
 def test_total_is_the_sum_of_the_items_at_the_moment_that_peaks():
-    work = Workload(seq_len=SEQ, global_batch_rows=8)
+    work = Workload(seq_len=SEQ, global_batch_rows=8, fused_loss=False)  # the model's logits, then the loss
     lay = Layout(dp_shard=8)
     moments = memory_moments(L8B, lay, work, micro_batch=1, activation_checkpointing="full")
     assert tuple(moments) == MOMENTS
@@ -148,7 +148,7 @@ def test_total_is_the_sum_of_the_items_at_the_moment_that_peaks():
     assert mem.grads == 0
     head = moments["head backward"]
     assert head.transient == 2 * 2 * SEQ * 128256 + 2 * 128256 * 4096
-    retained = activation_bytes(L8B, lay, SEQ, 1, "full")
+    retained = activation_bytes(L8B, lay, SEQ, 1, "full", fused_loss=False)
     assert mem.activations == retained.retained - retained.loss_saved
     # FSDP over 8: the last layer and lm_head's unit stay gathered after forward (bf16)
     assert mem.working_params == 2 * (L8B.layer_params() + 128256 * 4096 + 4096)
@@ -176,7 +176,7 @@ def test_3b_full_checkpointing_on_fsdp_over_one_rank_peaks_at_the_end_of_backwar
     # still holds the logits: master 4P + AdamW 8P + layers' gradients + logits + 3 fp32 copies of V x h.
     l3b = PRESETS["llama-3b"]
     p, vh = l3b.params, 128256 * 3072
-    work = Workload(seq_len=8192, global_batch_rows=1, single_rank_fsdp=True)  # FSDP over a mesh of one
+    work = Workload(seq_len=8192, global_batch_rows=1, single_rank_fsdp=True, fused_loss=False)  # FSDP on one rank
     mem = estimate_memory(l3b, Layout(), work, activation_checkpointing="full")
     assert mem.transient_kind == "end of backward"
     expected = 16 * p - 4 * (vh + 3072) + 2 * 8192 * 128256 + 12 * (vh + 3072) + GPU_WORKSPACE_BYTES
@@ -194,7 +194,7 @@ def test_gradients_exist_before_the_loss_only_when_every_micro_batch_reduces():
 
 def test_the_loss_saves_the_logits_in_the_compute_dtype_not_a_softmax():
     for e in (2, 4):
-        acts = activation_bytes(L8B, Layout(tp=2), SEQ, 1, "none", e)
+        acts = activation_bytes(L8B, Layout(tp=2), SEQ, 1, "none", e, fused_loss=False)
         assert acts.loss_saved == SEQ * (e * 128256 / 2 + 14)
 
 
@@ -232,7 +232,7 @@ def test_lora_activations_drop_the_frozen_norms_copies_and_add_the_adapters():
     lora = layer_none(L8B, Layout(tp=t), SEQ, 1, 2, r)
     # two norms lose their bf16 normalized copy (2h/t each); A outputs: 5 full, 2 sequence-split (o, down)
     assert lora - base == n * (-2 * 2 * h / t + 2 * r * (5 + 2 / t))
-    a_none, b_none = (activation_bytes(L8B, Layout(), SEQ, 1, "none", 2, k) for k in (r, None))
+    a_none, b_none = (activation_bytes(L8B, Layout(), SEQ, 1, "none", 2, k, fused_loss=False) for k in (r, None))
     # + the head drops lm_head's input and the final norm's copy; the first layer's input norm keeps nothing
     assert a_none.head == b_none.head - 2 * 2 * h * n
     assert a_none.layers == 32 * a_none.per_layer - n * (4 * h + 4)

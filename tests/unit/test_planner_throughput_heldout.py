@@ -9,6 +9,11 @@ One H200, 2026-12-02, the one-rank flat path with ``build_optimizer``'s default 
 - ``benchmarks/gpu_memory_sweep.py`` (``results/h200_memory_sweep_lora_8b_long.jsonl``): the 8B shape with
   LoRA r16 on all seven linears at 8k-32k tokens, three checkpointing modes eager and selective compiled; the
   fit has no 8B row. Predicted +1.2% to +2.8% eager, -7.6% compiled.
+
+2026-12-03, the trainer's step (AdamW on the bf16 gradients) with the long-row features, 1B, compiled:
+``bench_longest_row.py`` (``results/h200_longest_row.jsonl``: one packed row of 4,096-token documents, full
+checkpointing, the fused loss alone or with the tiled MLP and 15 layers offloaded) and ``bench_train.py``
+(``results/h200_bench_fused_loss.jsonl``: 4096 x 2, no checkpointing, fused and unfused).
 """
 
 import pytest
@@ -50,9 +55,9 @@ LORA_8B = [
 def _predicted(shape, **work) -> float:
     cluster = Cluster(nodes=1, gpus_per_node=1, gpu=GPUS["h200"])
     layout = dict(zip(("dp_replicate", "dp_shard", "cp", "tp"), Layout().shape))
-    return plan(PRESETS[shape], cluster, Workload(master_grads=True, **work), constraints=layout)[
-        0
-    ].tokens_per_s_per_gpu
+    # measured before the fused loss, the tiled MLP and offload (2026-12-03): the step as it ran then
+    old = dict(master_grads=True, fused_loss=False, tiled_mlp=False, activation_offload=False)
+    return plan(PRESETS[shape], cluster, Workload(**old, **work), constraints=layout)[0].tokens_per_s_per_gpu
 
 
 @pytest.mark.parametrize("ac, doc, seq, measured", LONG_ROWS)
@@ -75,3 +80,41 @@ def test_one_gpu_8b_lora_is_predicted_within_ten_percent(ac, seq, rows, compiled
         compile=compiled,
     )
     assert got / measured == pytest.approx(1.0, abs=0.10)
+
+
+# (tokens per row, rows, checkpointing, documents, tiled MLP, layers offloaded, fused loss, measured tokens/s)
+FEATURES = [
+    (131072, 1, "full", 4096, False, 0, True, 40480),
+    (131072, 1, "full", 4096, True, 15, True, 43965),
+    (1048576, 1, "full", 4096, True, 15, True, 44643),
+    (4096, 2, "none", None, False, 0, True, 60568),
+    (4096, 2, "none", None, False, 0, False, 61018),
+]
+
+
+@pytest.mark.parametrize("seq, rows, ac, doc, tiled, offload, fused, measured", FEATURES)
+def test_one_gpu_long_row_features_are_predicted_within_eleven_percent(
+    seq, rows, ac, doc, tiled, offload, fused, measured
+):
+    """Predicted -5.9% / -6.6% (fused / unfused at 4096 x 2: the same GEMMs and loss traffic, as modelled; measured
+    0.7% apart), +9.7% (the fused loss alone at 131,072 tokens), -9.1% and -10.2% (tiled and offloaded, 131,072 and
+    1,048,576 tokens). The bound is 11%, not the 10% above, because the model charges the tiled MLP its extra
+    MLP forward (9% of the step at 1,048,576 tokens) while on the H200 the tiled and offloaded step ran faster than
+    the fused-only one (43,965 against 40,480 tokens/s at 131,072): unexplained (planner/parts.py keeps the
+    recompute, which the code does run), so the bound says how far off that leaves the prediction."""
+    work = dict(
+        seq_len=seq,
+        global_batch_rows=rows,
+        micro_batch_sizes=(rows,),
+        activation_checkpointing=ac,
+        doc_len=doc,
+        compile=True,
+        fused_loss=fused,
+        tiled_mlp=tiled,
+        activation_offload=bool(offload),
+        activation_offload_layers=offload or None,
+    )
+    cluster = Cluster(nodes=1, gpus_per_node=1, gpu=GPUS["h200"], host_memory_gib=128)
+    row = plan(PRESETS["llama-1b"], cluster, Workload(**work), constraints={"dp_shard": 1})[0]
+    assert (row.tiled_mlp, row.offload_layers) == (tiled, offload)
+    assert row.tokens_per_s_per_gpu / measured == pytest.approx(1.0, abs=0.11)

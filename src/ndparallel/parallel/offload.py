@@ -184,16 +184,29 @@ def host_memory_available() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def host_bytes_per_layer(layer_bytes: int, ranks_on_node: int) -> int:
+    """Host memory one offloaded layer takes on a node: every rank's copy of its input, each in a block of the
+    next power of two (PyTorch's pinned-memory allocator hands those out, and caches them)."""
+    return (1 << max(0, int(layer_bytes) - 1).bit_length()) * ranks_on_node
+
+
+def layers_host_holds(*, num_layers: int, layer_bytes: int, ranks_on_node: int, host_bytes: float) -> int:
+    """How many first layers' inputs ``HOST_SHARE`` of ``host_bytes`` holds for every rank of the node, at most
+    all layers but the last (the planner's rule too)."""
+    per_layer = host_bytes_per_layer(layer_bytes, ranks_on_node)
+    return max(0, min(num_layers - 1, int(host_bytes * HOST_SHARE) // max(1, per_layer)))
+
+
 def offload_layer_count(
     requested: int | None, *, num_layers: int, layer_bytes: int, ranks_on_node: int, host_bytes: int
 ) -> int:
     """How many first layers offload their inputs: ``requested``, or as many as ``HOST_SHARE`` of the host's
     available memory holds for every rank of the node (at most all layers but the last). ``layer_bytes``:
     one layer's input on one rank. One line naming the setting when they do not fit."""
-    most = num_layers - 1
-    # PyTorch's pinned-memory allocator hands out blocks of the next power of two (and caches them)
-    per_layer = (1 << max(0, layer_bytes - 1).bit_length()) * ranks_on_node
-    fits = min(most, int(host_bytes * HOST_SHARE) // max(1, per_layer))
+    per_layer = host_bytes_per_layer(layer_bytes, ranks_on_node)
+    fits = layers_host_holds(
+        num_layers=num_layers, layer_bytes=layer_bytes, ranks_on_node=ranks_on_node, host_bytes=host_bytes
+    )
     gib = per_layer / 2**30
     if requested is not None:
         if requested > fits:

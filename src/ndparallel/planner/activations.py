@@ -45,6 +45,31 @@ gradient): (4h + 4)/t once. The linears' inputs stay saved (each adapter's A rea
                 sequence) and every B output (o/down: sequence-split)
 Measured on CPU (``tiny-gqa4-*-lora*`` rows, world 1 and tp 2) and on the H200 (1B LoRA rows).
 
+fused loss (``Workload.fused_loss``, the trainer's default: ``fused_loss.py``; counted on CPU, H200 rows)
+    head        lm_head's input is not saved; the loss's gradient of it is, e*h per token (made in forward
+                whenever the hidden states need a gradient: under LoRA too)
+    loss        no logits: lm_head's weight gradient, summed in float32 from forward to backward, 4*V*h/t
+                once, not per token (none under LoRA)
+    its forward (``fused_loss_peak``: the loss computes the gradients there), beyond the kept activations,
+    per micro-batch of n tokens, w = V/t: lm_head's input e*n*h; that float32 weight gradient 4*w*h; one
+    chunk of c = min(n, ~1 GiB / (e*w)) rows' logits, e*c*w (4,096 rows at w = 128,256 in bf16); then the
+    larger of the chunk's float32 temporaries (eager: 12*c*w in bf16, 8*c*w in fp32, as the chunked loss's;
+    compiled on CUDA the Triton kernels make none) and, bf16 on CUDA, the float32 product of the weight-
+    gradient GEMM before it is added, 4*w*h (``torch.addmm(..., out_dtype=float32)`` makes one); 18 bytes
+    per token (the local and the clamped label, two masks) and 20 per chunk row. H200, the 1B's head at
+    8,192 tokens: 3.49 GiB above its inputs, as counted (``tests/gpu/fused_loss_check.py``). The CPU keeps
+    each chunk's bf16 product instead, e*w*h (the CPU measurements count it: ``device='cpu'``).
+    lm_head's backward (``fused_head_backward``): the float32 gradient and autograd's cast of it to the
+    weight's dtype at once, (4 + e)*w*h (fp32: 4*w*h, no cast).
+tiled MLP (``Workload.tiled_mlp``: ``parallel/tiled_mlp.py``; no checkpointing or full)
+    the MLP's four tensors are not kept; each tile's checkpoint keeps its input, a view of the post-attention
+    norm's sequence-split output, e*h/t instead of the gathered e*h (LoRA: the gate, up and down adapters' A
+    outputs go with the tiles). Under selective checkpointing nothing changes: its policy caches the tiles'
+    matmul outputs too (counted on CPU). What one tile holds in backward: ``backward.py``.
+activation offload (``Workload.activation_offload``: ``parallel/offload.py``; full checkpointing)
+    the first K layers' inputs (e*h/t per token each) wait in host memory: ``layers`` counts the other L - K,
+    ``offloaded`` those K. When they come back: ``backward.py``.
+
 torch.compile (the trainer's ``compile``: each decoder layer compiled, and the loss's chunk functions)
 changes what is kept, because the compiled layer's backward graph is partitioned from the forward by
 need (the min-cut partitioner recomputes cheap elementwise results, and saves only what backward reads):
@@ -64,6 +89,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ndparallel.fused_loss import CHUNK_BYTES
 from ndparallel.layout import Layout
 from ndparallel.loss import CHUNK_ROWS
 from ndparallel.planner.shapes import ModelShape
@@ -79,11 +105,14 @@ class ActivationBytes:
     """All decoder layers."""
     embedding: float
     head: float
-    """Final norm, lm_head input and labels."""
+    """Final norm, lm_head input (fused loss: its gradient) and labels."""
     loss_saved: float
-    """What the loss keeps for backward: the logits (compute dtype) and 14 bytes per token."""
+    """What the loss keeps for backward: the logits (compute dtype) and 14 bytes per token; fused, lm_head's
+    float32 weight gradient."""
     layer_recompute: float
     """Backward working set of the layer being processed: what checkpointing recomputes for it."""
+    offloaded: float = 0.0
+    """Layer inputs waiting in host memory (activation offload), not on the GPU: ``layers`` leaves them out."""
 
     @property
     def retained(self) -> float:
@@ -128,21 +157,67 @@ def attention_none(m: ModelShape, layout: Layout, seq: int, b: int, e: int) -> f
     return b * s * (e * (3 * q + 2 * kv_width_alltoall(m, layout)) + 4 * n) / t + 16 * seq
 
 
-def layer_none(
+def mlp_tensors(m: ModelShape, t: int, e: int, *, frozen: bool = False, compiled: bool = False) -> float:
+    """Per token: what the MLP's forward keeps for its backward: gate, up, silu(gate) and their product (down's
+    input), 4 e*i/t; compiled, silu(gate) is recomputed (module docstring; not measured so under LoRA)."""
+    return (3 if compiled and not frozen else 4) * e * m.intermediate / t
+
+
+def _adapters(m: ModelShape, t: int, e: int, lora_rank: int | None, *, mlp: bool) -> float:
+    """Per token: the LoRA A outputs kept for B's backward, of the attention's four linears (q, k, v whole, o's
+    reduce-scattered) or the MLP's three (gate, up whole, down's reduce-scattered)."""
+    if not lora_rank:
+        return 0.0
+    return e * lora_rank * ((2 if mlp else 3) + 1 / t)
+
+
+def attention_side(
     m: ModelShape, layout: Layout, seq: int, b: int, e: int, lora_rank: int | None = None, compiled: bool = False
 ) -> float:
-    """Bytes one decoder layer keeps for backward without checkpointing (LoRA: frozen base, 7 adapters)."""
-    t, s = layout.tp, seq // layout.cp
-    frozen = bool(lora_rank)
-    # compiled: silu(gate) recomputed (module docstring); not measured so under LoRA, whose compiled 8B peak
-    # the eager count of 4 tensors covers (+4%)
-    mlp = (3 if compiled and not frozen else 4) * e * m.intermediate / t
-    dense = b * s * (2 * _norm(m, t, e, frozen, compiled) + 2 * e * m.hidden + mlp)
+    """Bytes the attention half of a layer keeps without checkpointing: the input norm, q/k/v's input (gathered
+    over tp), the attention (``attention_none``), Qwen3's q/k norms and the adapters' A outputs."""
+    t, s, frozen = layout.tp, seq // layout.cp, bool(lora_rank)
+    per_token = _norm(m, t, e, frozen, compiled) + e * m.hidden + _adapters(m, t, e, lora_rank, mlp=False)
     if m.qk_norm:
-        dense += b * s * ((4 + (0 if frozen else e)) * (m.q_dim + m.kv_dim) + 4 * (m.heads + m.kv_heads)) / t
-    if lora_rank:
-        dense += b * s * e * lora_rank * (5 + 2 / t)  # each adapter's A output, kept for B's backward
-    return dense + attention_none(m, layout, seq, b, e)
+        per_token += ((4 + (0 if frozen else e)) * (m.q_dim + m.kv_dim) + 4 * (m.heads + m.kv_heads)) / t
+    return b * s * per_token + attention_none(m, layout, seq, b, e)
+
+
+def mlp_side(
+    m: ModelShape,
+    layout: Layout,
+    seq: int,
+    b: int,
+    e: int,
+    lora_rank: int | None = None,
+    compiled: bool = False,
+    tiled: bool = False,
+) -> float:
+    """Bytes the MLP half keeps without checkpointing: the post-attention norm, the MLP's input and its four
+    tensors (``mlp_tensors``). Tiled, each tile's checkpoint keeps only its input, a view of the norm's
+    sequence-split output (e*h/t; the MLP gathers it over tp inside the tile), and no MLP tensor."""
+    t, s, frozen = layout.tp, seq // layout.cp, bool(lora_rank)
+    if tiled:
+        return b * s * (_norm(m, t, e, frozen, compiled) + e * m.hidden / t)
+    mlp = mlp_tensors(m, t, e, frozen=frozen, compiled=compiled)
+    return b * s * (_norm(m, t, e, frozen, compiled) + e * m.hidden + mlp + _adapters(m, t, e, lora_rank, mlp=True))
+
+
+def layer_none(
+    m: ModelShape,
+    layout: Layout,
+    seq: int,
+    b: int,
+    e: int,
+    lora_rank: int | None = None,
+    compiled: bool = False,
+    tiled: bool = False,
+) -> float:
+    """Bytes one decoder layer keeps for backward without checkpointing (LoRA: frozen base, 7 adapters; tiled:
+    the MLP over sequence tiles)."""
+    return attention_side(m, layout, seq, b, e, lora_rank, compiled) + mlp_side(
+        m, layout, seq, b, e, lora_rank, compiled, tiled
+    )
 
 
 def layer_selective(m: ModelShape, layout: Layout, seq: int, b: int, e: int, compiled: bool = False) -> float:
@@ -172,11 +247,16 @@ def activation_bytes(
     e: int = 2,
     lora_rank: int | None = None,
     compiled: bool = False,
+    *,
+    fused_loss: bool = True,
+    tiled: bool = False,
+    offload_layers: int = 0,
 ) -> ActivationBytes:
     """Activation memory of one rank for a micro-batch of ``b`` rows of ``seq`` tokens (compiled layers:
-    ``compiled``)."""
+    ``compiled``; the fused loss, the tiled MLP and the inputs of ``offload_layers`` first layers in host
+    memory as the module docstring says)."""
     t, s = layout.tp, seq // layout.cp
-    none = layer_none(m, layout, seq, b, e, lora_rank, compiled)
+    none = layer_none(m, layout, seq, b, e, lora_rank, compiled, tiled)
     if mode == "none":
         per_layer, recompute = none, 0.0
     elif mode == "selective":
@@ -187,11 +267,13 @@ def activation_bytes(
         recompute = max(none - per_layer, 0.0)
     else:
         per_layer, recompute = layer_full(m, layout, seq, b, e), none
+    offloaded = min(offload_layers, m.layers - 1) if mode == "full" else 0
     embedding = b * s * (2 * e * m.head_dim + 8)
-    # final norm, lm_head's input (not saved when lm_head is frozen) and the labels
-    head = b * s * (_norm(m, t, e, bool(lora_rank)) + (0 if lora_rank else e * m.hidden) + 8)
-    loss_saved = b * s * (e * m.vocab / t + 14)
-    layers = m.layers * per_layer
+    # final norm, lm_head's input (not saved when lm_head is frozen) or, fused, the loss's gradient of it
+    # (made whenever the hidden states need one), and the labels
+    lm_input = e * m.hidden if fused_loss or not lora_rank else 0
+    head = b * s * (_norm(m, t, e, bool(lora_rank)) + lm_input + 8)
+    layers = (m.layers - offloaded) * per_layer
     if lora_rank and mode == "none":
         layers -= b * s * (4 * m.hidden + 4) / t  # the first layer's input norm: nothing needs a gradient
     return ActivationBytes(
@@ -199,9 +281,15 @@ def activation_bytes(
         layers=layers,
         embedding=embedding,
         head=head,
-        loss_saved=loss_saved,
+        loss_saved=fused_weight_grad(m, layout, lora_rank) if fused_loss else b * s * (e * m.vocab / t + 14),
         layer_recompute=recompute,
+        offloaded=offloaded * per_layer,
     )
+
+
+def fused_weight_grad(m: ModelShape, layout: Layout, lora_rank: int | None = None) -> float:
+    """lm_head's gradient the fused loss sums in float32 from forward to backward (V/t x h); none under LoRA."""
+    return 0.0 if lora_rank else 4 * m.vocab * m.hidden / layout.tp
 
 
 def loss_peak(m: ModelShape, layout: Layout, seq: int, b: int, e: int, compiled: bool = False) -> float:
@@ -221,3 +309,45 @@ def loss_peak(m: ModelShape, layout: Layout, seq: int, b: int, e: int, compiled:
     c = min(n, CHUNK_ROWS)
     temporaries = 0 if compiled else (12 if e < 4 else 8) * c * w
     return 2 * e * n * w + temporaries + 22 * n + 4 * c
+
+
+def fused_chunk_rows(m: ModelShape, layout: Layout, e: int, device: str = "cuda") -> int:
+    """Rows per chunk of the fused loss (``fused_loss.chunk_rows_for``): about ``CHUNK_BYTES`` of logits, a
+    multiple of 256 rows, at least 256."""
+    rows = CHUNK_BYTES.get(device, CHUNK_BYTES["cpu"]) // max(1, (m.vocab // layout.tp) * e)
+    return max(256, rows // 256 * 256)
+
+
+def fused_loss_peak(
+    m: ModelShape,
+    layout: Layout,
+    seq: int,
+    b: int,
+    e: int,
+    *,
+    compiled: bool = False,
+    lora_rank: int | None = None,
+    device: str = "cuda",
+    chunk_rows: int | None = None,
+) -> float:
+    """Most bytes the fused loss (``fused_loss.py``) adds to the kept activations, per micro-batch: in its
+    forward, which computes the gradients chunk by chunk (module docstring, "fused loss"). ``device`` 'cpu'
+    counts the CPU's own weight-gradient path (the measurements); ``chunk_rows`` overrides the chunk."""
+    n, w, h = b * (seq // layout.cp), m.vocab / layout.tp, m.hidden
+    c = min(n, chunk_rows or fused_chunk_rows(m, layout, e, device))
+    grad_w = fused_weight_grad(m, layout, lora_rank)
+    temporaries = 0 if compiled and device == "cuda" else (12 if e < 4 else 8) * c * w
+    product = 0.0  # in float32 the chunk's product is accumulated in place (addmm_)
+    if grad_w and e < 4:
+        if device == "cuda":  # torch.addmm(..., out_dtype=float32) makes the float32 product, then adds it
+            temporaries = max(temporaries, grad_w)
+        else:  # CPU: each chunk's product in the compute dtype, in a buffer kept across chunks
+            product = e * w * h
+    return e * n * h + grad_w + product + e * c * w + temporaries + 18 * n + 20 * c
+
+
+def fused_head_backward(m: ModelShape, layout: Layout, e: int, lora_rank: int | None = None) -> float:
+    """lm_head's gradient as the fused loss's backward hands it to autograd: the float32 sum and autograd's
+    cast of it to the weight's compute dtype, both alive at once (bf16; in fp32 no cast)."""
+    grad_w = fused_weight_grad(m, layout, lora_rank)
+    return grad_w * (1 + e / 4) if e < 4 else grad_w

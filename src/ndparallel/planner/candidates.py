@@ -56,7 +56,8 @@ def valid_layouts(model: ModelShape, world: int, seq_len: int, cp_methods: Seque
 
 @dataclass(frozen=True)
 class Knobs:
-    """Per-layout settings tried: rows per micro-batch, activation checkpointing, gradient sync."""
+    """Per-layout settings tried: rows per micro-batch, activation checkpointing, gradient sync, and the long-row
+    features that change memory (``workload.py``)."""
 
     micro_batch: int
     accumulation: int
@@ -65,6 +66,10 @@ class Knobs:
     gradient_sync: str
     """'every_micro_batch' (reduce-scatter every micro-batch) or 'last_micro_batch' (reduce on the last);
     workload.py."""
+    tiled_mlp: bool = False
+    """The MLP over sequence tiles."""
+    offload_layers: int = 0
+    """First layers whose inputs wait in host memory (full checkpointing only)."""
 
 
 def knob_choices(

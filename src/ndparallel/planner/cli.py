@@ -88,6 +88,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "--inter-node-gbps", type=float, help="network GB/s per GPU per direction; one 400 Gb/s NIC per GPU = 50"
     )
     hw.add_argument("--headroom", type=float, default=Cluster.headroom, help="usable fraction of memory (0.9)")
+    hw.add_argument("--host-memory-gib", type=float, help="host memory per node, GiB (for activation offload)")
     work = parser.add_argument_group("training step")
     work.add_argument("--seq-len", type=int, required=True, help="tokens per row")
     batch = work.add_mutually_exclusive_group()
@@ -122,6 +123,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     work.add_argument("--doc-len", type=int, help="packed rows of documents this long (attention per document)")
     work.add_argument("--activation-checkpointing", choices=("auto", "none", "full", "selective"), default="auto")
     work.add_argument("--lora-rank", type=int, default=None, help="plan LoRA fine-tuning of rank r (frozen base)")
+    add_long_row_arguments(work)
     quantized = work.add_mutually_exclusive_group()
     quantized.add_argument(
         "--load-in-4bit",
@@ -176,6 +178,7 @@ def cluster_from_args(args: argparse.Namespace, model, workload: Workload) -> Cl
         efficiency=efficiency,
         measured=measured,
         headroom=args.headroom,
+        host_memory_gib=args.host_memory_gib,
     )
 
 
@@ -199,6 +202,7 @@ def run_plan(args: argparse.Namespace) -> int:
             compile=args.compile,
             fp8=args.fp8,
             doc_len=args.doc_len,
+            **long_row_settings(args),
         )
         cluster = cluster_from_args(args, model, workload)
         constraints = dict(zip(AXES, args.layout)) if args.layout else None
@@ -221,6 +225,46 @@ def run_plan(args: argparse.Namespace) -> int:
         print(header(model, cluster, workload, gpu_given=bool(args.gpu)))
         print(format_table(rows, top=args.top))
     return 0 if fits else 1
+
+
+SWITCH_CHOICES = {"auto": "auto", "true": True, "false": False}
+
+
+def add_long_row_arguments(group: argparse._ArgumentGroup) -> None:
+    """The long-row memory features (``workload.py``), as the trainer's settings name them."""
+    group.add_argument(
+        "--unfused-loss",
+        action="store_true",
+        help="plan the model's logits and the chunked loss (fused_cross_entropy: false) instead of the fused loss",
+    )
+    group.add_argument(
+        "--tiled-mlp",
+        choices=tuple(SWITCH_CHOICES),
+        default="auto",
+        help="the MLP over sequence tiles: true, false, or auto (tried where nothing fits without; the default)",
+    )
+    group.add_argument("--tiled-mlp-num-shards", type=int, help="tiles per MLP call (default: from the row)")
+    group.add_argument(
+        "--activation-offload",
+        choices=tuple(SWITCH_CHOICES),
+        default="auto",
+        help="layer inputs in host memory (activation_offloading, full checkpointing): true, false or auto "
+        "(tried where nothing fits without; the default)",
+    )
+    group.add_argument(
+        "--activation-offload-layers", type=int, help="first layers to offload (default: as many as host memory holds)"
+    )
+
+
+def long_row_settings(args: argparse.Namespace) -> dict:
+    """``Workload`` fields from ``add_long_row_arguments``' options."""
+    return {
+        "fused_loss": not args.unfused_loss,
+        "tiled_mlp": SWITCH_CHOICES[args.tiled_mlp],
+        "tiled_mlp_num_shards": args.tiled_mlp_num_shards,
+        "activation_offload": SWITCH_CHOICES[args.activation_offload],
+        "activation_offload_layers": args.activation_offload_layers,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,5 @@
-"""One candidate, fully estimated: a layout with its knobs, its memory, traffic, step time and throughput."""
+"""One candidate, fully estimated: a layout with its knobs, its memory (device and, with activation offload,
+host), traffic, step time and throughput."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ndparallel.layout import Layout
+from ndparallel.parallel.offload import HOST_SHARE
 from ndparallel.planner.candidates import Knobs
 from ndparallel.planner.comm import AxisComm, comm_per_step
 from ndparallel.planner.hardware import Cluster
-from ndparallel.planner.memory import MemoryEstimate, estimate_memory
+from ndparallel.planner.memory import MemoryEstimate, estimate_memory, offload_host_bytes
 from ndparallel.planner.perf import StepTime, step_time
 from ndparallel.planner.shapes import ModelShape
 from ndparallel.planner.workload import Workload
@@ -32,6 +34,13 @@ class PlanRow:
     feasible: bool = True
     """False when the global batch does not split over the layout's data-parallel ranks."""
     reasons: list[str] = field(default_factory=list)
+    tiled_mlp: bool = False
+    offload_layers: int = 0
+    """First layers whose inputs wait in host memory (activation offload)."""
+    host_bytes: float = 0.0
+    """Host memory the offloaded inputs take on one node (every GPU's), bytes."""
+    host_fits: bool = True
+    """The offloaded inputs fit in ``offload.HOST_SHARE`` of the node's host memory."""
 
     @property
     def step_s(self) -> float:
@@ -51,6 +60,10 @@ class PlanRow:
             "accumulation": self.accumulation,
             "activation_checkpointing": self.activation_checkpointing,
             "gradient_sync": self.gradient_sync,
+            "tiled_mlp": self.tiled_mlp,
+            "offload_layers": self.offload_layers,
+            "host_bytes": self.host_bytes,
+            "host_fits": self.host_fits,
             "fits": self.fits,
             "feasible": self.feasible,
             "memory_bytes": {**asdict(self.memory), "allocated": self.memory.allocated, "total": self.memory.total},
@@ -80,6 +93,10 @@ class PlanRow:
             fits=d["fits"],
             feasible=d["feasible"],
             reasons=list(d["reasons"]),
+            tiled_mlp=d.get("tiled_mlp", False),
+            offload_layers=d.get("offload_layers", 0),
+            host_bytes=d.get("host_bytes", 0.0),
+            host_fits=d.get("host_fits", True),
         )
 
 
@@ -88,38 +105,34 @@ def evaluate(
 ) -> PlanRow:
     """Estimate one candidate (no reasons yet)."""
     mode = knobs.activation_checkpointing
+    common = dict(
+        micro_batch=knobs.micro_batch,
+        activation_checkpointing=mode,
+        accumulation=knobs.accumulation,
+        gradient_sync=knobs.gradient_sync,
+    )
     memory = estimate_memory(
         model,
         layout,
         workload,
-        micro_batch=knobs.micro_batch,
-        activation_checkpointing=mode,
-        accumulation=knobs.accumulation,
-        gradient_sync=knobs.gradient_sync,
         cluster=cluster,
+        tiled_mlp=knobs.tiled_mlp,
+        offload_layers=knobs.offload_layers,
+        **common,
     )
-    comm = comm_per_step(
-        model,
-        layout,
-        workload,
-        cluster,
-        micro_batch=knobs.micro_batch,
-        accumulation=knobs.accumulation,
-        activation_checkpointing=mode,
-        gradient_sync=knobs.gradient_sync,
-    )
+    comm = comm_per_step(model, layout, workload, cluster, **common)
     time = step_time(
         model,
         layout,
         workload,
         cluster,
         comm,
-        micro_batch=knobs.micro_batch,
-        accumulation=knobs.accumulation,
-        activation_checkpointing=mode,
-        gradient_sync=knobs.gradient_sync,
+        tiled_mlp=knobs.tiled_mlp,
+        offload_layers=knobs.offload_layers,
+        **common,
     )
-    throughput = workload.tokens / time.step_s / layout.world_size
+    host = offload_host_bytes(model, layout, workload, cluster, knobs.micro_batch, knobs.offload_layers)
+    host_fits = host <= HOST_SHARE * cluster.host_bytes
     return PlanRow(
         layout=layout,
         micro_batch=knobs.micro_batch,
@@ -129,7 +142,11 @@ def evaluate(
         memory=memory,
         comm=comm,
         time=time,
-        tokens_per_s_per_gpu=throughput,
-        fits=feasible and memory.total <= cluster.usable_bytes,
+        tokens_per_s_per_gpu=workload.tokens / time.step_s / layout.world_size,
+        fits=feasible and host_fits and memory.total <= cluster.usable_bytes,
         feasible=feasible,
+        tiled_mlp=knobs.tiled_mlp,
+        offload_layers=knobs.offload_layers,
+        host_bytes=host,
+        host_fits=host_fits,
     )

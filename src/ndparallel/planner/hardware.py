@@ -65,6 +65,9 @@ class Cluster:
     overlap: float = 0.8
     """Fraction of a phase's compute time that can hide the FSDP/HSDP traffic issued during it (side
     streams, prefetch); an assumption: no multi-GPU machine was lent to measure it."""
+    host_memory_gib: float | None = None
+    """Host memory of one node, GiB; None: the GPU preset's ``host_memory_gib`` per GPU times ``gpus_per_node``.
+    Activation offload may take ``offload.HOST_SHARE`` of it, for all the node's GPUs together."""
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):
@@ -79,6 +82,8 @@ class Cluster:
             raise ConfigError(f"headroom={self.headroom!r} must be in (0, 1]")
         if not 0 <= self.overlap <= 1:
             raise ConfigError(f"overlap={self.overlap!r} must be in [0, 1]")
+        if self.host_memory_gib is not None and not self.host_memory_gib > 0:
+            raise ConfigError(f"host_memory_gib={self.host_memory_gib!r} must be > 0 (GiB of host memory per node)")
 
     @property
     def world_size(self) -> int:
@@ -87,6 +92,14 @@ class Cluster:
     @property
     def usable_bytes(self) -> float:
         return self.headroom * self.gpu.memory_gib * GIB
+
+    @property
+    def host_bytes(self) -> float:
+        """Host memory of one node, bytes."""
+        gib = (
+            self.host_memory_gib if self.host_memory_gib is not None else self.gpu.host_memory_gib * self.gpus_per_node
+        )
+        return gib * GIB
 
     @functools.cached_property
     def rates(self) -> Rates:

@@ -35,18 +35,30 @@ the "reduce-scatter" is ``output.copy_(input / divide_factor)``, one more fp32 t
 and 2.13 make it even for the factor 1.0 that ``_compat.set_gradient_sum`` sets; later releases may skip
 it): reduce(x) = 4x * (1 + 1/f) (+ 4x when f = 1). The moments:
     loss              backward of the chunked cross-entropy: the logits, their gradient and the chunk's
-                      float32 temporaries (activations.loss_peak; no full float32 copy is ever made)
+                      float32 temporaries (activations.loss_peak; no full float32 copy is ever made); with the
+                      fused loss (the trainer's default) its forward, which makes the gradients: lm_head's
+                      input, its float32 weight gradient, one chunk's logits and temporaries
+                      (activations.fused_loss_peak)
     head backward     the logits (the trainer holds them until ``loss.backward()`` returns) and their
                       gradient, 2e * n*V/t, + lm_head's unsharded gradient e * V*h/t (or, untied, its
-                      unit's reduction once the gradient of the logits and the unit's copy are freed)
-    layer backward    the first layer processed: what checkpointing recomputes + activation gradients
-                      e*n*(2h + 3i/t) + the unit's gradient e * P_layer/t + CP buffers, or later its
-                      reduction once those are freed; + the logits the trainer holds, + the tied
-                      embedding's unsharded gradient from lm_head (kept until the root unit reduces at the end)
+                      unit's reduction once the gradient of the logits and the unit's copy are freed); fused:
+                      the float32 weight gradient and its cast to the weight's dtype, (4 + e) * V*h/t
+    layer backward    a layer's backward beyond the kept activations (``backward.py``): the larger of its MLP
+                      and attention stages (what checkpointing recomputes, the gradients and the kernels'
+                      buffers, CP's), at the layer of the backward where the kept inputs and finished
+                      gradients add up to the most (with activation offload: the layer inputs prefetched
+                      from the host); or the first layer's reduction once its activations and copy are freed;
+                      + the logits the trainer holds (unfused), + the tied embedding's unsharded gradient from
+                      lm_head (kept until the root unit reduces at the end). The head's activations are gone
+                      by then (freed by its backward: counted on CPU); the labels stay.
     end of backward   every other unit's sharded gradient + the logits + the embedding unit's reduction
                       (its gathered copy is freed first), or the embedding backward just before it
     optimizer step    gradients, master weights and AdamW states only
     overhead          fixed: CUDA context, NCCL, fragmentation (Cluster.overhead_gib)
+Activation offload puts the first K layers' inputs in pinned host memory: ``offload_host_bytes`` per node
+(every GPU's, each layer's input in a block of the next power of two, as PyTorch's pinned allocator hands
+them out), which must fit in ``offload.HOST_SHARE`` of ``Cluster.host_bytes`` (``evaluate.py``); K is the
+run's, or as many as that holds (``offload_layers_for``, the trainer's rule).
 A world of one on the engine's flat path (no FSDP; ``Workload.single_rank_fsdp`` False, bf16) differs where
 its buffers do (``_flat_path_rows``): the compute copies stay at every moment, gradients are bf16 until the
 end of backward, and with ``Workload.master_grads`` the fp32 ones are made while the bf16 ones still exist.
@@ -55,7 +67,8 @@ end of backward, and with ``Workload.master_grads`` the fp32 ones are made while
 H200 it is within 0.01% of every measured world-1 eager case (1B and 3B on FSDP over one rank, three
 checkpointing modes, sequences of 2k to 128k tokens; a Llama-2-7B layer shape on the flat path) and 0.3% of
 the LoRA ones, see ``benchmarks/planner_validation.md``; with torch.compile
-(``Workload.compile``) within 5% (activations.py says what compile changes).
+(``Workload.compile``) within 5% (activations.py says what compile changes). With the fused loss (1B,
+compiled, 4096 x 2 and 131,072 tokens) within 0.01%; with the tiled MLP and offload 1.4-2.1% high (backward.py).
 """
 
 from __future__ import annotations
@@ -63,7 +76,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ndparallel.layout import Layout
-from ndparallel.planner.activations import activation_bytes, kv_width_allgather, kv_width_alltoall, loss_peak
+from ndparallel.parallel.offload import host_bytes_per_layer, layers_host_holds
+from ndparallel.planner.activations import (
+    ActivationBytes,
+    activation_bytes,
+    fused_head_backward,
+    fused_loss_peak,
+    kv_width_allgather,
+    kv_width_alltoall,
+    loss_peak,
+)
+from ndparallel.planner.backward import attention_stage, mlp_stage, position_extra
 from ndparallel.planner.hardware import GIB, Cluster
 from ndparallel.planner.shapes import ModelShape
 from ndparallel.planner.workload import Workload
@@ -172,35 +195,42 @@ def cp_buffer_bytes(model: ModelShape, layout: Layout, seq: int, b: int, e: int)
     return 2 * e * b * s * (q + 2 * kv_width_alltoall(model, layout)) / t
 
 
-def memory_moments(
-    model: ModelShape,
-    layout: Layout,
-    workload: Workload,
-    *,
-    micro_batch: int = 1,
-    activation_checkpointing: str | None = None,
-    accumulation: int = 1,
-    gradient_sync: str = "every_micro_batch",
-    cluster: Cluster | None = None,
-) -> dict[str, MemoryEstimate]:
-    """Memory of one GPU at each moment of a step that can peak (``MOMENTS``; module docstring)."""
-    mode = activation_checkpointing or workload.ac_modes[0]
-    cluster = cluster or Cluster()
-    e, t, f, b = workload.compute_bytes, layout.tp, layout.fsdp_size, micro_batch
-    n = b * (workload.seq_len // layout.cp)
-    h, v, rank = model.hidden, model.vocab, workload.lora_rank
-    single = layout.dp_replicate * f == 1  # parallel/fsdp.py: nothing is resharded after forward
+@dataclass(frozen=True)
+class _Weights:
+    """What the parameters hold on one GPU, and the per-unit sizes the moments need (module docstring)."""
 
+    master: float
+    optimizer: float
+    grads_all: float
+    """4 * T_local: every fp32 gradient shard."""
+    trainable_local: float
+    trainable_tp: float
+    unit_trainable: float
+    """A decoder layer's trainable parameters per tp rank."""
+    embed_trainable: float
+    head_trainable: float
+    vocab_tp: float
+    layer_w: float
+    """A gathered layer's compute copy, bytes."""
+    vocab_w: float
+    w_forward: float
+    w_layer: float
+
+
+def _weights(model: ModelShape, layout: Layout, workload: Workload) -> _Weights:
+    e, t, f = workload.compute_bytes, layout.tp, layout.fsdp_size
+    h, rank = model.hidden, workload.lora_rank
+    single = layout.dp_replicate * f == 1  # parallel/fsdp.py: nothing is resharded after forward
     layer_tp = model.layer_split_params() / t + model.layer_replicated_params()
     adapter_layer_tp = model.lora_params_per_layer(rank) / t if rank else 0.0
-    vocab_tp = v * h / t
+    vocab_tp = model.vocab * h / t
     all_tp = model.split_params() / t + model.replicated_params() + lora_params(model, rank) / t
     p_local = local_params(model, layout)
     if rank:
-        adapters = lora_params(model, rank) / (t * f)
         # The frozen base is stored in the compute dtype (freeze.store_frozen_in): e bytes, not 4.
         # ... and a quantized base's linears in their codes
         frozen = e * p_local - model.layers * quantized_saving(model, workload) / (t * f)
+        adapters = lora_params(model, rank) / (t * f)
         master, trainable_local, trainable_tp = frozen + 4 * adapters, adapters, lora_params(model, rank) / t
         unit_trainable, embed_trainable = adapter_layer_tp, 0.0
     else:
@@ -209,9 +239,6 @@ def memory_moments(
         unit_trainable = layer_tp
         # the unit the embedding is in: the root (with the final norm) when tied, its own unit otherwise
         embed_trainable = vocab_tp + (h if model.tied else 0)
-    head_trainable = 0.0 if rank or model.tied else vocab_tp + h  # untied lm_head's unit (with the final norm)
-    optimizer, grads_all = 8 * trainable_local, 4 * trainable_local
-
     # a unit's gathered copy: a quantized base is gathered as its codes
     layer_w = e * (layer_tp + adapter_layer_tp) - quantized_saving(model, workload) / t
     vocab_w = e * (vocab_tp + h)
@@ -223,77 +250,224 @@ def memory_moments(
     else:
         w_forward = layer_w + vocab_w
         w_layer = 2 * layer_w + (vocab_w if model.tied else 0.0)
-
-    accumulating = accumulation > 1
-    acc = 4 * trainable_tp if accumulating and gradient_sync == "last_micro_batch" else 0.0
-    earlier = grads_all if accumulating and gradient_sync == "every_micro_batch" else 0.0
-    acts = activation_bytes(model, layout, workload.seq_len, b, mode, e, rank, workload.compile)
-    kept = acts.layers + acts.embedding + acts.head
-    logits = e * n * v / t
-    held_head_grad = e * vocab_tp if model.tied and not rank else 0.0  # lm_head's share of the tied gradient
-
-    layer_backward = (
-        acts.layer_recompute
-        + e * n * (2 * h + 3 * model.intermediate / t)
-        + e * unit_trainable
-        + cp_buffer_bytes(model, layout, workload.seq_len, b, e)
+    return _Weights(
+        master=master,
+        optimizer=8 * trainable_local,
+        grads_all=4 * trainable_local,
+        trainable_local=trainable_local,
+        trainable_tp=trainable_tp,
+        unit_trainable=unit_trainable,
+        embed_trainable=embed_trainable,
+        head_trainable=0.0 if rank or model.tied else vocab_tp + h,  # untied lm_head's unit (with the final norm)
+        vocab_tp=vocab_tp,
+        layer_w=layer_w,
+        vocab_w=vocab_w,
+        w_forward=w_forward,
+        w_layer=w_layer,
     )
-    layer_reduce = reduce_bytes(unit_trainable, f) - acts.per_layer - layer_w  # its activations and copy are freed
-    head = head_plain = 2 * logits + (0.0 if rank else e * vocab_tp)
-    if head_trainable:  # untied lm_head's unit reduces once the logits' gradient is gone, its copy freed first
-        head = max(head, logits + reduce_bytes(head_trainable, f) - vocab_w)
-    if embed_trainable:
-        copies = 3 if model.tied else 2  # gathered weight + lm_head's gradient (tied) + the embedding's own
-        end = logits + max(e * vocab_tp * copies, reduce_bytes(embed_trainable, f))
-    else:
-        end = logits + reduce_bytes(unit_trainable, f)  # the first layer's adapters are the last reduced
-    grads_head = 4 * head_trainable / f
 
-    rows = {  # moment: (working params, grads, accumulated grads, activations, transient)
-        "loss": (w_forward, earlier, acc, kept, loss_peak(model, layout, workload.seq_len, b, e, workload.compile)),
-        "head backward": (w_forward, earlier, acc, kept, head),
-        "layer backward": (
-            w_layer,
-            earlier + grads_head,
-            acc,
-            kept,
-            logits + held_head_grad + max(layer_backward, layer_reduce),
-        ),
-        "end of backward": (0.0, grads_all if earlier else grads_all - 4 * embed_trainable / f, 0.0, 0.0, end),
-        "optimizer step": (0.0, grads_all, 0.0, 0.0, 0.0),
-    }
-    # parallel/single_rank.py: the engine's path for a world of one (fp32 runs keep the moments above)
-    if layout.world_size == 1 and not workload.single_rank_fsdp and workload.precision == "bf16":
-        flat_layer = logits + held_head_grad + layer_backward  # no reduce-scatter temporaries
-        rows.update(
-            _flat_path_rows(
-                rows,
-                workload,
-                e=e,
-                trainable=trainable_local,
-                head_trainable=head_trainable,
-                copies=w_forward,
-                head_transient=head_plain,  # lm_head's bf16 gradient stays until the end: no reduction
-                layer_transient=flat_layer,
-                logits=logits,
-                accumulating=accumulating,
-            )
-        )
+
+@dataclass(frozen=True)
+class _Step:
+    """One candidate's shape: the micro-batch, checkpointing, features and accumulation the moments follow."""
+
+    micro_batch: int
+    mode: str
+    tiled: bool
+    offloaded: int
+    accumulating: bool
+    flat: bool
+
+
+def _loss_and_head(model: ModelShape, layout: Layout, workload: Workload, w: _Weights, step: _Step):
+    """(the loss's transient, lm_head's backward on FSDP, on the flat path, the logits the trainer holds)."""
+    e, t, f, b, rank = workload.compute_bytes, layout.tp, layout.fsdp_size, step.micro_batch, workload.lora_rank
+    seq = workload.seq_len
+    if workload.fused_loss:  # no logits: lm_head's gradient is made in the loss's forward (activations.py)
+        loss = fused_loss_peak(model, layout, seq, b, e, compiled=workload.compile, lora_rank=rank)
+        head = head_plain = fused_head_backward(model, layout, e, rank)
+        logits = 0.0
+        if w.head_trainable:  # untied lm_head's unit reduces once its gradient is cast, its copy freed first
+            head = max(head, reduce_bytes(w.head_trainable, f) - w.vocab_w)
+        return loss, head, head_plain, logits
+    logits = e * b * (seq // layout.cp) * model.vocab / t
+    loss = loss_peak(model, layout, seq, b, e, workload.compile)
+    head = head_plain = 2 * logits + (0.0 if rank else e * w.vocab_tp)
+    if w.head_trainable:  # untied lm_head's unit reduces once the logits' gradient is gone, its copy freed first
+        head = max(head, logits + reduce_bytes(w.head_trainable, f) - w.vocab_w)
+    return loss, head, head_plain, logits
+
+
+def _layer_backward(
+    model: ModelShape, layout: Layout, workload: Workload, w: _Weights, step: _Step, acts: ActivationBytes
+) -> float:
+    """The most a layer's backward adds to the kept activations, over its stages and over the layers of the
+    backward (``backward.py``); without FSDP's reductions."""
+    e, b, seq, rank = workload.compute_bytes, step.micro_batch, workload.seq_len, workload.lora_rank
+    compiled, tiled = workload.compile, step.tiled and step.mode != "selective"
+    selective = step.mode == "selective"
+    tiles = workload.tiled_mlp_num_shards
+    mlp = mlp_stage(
+        model,
+        layout,
+        seq,
+        b,
+        e,
+        acts,
+        compiled=compiled,
+        tiled=tiled,
+        selective=selective,
+        lora_rank=rank,
+        num_tiles=tiles,
+    )
+    cp = cp_buffer_bytes(model, layout, seq, b, e)
+    attention = attention_stage(
+        model, layout, seq, b, e, acts, step.mode, compiled=compiled, lora_rank=rank, cp_buffers=cp
+    )
+    if step.accumulating:
+        grad = 0.0  # added into the gradients the earlier micro-batches made
+    elif step.flat:
+        grad = e * w.unit_trainable  # bf16, until the end of backward
+    else:
+        grad = 4 * w.unit_trainable / layout.fsdp_size  # the reduced float32 shard
+    # FSDP over one rank keeps every unit gathered from forward until the unit's own backward is done
+    freed_copy = w.layer_w if not step.flat and layout.dp_replicate * layout.fsdp_size == 1 else 0.0
+    return max(mlp, attention) + position_extra(model.layers, step.offloaded, acts.per_layer, grad - freed_copy)
+
+
+def memory_moments(
+    model: ModelShape,
+    layout: Layout,
+    workload: Workload,
+    *,
+    micro_batch: int = 1,
+    activation_checkpointing: str | None = None,
+    accumulation: int = 1,
+    gradient_sync: str = "every_micro_batch",
+    cluster: Cluster | None = None,
+    tiled_mlp: bool | None = None,
+    offload_layers: int | None = None,
+) -> dict[str, MemoryEstimate]:
+    """Memory of one GPU at each moment of a step that can peak (``MOMENTS``; module docstring).
+
+    ``tiled_mlp`` / ``offload_layers`` default to the workload's settings ('auto': off; an offload of None
+    layers: as many as ``cluster``'s host memory holds, ``offload_layers_for``)."""
+    mode = activation_checkpointing or workload.ac_modes[0]
+    cluster = cluster or Cluster()
+    tiled = workload.tiled_mlp is True if tiled_mlp is None else tiled_mlp
+    if offload_layers is None:
+        on = workload.activation_offload is True
+        offload_layers = offload_layers_for(model, layout, workload, cluster, micro_batch) if on else 0
+    flat = layout.world_size == 1 and not workload.single_rank_fsdp and workload.precision == "bf16"
+    step = _Step(micro_batch, mode, tiled, offload_layers if mode == "full" else 0, accumulation > 1, flat)
+    w = _weights(model, layout, workload)
+    rows = _moment_rows(model, layout, workload, w, step, gradient_sync)
     return {
         kind: MemoryEstimate(
-            master_params=master,
-            working_params=w,
+            master_params=w.master,
+            working_params=wp,
             grads=g,
             accumulated_grads=a,
-            optimizer=optimizer,
+            optimizer=w.optimizer,
             activations=k,
             transient=x,
             transient_kind=kind,
             workspace=GPU_WORKSPACE_BYTES,
             overhead=cluster.overhead_gib * GIB,
         )
-        for kind, (w, g, a, k, x) in rows.items()
+        for kind, (wp, g, a, k, x) in rows.items()
     }
+
+
+def _moment_rows(
+    model: ModelShape, layout: Layout, workload: Workload, w: _Weights, step: _Step, gradient_sync: str
+) -> dict[str, tuple]:
+    """moment: (working params, grads, accumulated grads, activations, transient), bytes."""
+    e, b, f = workload.compute_bytes, step.micro_batch, layout.fsdp_size
+    features = dict(
+        fused_loss=workload.fused_loss, tiled=step.tiled and step.mode != "selective", offload_layers=step.offloaded
+    )
+    seq, rank = workload.seq_len, workload.lora_rank
+    acts = activation_bytes(model, layout, seq, b, step.mode, e, rank, workload.compile, **features)
+    acc = 4 * w.trainable_tp if step.accumulating and gradient_sync == "last_micro_batch" else 0.0
+    earlier = w.grads_all if step.accumulating and gradient_sync == "every_micro_batch" else 0.0
+    kept = acts.layers + acts.embedding + acts.head
+    # the head's activations are released by its backward; the labels stay with the batch
+    kept_in_layers = acts.layers + acts.embedding + 8 * b * (workload.seq_len // layout.cp)
+    loss, head, head_plain, logits = _loss_and_head(model, layout, workload, w, step)
+    held_head_grad = e * w.vocab_tp if model.tied and not workload.lora_rank else 0.0  # lm_head's share of the tie
+    layer = logits + held_head_grad + _layer_backward(model, layout, workload, w, step, acts)
+    layer_reduce = reduce_bytes(w.unit_trainable, f) - acts.per_layer - w.layer_w  # its activations, copy freed
+    rows = {
+        "loss": (w.w_forward, earlier, acc, kept, loss),
+        "head backward": (w.w_forward, earlier, acc, kept, head),
+        "layer backward": (
+            w.w_layer,
+            earlier + 4 * w.head_trainable / f,
+            acc,
+            kept_in_layers,
+            max(layer, logits + held_head_grad + layer_reduce),
+        ),
+        "end of backward": _end_of_backward(model, w, logits, earlier, f, e),
+        "optimizer step": (0.0, w.grads_all, 0.0, 0.0, 0.0),
+    }
+    if step.flat:  # parallel/single_rank.py: the engine's path for a world of one (fp32 runs keep FSDP's moments)
+        flat_rows = _flat_path_rows(
+            rows,
+            workload,
+            e=e,
+            trainable=w.trainable_local,
+            head_trainable=w.head_trainable,
+            copies=w.w_forward,
+            head_transient=head_plain,  # lm_head's bf16 gradient stays until the end: no reduction
+            layer_transient=layer,  # no reduce-scatter temporaries
+            logits=logits,
+            accumulating=step.accumulating,
+        )
+        rows.update(flat_rows)
+    return rows
+
+
+def _end_of_backward(model: ModelShape, w: _Weights, logits: float, earlier: float, f: int, e: int) -> tuple:
+    """The last reductions: the embedding's unit (its gathered copy freed first) or the first layer's adapters."""
+    if w.embed_trainable:
+        copies = 3 if model.tied else 2  # gathered weight + lm_head's gradient (tied) + the embedding's own
+        end = logits + max(e * w.vocab_tp * copies, reduce_bytes(w.embed_trainable, f))
+    else:
+        end = logits + reduce_bytes(w.unit_trainable, f)  # the first layer's adapters are the last reduced
+    grads = w.grads_all if earlier else w.grads_all - 4 * w.embed_trainable / f
+    return (0.0, grads, 0.0, 0.0, end)
+
+
+def offload_layers_for(
+    model: ModelShape, layout: Layout, workload: Workload, cluster: Cluster, micro_batch: int = 1
+) -> int:
+    """Layers whose inputs activation offload moves to the host: the workload's count (at most all layers but the
+    last, as ``offload.apply_offloaded_checkpointing`` caps it), else as many as ``offload.HOST_SHARE`` of a
+    node's host memory holds for all its GPUs (``offload.layers_host_holds``, the trainer's rule)."""
+    if workload.activation_offload_layers is not None:
+        return min(workload.activation_offload_layers, model.layers - 1)
+    return layers_host_holds(
+        num_layers=model.layers,
+        layer_bytes=offloaded_layer_bytes(model, layout, workload, micro_batch),
+        ranks_on_node=cluster.gpus_per_node,
+        host_bytes=cluster.host_bytes,
+    )
+
+
+def offloaded_layer_bytes(model: ModelShape, layout: Layout, workload: Workload, micro_batch: int = 1) -> int:
+    """One offloaded layer's input on one rank: b x ceil(ceil(S/cp)/tp) tokens x h, compute dtype
+    (``train.offload_layers``)."""
+    tokens = micro_batch * -(-(-(-workload.seq_len // layout.cp)) // layout.tp)
+    return tokens * model.hidden * workload.compute_bytes
+
+
+def offload_host_bytes(
+    model: ModelShape, layout: Layout, workload: Workload, cluster: Cluster, micro_batch: int, layers: int
+) -> float:
+    """Host memory ``layers`` offloaded layers take on one node (every GPU's inputs, pinned blocks)."""
+    per_layer = host_bytes_per_layer(offloaded_layer_bytes(model, layout, workload, micro_batch), cluster.gpus_per_node)
+    return layers * per_layer
 
 
 def _flat_path_rows(
@@ -345,6 +519,8 @@ def estimate_memory(
     accumulation: int = 1,
     gradient_sync: str = "every_micro_batch",
     cluster: Cluster | None = None,
+    tiled_mlp: bool | None = None,
+    offload_layers: int | None = None,
 ) -> MemoryEstimate:
     """Peak memory of one GPU training ``model`` on ``layout``: the largest of ``memory_moments``.
 
@@ -360,5 +536,7 @@ def estimate_memory(
         accumulation=accumulation,
         gradient_sync=gradient_sync,
         cluster=cluster,
+        tiled_mlp=tiled_mlp,
+        offload_layers=offload_layers,
     )
     return max(moments.values(), key=lambda m: m.allocated)

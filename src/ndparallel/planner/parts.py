@@ -9,6 +9,10 @@ linear      the seven linears of each layer, (n x K) @ (K x N) with the tp-split
             input gradient and weight gradient (``Rates.gemm_s`` per product; fp8 in the layers with
             ``Workload.fp8``); lm_head (n x h) @ (h x V/t) the same; full checkpointing repeats the
             forward. LoRA: no weight gradient for the frozen base, plus each adapter's two thin products.
+            The tiled MLP (``Workload.tiled_mlp``; no checkpointing or full) repeats the MLP's forward
+            (gate, up, down) once more: each tile's own checkpoint recomputes it in backward, within the
+            layer's recompute. The fused loss (``Workload.fused_loss``) runs the same lm_head products
+            chunk by chunk (its weight gradient accumulated in float32: compute-bound all the same).
 attention   flash attention, 4*d FLOPs per visible (query, key) pair and head in forward, backward
             counted as twice that; visible pairs per row S(S+1)/2, or S(D+1)/2 for packed documents of
             D tokens; a rank computes 1/c of them (every CP method balances the causal work: ``context.py``
@@ -22,11 +26,14 @@ attention   flash attention, 4*d FLOPs per visible (query, key) pair and head in
 pointwise   the eager elementwise ops of a layer, bytes per token of the rank (``layer_pointwise_bytes``),
             three passes (forward, and backward at twice the forward's traffic), a fourth when
             checkpointing recomputes the forward; torch.compile runs them in ``compiled_pointwise`` of the
-            eager time. fp8 adds its casts; CP adds its merges and reorders (``cp_bytes``).
+            eager time. fp8 adds its casts; CP adds its merges and reorders (``cp_bytes``); the tiled MLP
+            its SiLU and product once more (5e*i/t per token).
 loss        the chunked cross-entropy over n x V/t logits: 78 bytes per logit eager (forward: upcast, max,
             subtract, exp, sum; backward: upcast, subtract, exp, scale, scatter, downcast, copy), 6 compiled
             (the Triton kernels of ``kernels/cross_entropy.py``: one read forward, one read and one write
-            backward).
+            backward). The fused loss does the same passes over each chunk (its statistics, then the gradient
+            in place): the same bytes (H200, 1B, 4096 x 2 tokens, compiled: 60,568 tokens/s fused, 61,018
+            unfused).
 dequantize  a quantized base's linears (``Workload.quantized_base``) dequantized in every pass that reads them:
             forward, the input gradient, and the forward again under full checkpointing; bytes per weight
             value at the streaming rate, measured on the H200 (8B LoRA, 4096 tokens, over a bf16 base's
@@ -83,6 +90,8 @@ class MicroBatch:
     workload: Workload
     rows: int
     activation_checkpointing: str
+    tiled_mlp: bool = False
+    offload_layers: int = 0
 
     @property
     def tokens(self) -> int:
@@ -92,6 +101,12 @@ class MicroBatch:
     @property
     def recompute(self) -> bool:
         return self.activation_checkpointing != "none"
+
+    @property
+    def mlp_recompute(self) -> bool:
+        """The tiled MLP's extra forward (under selective checkpointing the policy caches the tiles' matmul
+        outputs: measured on CPU, tiling changes nothing there)."""
+        return self.tiled_mlp and self.activation_checkpointing != "selective"
 
 
 def _linear_shapes(m: ModelShape, t: int) -> list[tuple[float, float]]:
@@ -104,20 +119,23 @@ def linear_s(mb: MicroBatch, rates: Rates) -> float:
     m, t, n, w = mb.model, mb.layout.tp, mb.tokens, mb.workload
     base = "fp32" if w.precision == "fp32" else "bf16"
     layer = "fp8" if w.fp8 else base
-    forward = backward = 0.0
-    for k, out in _linear_shapes(m, t):
-        forward += rates.gemm_s(n, out, k, layer)
+    forward = backward = mlp_forward = 0.0
+    for index, (k, out) in enumerate(_linear_shapes(m, t)):
+        this = rates.gemm_s(n, out, k, layer)
         backward += rates.gemm_s(n, k, out, layer)  # input gradient
         if w.lora_rank:
             r = w.lora_rank
-            forward += rates.gemm_s(n, r, k, base) + rates.gemm_s(n, out, r, base)
+            this += rates.gemm_s(n, r, k, base) + rates.gemm_s(n, out, r, base)
             backward += 2 * (rates.gemm_s(n, k, r, base) + rates.gemm_s(n, r, out, base))
         else:
             backward += rates.gemm_s(k, out, n, layer)  # weight gradient
+        forward += this
+        mlp_forward += this if index >= 4 else 0.0  # gate, up, down
     head_f = rates.gemm_s(n, m.vocab / t, m.hidden, base)
     head_b = head_f * (1 if w.lora_rank else 2)
-    layers = m.layers * (forward * (2 if mb.activation_checkpointing == "full" else 1) + backward)
-    return layers + head_f + head_b
+    passes = 2 if mb.activation_checkpointing == "full" else 1
+    tiles = mlp_forward if mb.mlp_recompute else 0.0
+    return m.layers * (forward * passes + tiles + backward) + head_f + head_b
 
 
 def attention_pairs(seq: int, keys: int) -> float:
@@ -193,6 +211,8 @@ def pointwise_s(mb: MicroBatch, rates: Rates) -> float:
     m, t, e, n = mb.model, mb.layout.tp, mb.workload.compute_bytes, mb.tokens
     passes = 3 + (1 if mb.recompute else 0)
     eager = m.layers * layer_pointwise_bytes(m, t, e) * n * passes
+    if mb.mlp_recompute:  # the tiles' SiLU and product, once more
+        eager += m.layers * 5 * e * m.intermediate / t * n
     # embedding: gather forward, fp32 scatter-add of its gradient backward (a full fp32 gradient zeroed)
     eager += n * m.hidden * (2 * e + 8) / t + 4 * m.vocab * m.hidden / t
     if mb.workload.fp8:

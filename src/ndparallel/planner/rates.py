@@ -50,6 +50,9 @@ class Efficiency:
     collective: float = 0.8
     """Bandwidth a large NCCL collective reaches, of the link's (bus bandwidth; assumed, not measured here:
     no multi-GPU machine was lent)."""
+    host_copy: float = 0.8
+    """Bandwidth a copy between device and pinned host memory reaches, of the host link's (activation offload;
+    assumed: the H200 runs with offload were not slower than without, so it was never the limit)."""
     source: str = ""
 
     def attention_rates(self, head_dim: int, *, blocks: bool = False) -> tuple[float, float]:
@@ -106,7 +109,15 @@ class Rates:
     """True when ``eff`` was measured on this GPU (``--measure``), False for the H200 fractions."""
 
     def __post_init__(self) -> None:
-        for name in ("matmul", "matmul_fp8", "stream", "pointwise_eager", "compiled_pointwise", "collective"):
+        for name in (
+            "matmul",
+            "matmul_fp8",
+            "stream",
+            "pointwise_eager",
+            "compiled_pointwise",
+            "collective",
+            "host_copy",
+        ):
             value = getattr(self.eff, name)
             if not 0 < value <= 1.5:
                 raise ConfigError(f"efficiency {name}={value!r} is not a fraction of a peak; re-run --measure")
@@ -141,6 +152,10 @@ class Rates:
     # -- memory-bound work ---------------------------------------------------------------------
     def stream_s(self, nbytes: float) -> float:
         return nbytes / (self.gpu.hbm_gbps * GB * self.eff.stream)
+
+    def host_copy_s(self, nbytes: float) -> float:
+        """Seconds of one copy between the GPU and pinned host memory, one direction."""
+        return nbytes / (self.gpu.host_link_gbps * GB * self.eff.host_copy)
 
     def pointwise_s(self, nbytes: float, *, compiled: bool) -> float:
         """Seconds of a layer's elementwise work that moves ``nbytes`` when run eagerly."""

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from ndparallel.layout import Layout
+from ndparallel.parallel.offload import HOST_SHARE
 from ndparallel.planner.activations import activation_bytes
+from ndparallel.planner.backward import tile_tokens
 from ndparallel.planner.comm import AxisComm
 from ndparallel.planner.evaluate import PlanRow
 from ndparallel.planner.hardware import GB, GIB, Cluster, groups_cross_nodes
+from ndparallel.planner.parts import MicroBatch, linear_s
 from ndparallel.planner.shapes import ModelShape
 from ndparallel.planner.workload import Workload
 
@@ -17,6 +22,10 @@ def _gib(x: float) -> str:
 
 def _gb(x: float) -> str:
     return f"{x / GB:.1f} GB" if x >= 0.1 * GB else f"{x / 1e6:.0f} MB"
+
+
+def _layers(n: int) -> str:
+    return f"{n} layer" + ("" if n == 1 else "s")
 
 
 def _link(comm: AxisComm, cluster: Cluster) -> str:
@@ -38,6 +47,12 @@ def fit_reason(row: PlanRow, cluster: Cluster, workload: Workload) -> str:
             f"data-parallel rank"
         )
     where = f"peak at {mem.transient_kind}"
+    if not row.host_fits:
+        return (
+            f"does not fit: the inputs of {_layers(row.offload_layers)} offloaded need {_gib(row.host_bytes)} of host "
+            f"memory per node, {_gib(HOST_SHARE * cluster.host_bytes)} usable ({HOST_SHARE:.0%} of "
+            f"{_gib(cluster.host_bytes)}; --host-memory-gib)"
+        )
     if row.fits:
         return (
             f"fits: {_gib(mem.total)} of {_gib(usable)} usable ({cluster.headroom:.0%} of "
@@ -147,10 +162,11 @@ def knob_reasons(
     row: PlanRow, siblings: list[PlanRow], cluster: Cluster, model: ModelShape, workload: Workload
 ) -> list[str]:
     """Why this checkpointing mode and micro-batch, from the other candidates of the same layout."""
-    out = []
+    out = feature_reasons(row, siblings, cluster, model, workload)
     mode = row.activation_checkpointing
     same_b = [x for x in siblings if x.micro_batch == row.micro_batch and x.gradient_sync == row.gradient_sync]
-    lighter = {x.activation_checkpointing: x for x in same_b}
+    plain = [x for x in same_b if x.tiled_mlp == row.tiled_mlp and not x.offload_layers]
+    lighter = {x.activation_checkpointing: x for x in plain}
     if mode != "none" and "none" in lighter:
         none = lighter["none"]
         why = "does not fit" if not none.fits else f"is slower ({none.tokens_per_s_per_gpu:,.0f} tokens/s/GPU)"
@@ -160,7 +176,16 @@ def knob_reasons(
     elif mode == "none":
         # What forward keeps, whichever moment of the step peaks (the optimizer step holds none).
         acts = activation_bytes(
-            model, row.layout, workload.seq_len, row.micro_batch, mode, workload.compute_bytes, workload.lora_rank
+            model,
+            row.layout,
+            workload.seq_len,
+            row.micro_batch,
+            mode,
+            workload.compute_bytes,
+            workload.lora_rank,
+            workload.compile,
+            fused_loss=workload.fused_loss,
+            tiled=row.tiled_mlp,
         )
         out.append(f"no activation checkpointing: activations take {_gib(acts.layers + acts.embedding + acts.head)}")
     text = f"micro-batch {row.micro_batch}"
@@ -177,6 +202,48 @@ def knob_reasons(
                 text += ", replicas all-reduce on the last"
     out.append(text)
     out.append(time_reason(row))
+    return out
+
+
+def feature_reasons(
+    row: PlanRow, siblings: list[PlanRow], cluster: Cluster, model: ModelShape, workload: Workload
+) -> list[str]:
+    """Why the tiled MLP and activation offload are on, from the candidate of the same layout without each."""
+
+    def without(**change) -> str:
+        same = {
+            "micro_batch": row.micro_batch,
+            "gradient_sync": row.gradient_sync,
+            "activation_checkpointing": row.activation_checkpointing,
+            "tiled_mlp": row.tiled_mlp,
+            "offload_layers": row.offload_layers,
+            **change,
+        }
+        other = next((x for x in siblings if all(getattr(x, k) == v for k, v in same.items())), None)
+        if other is None:
+            return ""
+        return f"; without it this layout needs {_gib(other.memory.total)} per GPU" + (
+            "" if other.fits else " and does not fit"
+        )
+
+    out = []
+    if row.tiled_mlp and row.activation_checkpointing != "selective":
+        tile = tile_tokens(model, row.layout, workload.seq_len, row.micro_batch, workload.tiled_mlp_num_shards)
+        mb = MicroBatch(model, row.layout, workload, row.micro_batch, row.activation_checkpointing, True)
+        extra = linear_s(mb, cluster.rates) - linear_s(dataclasses.replace(mb, tiled_mlp=False), cluster.rates)
+        out.append(
+            f"tiled MLP (tiled_mlp: true): its (tokens x {model.intermediate // row.layout.tp}) tensors exist for one "
+            f"tile of {tile:,.0f} tokens at a time, for one more MLP forward ({extra * row.accumulation:.2f} s of "
+            f"matmuls per step){without(tiled_mlp=False)}"
+        )
+    if row.offload_layers:
+        exposed = row.time.exposed_comm_s.get("offload", 0.0)
+        copies = "hidden behind compute" if not exposed else f"{exposed:.2f} s exposed"
+        out.append(
+            f"activation offload (activation_offloading: true): the inputs of the first {row.offload_layers} of "
+            f"{model.layers} layers wait in host memory, {_gib(row.host_bytes)} per node of "
+            f"{_gib(HOST_SHARE * cluster.host_bytes)} usable; copies {copies}{without(offload_layers=0)}"
+        )
     return out
 
 

@@ -18,7 +18,7 @@ _COLUMNS = (
     "tp",
     "cp method",
     "micro x acc",
-    "AC",
+    "AC (+ long-row features)",
     "sync",
     "GiB/GPU",
     "fits",
@@ -40,7 +40,9 @@ def _cells(i: int, row: PlanRow) -> list[str]:
         str(lay.tp),
         lay.cp_comm_strategy if lay.cp > 1 else "-",
         f"{row.micro_batch} x {row.accumulation}",
-        row.activation_checkpointing,
+        row.activation_checkpointing
+        + (" +tiled" if row.tiled_mlp else "")
+        + (f" +offload {row.offload_layers}" if row.offload_layers else ""),
         row.gradient_sync.split("_")[0] if row.accumulation > 1 else "-",  # every / last
         f"{row.memory.total / GIB:.1f}",
         fits,
@@ -63,6 +65,10 @@ def header(model: ModelShape, cluster: Cluster, workload: Workload, *, gpu_given
         options.append(
             f"mixture of experts ({model.active_experts} of {model.experts} per token; expert parallelism not weighed)"
         )
+    if not workload.fused_loss:
+        options.append("unfused loss")
+    for name, setting in (("tiled MLP", workload.tiled_mlp), ("activation offload", workload.activation_offload)):
+        options.append(f"{name} {'where nothing fits without' if setting == 'auto' else 'on' if setting else 'off'}")
     lines = [
         f"{model.name}: {model.params / 1e9:.2f}B parameters on {cluster.nodes} x {cluster.gpus_per_node} "
         f"{gpu.name} ({gpu.memory_gib:g} GiB), {workload.rows} rows x {workload.seq_len} tokens per step, "

@@ -1,4 +1,5 @@
-"""What is trained: sequence length, batch, precision, activation checkpointing, full or LoRA fine-tuning."""
+"""What is trained: sequence length, batch, precision, activation checkpointing, full or LoRA fine-tuning, and
+the long-row memory features (fused loss, tiled MLP, activation offload)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ QUANTIZED_FORMATS = ("nf4", "int8")
 # every FSDP unit keeps its full unsharded fp32 gradient in between. 'auto' lets the planner try both.
 GRAD_SYNC_MODES = ("every_micro_batch", "last_micro_batch")
 GRAD_SYNC = ("auto", *GRAD_SYNC_MODES)
+# A long-row feature the planner may switch on: True / False as the run has it, or 'auto': off where the
+# candidate fits without it, tried on a layout none of whose candidates fits (``plan.py``).
+SWITCHES = (False, True, "auto")
 
 
 @dataclass(frozen=True)
@@ -61,13 +65,29 @@ class Workload:
     master_grads: bool = False
     """On that flat path, fp32 gradients in the parameters' ``.grad`` (``build_optimizer``'s default, for a user's
     own loop). False is the trainer's: AdamW reads the bf16 gradients where autograd left them."""
+    fused_loss: bool = True
+    """lm_head and the cross-entropy fused over chunks of rows (``fused_loss.py``; the trainer's
+    ``fused_cross_entropy``, on by default): no (tokens x vocabulary) logits are held. False: the model's logits go
+    to the chunked cross-entropy (``loss.py``), as every measurement before 2026-12-03 ran."""
+    tiled_mlp: bool | str = "auto"
+    """Each dense MLP over sequence tiles, one tile's (tokens x intermediate) tensors at a time
+    (``parallel/tiled_mlp.py``; the trainer's ``tiled_mlp``): True, False, or 'auto' (tried where nothing fits)."""
+    tiled_mlp_num_shards: int | None = None
+    """Tiles per MLP call (``tiled_mlp_num_shards``); None: ``tiled_mlp.tile_count``'s choice from the row."""
+    activation_offload: bool | str = "auto"
+    """The inputs full checkpointing keeps, of the first layers, wait in pinned host memory (``parallel/offload.py``;
+    the trainer's ``activation_offloading``): True, False, or 'auto' (tried where nothing fits). Full checkpointing
+    only."""
+    activation_offload_layers: int | None = None
+    """How many first layers offload (``activation_offload_layers``); None: as many as the host memory of
+    ``Cluster.host_memory_gib`` holds, all but the last (``offload.offload_layer_count``'s rule)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
             raise ConfigError(f"seq_len={self.seq_len!r} must be a whole number of tokens >= 1")
         if (self.global_batch_rows is None) == (self.global_batch_tokens is None):
             raise ConfigError("give exactly one of global_batch_rows or global_batch_tokens (e.g. --global-batch 64)")
-        for name in ("global_batch_rows", "global_batch_tokens", "lora_rank", "doc_len"):
+        for name in ("global_batch_rows", "global_batch_tokens", "lora_rank", "doc_len", "tiled_mlp_num_shards"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name}={value!r} must be a whole number >= 1")
@@ -96,6 +116,20 @@ class Workload:
                 )
         if self.fp8 and self.precision != "bf16":
             raise ConfigError("fp8 matmuls need precision='bf16' (mixed precision); drop --fp8 or use bf16")
+        self._check_features()
+
+    def _check_features(self) -> None:
+        for name in ("tiled_mlp", "activation_offload"):
+            if getattr(self, name) not in SWITCHES:
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be true, false or 'auto'")
+        layers = self.activation_offload_layers
+        if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 0):
+            raise ConfigError(f"activation_offload_layers={layers!r} must be a whole number >= 0")
+        if self.activation_offload is True and "full" not in self.ac_modes:
+            raise ConfigError(
+                "activation offload moves the layer inputs that full activation checkpointing keeps: plan "
+                "activation_checkpointing full (or auto)"
+            )
 
     @property
     def rows(self) -> int:
@@ -125,3 +159,15 @@ class Workload:
     @property
     def ac_modes(self) -> tuple[str, ...]:
         return AC_MODES if self.activation_checkpointing == "auto" else (self.activation_checkpointing,)
+
+    @property
+    def tiled_mlp_modes(self) -> tuple[bool, ...]:
+        """Tiling settings to try on a layout: the run's, or off and then on ('auto')."""
+        return (False, True) if self.tiled_mlp == "auto" else (bool(self.tiled_mlp),)
+
+    @property
+    def offload_modes(self) -> tuple[bool, ...]:
+        """Offload settings to try on a layout: the run's, or off and then on ('auto', with full checkpointing)."""
+        if self.activation_offload == "auto":
+            return (False, True) if "full" in self.ac_modes else (False,)
+        return (bool(self.activation_offload),)
