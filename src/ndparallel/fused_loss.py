@@ -74,13 +74,15 @@ def linear_cross_entropy_sum(
     """Sum over tokens of -log softmax(transform(hidden @ weight.T + bias))[label]; labels == -100 add nothing.
 
     hidden (..., H), weight (V_local, H), labels (...) with the same leading shape as hidden. Returns a
-    float32 scalar. ``kernels``: use the Triton kernels on CUDA (identity transform) and compiled chunk
-    functions otherwise.
+    float32 scalar. On CUDA the chunk's statistics and gradient are Triton kernels (``kernels/cross_entropy.py``)
+    when the transform is the identity; otherwise torch functions, compiled when ``kernels``.
     """
     x = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
     if chunk_rows is None:
         chunk_rows = chunk_rows_for(weight.shape[0], x.dtype, x.device)
+        if x.is_cuda and not transform.identity and not kernels:  # eager torch functions: 3 float32 copies
+            chunk_rows = max(256, chunk_rows // 4 // 256 * 256)
     spec = _Spec(transform, tp_group, vocab_start, chunk_rows, kernels, bias is not None)
     tensors = (x, weight) if bias is None else (x, weight, bias)
     return _FusedLinearCrossEntropy.apply(labels, spec, *tensors)
@@ -222,7 +224,9 @@ def _compiled(fn):
 
 
 def _use_triton(logits: torch.Tensor, spec: _Spec) -> bool:
-    return spec.kernels and spec.transform.identity and triton_ce.supported(logits)
+    # compiled or not: the Triton kernels make no float32 copy of the chunk (the torch functions make three
+    # at once, 12 bytes per bf16 logit: 6 GiB for a 1 GiB chunk in an eager run)
+    return spec.transform.identity and triton_ce.supported(logits)
 
 
 def _chunk_lse(logits, label, here, spec: _Spec) -> tuple[torch.Tensor, torch.Tensor]:

@@ -51,11 +51,16 @@ def test_the_fused_loss_peak_by_hand_and_on_the_h200():
     # tests/gpu/fused_loss_check.py on the H200: 3.49 GiB above x and W, the previous call's bf16 gradients of W
     # and x (2*V*h + 2*n*h) still held
     assert round((compiled + 2 * V * h + 2 * n * h) / GIB, 2) == 3.49
-    # eager: the chunk's float32 temporaries (12 B per element) outweigh the product
-    assert fused_loss_peak(L1B, Layout(), n, 1, 2) == compiled - 4 * V * h + 12 * c * V
-    # fp32: the chunk's gradient accumulates in place; 8 B per element of temporaries (the upcast is a no-op)
+    # eager on CUDA: the same Triton kernels (no float32 copy of the chunk)
+    assert fused_loss_peak(L1B, Layout(), n, 1, 2) == compiled
+    # fp32 on CUDA: the chunk's gradient accumulates in place, no temporaries
     c32 = 2048  # ~1 GiB of float32 logits
-    assert fused_loss_peak(L1B, Layout(), n, 1, 4) == 4 * n * h + 4 * V * h + (4 + 8) * c32 * V + 18 * n + 20 * c32
+    assert fused_loss_peak(L1B, Layout(), n, 1, 4) == 4 * n * h + 4 * V * h + 4 * c32 * V + 18 * n + 20 * c32
+    # CPU (torch functions): three float32 copies of the chunk, 12 B per bf16 element, and each chunk's bf16
+    # weight-gradient product in a kept buffer
+    cpu_c = 256  # 64 MiB of bf16 logits at this vocabulary: the 256-row minimum
+    cpu = fused_loss_peak(L1B, Layout(), n, 1, 2, device="cpu")
+    assert cpu == 2 * n * h + 4 * V * h + 2 * V * h + 2 * cpu_c * V + 12 * cpu_c * V + 18 * n + 20 * cpu_c
     # lm_head's backward: the float32 gradient and its bf16 cast at once; nothing under LoRA
     assert fused_head_backward(L1B, Layout(tp=2), 2) == 6 * V * h / 2
     assert fused_head_backward(L1B, Layout(), 2, lora_rank=16) == 0

@@ -53,9 +53,9 @@ fused loss (``Workload.fused_loss``, the trainer's default: ``fused_loss.py``; c
     its forward (``fused_loss_peak``: the loss computes the gradients there), beyond the kept activations,
     per micro-batch of n tokens, w = V/t: lm_head's input e*n*h; that float32 weight gradient 4*w*h; one
     chunk of c = min(n, ~1 GiB / (e*w)) rows' logits, e*c*w (4,096 rows at w = 128,256 in bf16); then the
-    larger of the chunk's float32 temporaries (eager: 12*c*w in bf16, 8*c*w in fp32, as the chunked loss's;
-    compiled on CUDA the Triton kernels make none) and, bf16 on CUDA, the float32 product of the weight-
-    gradient GEMM before it is added, 4*w*h (``torch.addmm(..., out_dtype=float32)`` makes one); 18 bytes
+    larger of the chunk's float32 temporaries (on CUDA the Triton kernels make none, eager or compiled;
+    elsewhere 12*c*w in bf16, 8*c*w in fp32, as the chunked loss's) and, bf16 on CUDA, the float32 product
+    of the weight-gradient GEMM before it is added, 4*w*h (``torch.addmm(..., out_dtype=float32)`` makes one); 18 bytes
     per token (the local and the clamped label, two masks) and 20 per chunk row. H200, the 1B's head at
     8,192 tokens: 3.49 GiB above its inputs, as counted (``tests/gpu/fused_loss_check.py``). The CPU keeps
     each chunk's bf16 product instead, e*w*h (the CPU measurements count it: ``device='cpu'``).
@@ -336,7 +336,7 @@ def fused_loss_peak(
     n, w, h = b * (seq // layout.cp), m.vocab / layout.tp, m.hidden
     c = min(n, chunk_rows or fused_chunk_rows(m, layout, e, device))
     grad_w = fused_weight_grad(m, layout, lora_rank)
-    temporaries = 0 if compiled and device == "cuda" else (12 if e < 4 else 8) * c * w
+    temporaries = 0 if device == "cuda" else (12 if e < 4 else 8) * c * w  # CUDA: Triton, compiled or not
     product = 0.0  # in float32 the chunk's product is accumulated in place (addmm_)
     if grad_w and e < 4:
         if device == "cuda":  # torch.addmm(..., out_dtype=float32) makes the float32 product, then adds it
