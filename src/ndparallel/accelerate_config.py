@@ -21,9 +21,9 @@ from typing import Any
 
 import yaml
 
-from ndparallel import bounded_yaml
 from ndparallel.errors import ConfigError
 from ndparallel.parallelism_config import ENV_PREFIX, ParallelismConfig, env_size
+from ndparallel.safe_io import bounded_yaml
 
 # Sizes: Accelerate's name -> the training config's field (and the alias our YAML also accepts).
 SIZE_FIELDS = {

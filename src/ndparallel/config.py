@@ -15,10 +15,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ndparallel import bounded_yaml
 from ndparallel.errors import ConfigError
 from ndparallel.from_axolotl import not_used_line, read_axolotl
 from ndparallel.parallelism_config import ParallelismConfig
+from ndparallel.safe_io import bounded_yaml
 from ndparallel.validation_errors import format_validation_error, warnings_for
 
 

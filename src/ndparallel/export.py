@@ -22,11 +22,11 @@ import torch
 import yaml
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from ndparallel import bounded_yaml, owned_files
 from ndparallel.checkpoint import checkpoints_dir, load_tensors, open_checkpoint, store
 from ndparallel.checkpoint.guard import read_index
 from ndparallel.errors import CheckpointError, ConfigError
 from ndparallel.models.build import restore_buffers
+from ndparallel.safe_io import bounded_yaml, owned_files
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 MODEL_STATE = "model"  # the trainer's name for the model among a checkpoint's states

@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ndparallel import _compat, bounded_regex
+from ndparallel import _compat
 from ndparallel.errors import ConfigError
 from ndparallel.lora_experts import (
     attach_expert_lora,
@@ -42,6 +42,7 @@ from ndparallel.lora_experts import (
     merge_expert_lora,
 )
 from ndparallel.models.decoder import decoder_parts
+from ndparallel.safe_io import bounded_regex
 
 PEFT_PREFIX = "base_model.model."
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from ndparallel import owned_files
 from ndparallel.progress import human_seconds, progress_fields, timing_line
+from ndparallel.safe_io import owned_files
 
 # Dense bf16 peak FLOP/s per device, by a substring of the device name.
 _PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "L4": 121e12}

@@ -99,9 +99,9 @@ def _check_data(cfg: TrainConfig, tokenizer, result: Preflight) -> None:
 
 def _sample_lengths(name: str, spec, tokenizer, result: Preflight) -> list[int] | None:
     """Token lengths of ``spec``'s sampled examples (None when they could not be had or measured)."""
-    from ndparallel import hub
     from ndparallel.data.sources import sample_records
     from ndparallel.data.tokenization import tokenize_records
+    from ndparallel.safe_io import hub
 
     if hub.is_hub_id(spec.path) and not _hub_dataset_cached(spec):
         result.not_checked.append(f"{name} {spec.path!r} (a hub dataset not in the cache; train downloads it)")
@@ -121,8 +121,8 @@ def _sample_lengths(name: str, spec, tokenizer, result: Preflight) -> list[int] 
 
 
 def _hub_dataset_cached(spec) -> bool:
-    from ndparallel import hub
     from ndparallel.data.hub_files import snapshot_patterns
+    from ndparallel.safe_io import hub
 
     try:
         hub.dataset_dir(spec.path, revision=spec.revision, patterns=snapshot_patterns(spec), download=False)
@@ -165,8 +165,8 @@ def _nothing_fits(cfg: TrainConfig, lengths: list[int]) -> str:
 def before_launch(cfg: TrainConfig) -> list[str]:
     """``train``'s checks before it starts processes: ``preflight`` with the tokenizer when it is at hand
     (a local one, or a hub one already in the cache: nothing is downloaded here)."""
-    from ndparallel import hub
     from ndparallel.run_inputs import load_run_tokenizer
+    from ndparallel.safe_io import hub
 
     name = cfg.tokenizer_config or cfg.base_model
     tokenizer = None

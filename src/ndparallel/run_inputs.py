@@ -10,7 +10,6 @@ from functools import partial
 
 import torch
 
-from ndparallel import hub
 from ndparallel.config import TrainConfig
 from ndparallel.data import DatasetSpec, load_tokenizer
 from ndparallel.data.files import resolve_data_path
@@ -18,6 +17,7 @@ from ndparallel.data.hub_files import snapshot_patterns
 from ndparallel.data.templates import template_source
 from ndparallel.data.tokenizer import add_config_tokens
 from ndparallel.optim8bit import build_adamw_8bit
+from ndparallel.safe_io import hub
 from ndparallel.step import build_optimizer
 
 # Waiting for one rank's downloads can take far longer than a collective should: a separate gloo group.

@@ -26,7 +26,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from ndparallel import _compat, owned_files, qat
+from ndparallel import _compat, qat
 from ndparallel import checkpoint as ckpt
 from ndparallel.batching import prepare_batch
 from ndparallel.config import TrainConfig
@@ -61,6 +61,7 @@ from ndparallel.run_inputs import (
     token_budget,
 )
 from ndparallel.run_log import first_step_done, open_metrics
+from ndparallel.safe_io import owned_files
 from ndparallel.schedule import Schedule, schedule_for
 from ndparallel.setup_progress import SetupProgress, run_summary, weights_phase
 from ndparallel.step import clip_grad_norm_, count_tokens, model_loss, set_gradient_sync

@@ -142,7 +142,7 @@ def _attempt(problems: list[str], make):
 
 
 def _data_problems(cfg: TrainConfig) -> list[str]:
-    from ndparallel import hub
+    from ndparallel.safe_io import hub
 
     problems = []
     entries = [("datasets", d.path, d.revision) for d in cfg.datasets]
@@ -162,7 +162,7 @@ def _data_problems(cfg: TrainConfig) -> list[str]:
 
 def _hub_dataset_problem(name: str, revision: str | None, setting: str) -> str | None:
     """Why hub dataset ``name`` cannot be read: not cached while offline, or not on the hub."""
-    from ndparallel import hub
+    from ndparallel.safe_io import hub
 
     try:
         hub.dataset_dir(name, revision=revision, download=False, setting=setting)

@@ -62,7 +62,7 @@ def _edit_lora(ckpt: Path, **changes) -> None:
 
 
 def test_export_bounds_the_time_a_target_regex_from_a_checkpoint_takes(trained_lora, tmp_path, capsys, monkeypatch):
-    from ndparallel import bounded_regex
+    from ndparallel.safe_io import bounded_regex
 
     monkeypatch.setattr(bounded_regex, "TIMEOUT_S", 2.0)
     ckpt = _checkpoint_copy(trained_lora, tmp_path)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from trainer_helpers import cli_train, error_lines, tiny_config
 
-from ndparallel.owned_files import MANIFEST
+from ndparallel.safe_io.owned_files import MANIFEST
 
 
 def test_links_planted_in_the_checkpoint_directory_are_not_written_through(tmp_path):

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from ndparallel import bounded_regex, bounded_yaml
 from ndparallel.errors import CheckpointError, ConfigError
+from ndparallel.safe_io import bounded_regex, bounded_yaml
 
 
 @pytest.mark.parametrize(

@@ -6,13 +6,13 @@ import torch
 from hub_cache import add_dataset, add_model, alpaca_records, chat_records, family_tokenizer
 from scenarios import make_model
 
-from ndparallel import hub
 from ndparallel.config import read_config
 from ndparallel.data import DatasetSpec, read_records, tokenize_records
 from ndparallel.data.templates import TEMPLATES, template_source
 from ndparallel.errors import ConfigError, DataError, ModelError, NdParallelError
 from ndparallel.models.build import model_config_for
 from ndparallel.run_inputs import build_run_optimizer, load_run_tokenizer
+from ndparallel.safe_io import hub
 from ndparallel.vocab import fit_vocab, grow_rows, padded_vocab
 
 

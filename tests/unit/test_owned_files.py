@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from ndparallel import file_names, owned_files
 from ndparallel.errors import OutputError
+from ndparallel.safe_io import file_names, owned_files
 
 
 def test_write_atomic_replaces_links_and_never_writes_through_them(tmp_path):

@@ -33,8 +33,8 @@ import stat
 import time
 from pathlib import Path
 
-from ndparallel import owned_files
 from ndparallel.errors import CheckpointError
+from ndparallel.safe_io import owned_files
 
 FORMAT_VERSION = 2
 NAME = re.compile(r"step-(\d+)(?:-r(\d+))?")

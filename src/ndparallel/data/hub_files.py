@@ -14,9 +14,9 @@ from pathlib import Path
 
 import yaml
 
-from ndparallel import bounded_yaml
 from ndparallel.data.spec import DatasetSpec
 from ndparallel.errors import DataError
+from ndparallel.safe_io import bounded_yaml
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".jsonl.zst", ".jsonl.gz", ".json.gz")
 SPLIT_WORDS = {
@@ -39,7 +39,7 @@ def snapshot_patterns(spec: DatasetSpec) -> list[str] | None:
 
 def hub_files(spec: DatasetSpec) -> list[Path]:
     """The local files (in the hub cache) of ``spec``'s hub dataset, for its split, in a stable order."""
-    from ndparallel.hub import dataset_dir
+    from ndparallel.safe_io.hub import dataset_dir
 
     root = dataset_dir(
         spec.path, revision=spec.revision, patterns=snapshot_patterns(spec), setting=f"datasets path {spec.path}"

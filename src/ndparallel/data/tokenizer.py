@@ -99,12 +99,12 @@ def load_tokenizer(
     """The tokenizer named by the ``tokenizer_config`` (or ``base_model``) setting.
 
     ``None`` or ``"byte"`` gives :func:`byte_tokenizer`; anything else is a local directory or a hub id whose
-    tokenizer files are in the hub cache (``ndparallel.hub``), read by ``AutoTokenizer`` or by the transformers
+    tokenizer files are in the hub cache (``ndparallel.safe_io.hub``), read by ``AutoTokenizer`` or by the transformers
     class ``tokenizer_type`` names. A tokenizer without a pad token gets its eos token as pad token: padding is
     masked out of attention and loss, so any id works, and reusing eos keeps the vocabulary (and the model's
     embedding size) unchanged.
     """
-    from ndparallel.hub import model_dir
+    from ndparallel.safe_io.hub import model_dir
 
     if name_or_path is None or str(name_or_path) == BYTE_TOKENIZER_NAME:
         return byte_tokenizer()

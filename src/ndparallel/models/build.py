@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from ndparallel import _compat, file_names, hub
+from ndparallel import _compat
 from ndparallel.errors import ModelError
 from ndparallel.lora import init_lora_tensor
 from ndparallel.models import presets
@@ -32,6 +32,7 @@ from ndparallel.models.moe_weights import hub_expert_tensor
 from ndparallel.models.ties import shared_owners, tie_again
 from ndparallel.parallel.single_rank import reallocate
 from ndparallel.quantized import assign_quantized, int8, is_nf4
+from ndparallel.safe_io import file_names, hub
 from ndparallel.vocab import grow_rows
 
 
@@ -45,7 +46,7 @@ def model_config_for(
     trust_remote_code: bool = False,
 ) -> PretrainedConfig:
     """The transformers config of the model to train (no weights are read). ``base_model`` is a local
-    directory or a hub id (``ndparallel.hub``: its config is fetched into the hub cache when missing)."""
+    directory or a hub id (``ndparallel.safe_io.hub``: its config is fetched into the hub cache when missing)."""
     if base_model is not None:
         path = hub.model_dir(base_model, revision=revision, weights=False, trust_remote_code=trust_remote_code)
         if not path.is_dir():

@@ -310,7 +310,7 @@ def load_model_shape(spec: "str | dict | ModelShape | Any") -> ModelShape:
 
 
 def _is_hub_id(text: str) -> bool:
-    from ndparallel.hub import is_hub_id
+    from ndparallel.safe_io.hub import is_hub_id
 
     return is_hub_id(text)
 
@@ -318,7 +318,7 @@ def _is_hub_id(text: str) -> bool:
 def _hub_config(name: str) -> str:
     """config.json of hub model ``name``, as train reads it (the hub cache; fetched when missing and online)."""
     from ndparallel.errors import NdParallelError
-    from ndparallel.hub import model_dir
+    from ndparallel.safe_io.hub import model_dir
 
     try:
         return str(model_dir(name, weights=False, setting="--model") / "config.json")

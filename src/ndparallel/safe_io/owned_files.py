@@ -20,8 +20,8 @@ import stat
 from pathlib import Path
 from typing import TextIO
 
-from ndparallel import file_names
 from ndparallel.errors import OutputError
+from ndparallel.safe_io import file_names
 
 MANIFEST = ".ndparallel-files.json"
 """In a directory ndparallel wrote: the names of the files it wrote there."""

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from ndparallel import file_names
 from ndparallel.errors import DataError, ModelError, NdParallelError
+from ndparallel.safe_io import file_names
 
 T = TypeVar("T")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
