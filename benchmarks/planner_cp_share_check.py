@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from ndparallel.layout import Layout
+from ndparallel.mesh.layout import Layout
 from ndparallel.planner.gpus import GPUS
 from ndparallel.planner.parts import MicroBatch, attention_s, cp_bytes
 from ndparallel.planner.rates import Rates

@@ -35,7 +35,7 @@ import math
 import os
 import sys
 
-from ndparallel.layout import Layout
+from ndparallel.mesh.layout import Layout
 from ndparallel.planner.gpus import GPUS
 from ndparallel.planner.hardware import Cluster
 from ndparallel.planner.plan import plan

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from planner_heldout_analysis import ANALYSIS
 
 from ndparallel.errors import ConfigError
-from ndparallel.layout import AXES
+from ndparallel.mesh.layout import AXES
 from ndparallel.planner.gpus import GPUS
 from ndparallel.planner.hardware import GIB, Cluster
 from ndparallel.planner.plan import plan

@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from ndparallel.layout import Layout  # noqa: E402
+from ndparallel.mesh.layout import Layout  # noqa: E402
 from ndparallel.planner.candidates import knob_choices  # noqa: E402
 from ndparallel.planner.evaluate import evaluate  # noqa: E402
 from ndparallel.planner.gpus import GPUS  # noqa: E402

@@ -24,11 +24,16 @@ from ndparallel.errors import (
     NdParallelError,
     NumericsError,
 )
-from ndparallel.layout import Layout
 from ndparallel.lora import LoraSpec
+from ndparallel.mesh.layout import Layout
+from ndparallel.mesh.parallelism_config import (
+    ParallelismConfig,
+    TorchContextParallelConfig,
+    TorchTensorParallelConfig,
+)
+from ndparallel.mesh.topology import Topology, init_distributed
 from ndparallel.parallel.cp_layout import cp_gather, cp_shard
 from ndparallel.parallel.float8 import Fp8Spec
-from ndparallel.parallelism_config import ParallelismConfig, TorchContextParallelConfig, TorchTensorParallelConfig
 from ndparallel.parallelize import ParallelOptions, parallelize
 from ndparallel.pretrained import load_pretrained, save_pretrained
 from ndparallel.router_loss import router_aux_loss
@@ -42,7 +47,6 @@ from ndparallel.step import (
     set_gradient_sync,
     token_loss,
 )
-from ndparallel.topology import Topology, init_distributed
 
 __version__ = "0.1.0"
 

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from ndparallel.errors import ConfigError
-from ndparallel.parallelism_config import ENV_PREFIX, ParallelismConfig, env_size
+from ndparallel.mesh.parallelism_config import ENV_PREFIX, ParallelismConfig, env_size
 from ndparallel.safe_io import bounded_yaml
 
 # Sizes: Accelerate's name -> the training config's field (and the alias our YAML also accepts).

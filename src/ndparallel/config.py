@@ -17,7 +17,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 from ndparallel.errors import ConfigError
 from ndparallel.from_axolotl import not_used_line, read_axolotl
-from ndparallel.parallelism_config import ParallelismConfig
+from ndparallel.mesh.parallelism_config import ParallelismConfig
 from ndparallel.safe_io import bounded_yaml
 from ndparallel.validation_errors import format_validation_error, warnings_for
 

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ndparallel.topology import RENDEZVOUS_FILE_ENV
+from ndparallel.mesh.topology import RENDEZVOUS_FILE_ENV
 
 SETTLE_S = 3.0
 """After the first worker fails: how long the others may take to exit on their own (and print their line)."""

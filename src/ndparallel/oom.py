@@ -12,7 +12,7 @@ import torch
 
 from ndparallel import _compat
 from ndparallel.errors import NdParallelError
-from ndparallel.layout import Layout
+from ndparallel.mesh.layout import Layout
 
 
 class DeviceMemoryError(NdParallelError):

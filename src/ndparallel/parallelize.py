@@ -36,6 +36,7 @@ from ndparallel.errors import ConfigError
 from ndparallel.freeze import apply_trainable, select_trainable, store_frozen_in
 from ndparallel.lora import LoraSpec, attach_lora
 from ndparallel.loss_head import install_loss_head
+from ndparallel.mesh.topology import Topology
 from ndparallel.models.decoder import decoder_parts
 from ndparallel.models.families import needs_eager_attention
 from ndparallel.parallel.checkpointing import apply_activation_checkpointing
@@ -44,13 +45,13 @@ from ndparallel.parallel.context import apply_context_parallel
 from ndparallel.parallel.expert import apply_expert_parallel, apply_moe_tensor_parallel, moe_fsdp_units
 from ndparallel.parallel.float8 import Fp8Spec, check_fp8_supported, convert_to_fp8
 from ndparallel.parallel.fsdp import apply_fsdp, wrap_units
+from ndparallel.parallel.rules import check_model
 from ndparallel.parallel.single_rank import apply_single_rank, eligible
 from ndparallel.parallel.tensor import apply_tensor_parallel
 from ndparallel.parallel.tiled_mlp import apply_tiled_mlp
 from ndparallel.qat import QatSpec, apply_qat
 from ndparallel.quantized import FORMATS, check_supported, is_nf4, quantize_linears
 from ndparallel.quantized.int8 import replicate_rowwise_scales
-from ndparallel.topology import Topology
 
 _DTYPES = {
     "float32": torch.float32,
@@ -134,7 +135,7 @@ def parallelize(
             raise ConfigError("qat is not supported with LoRA, fp8, quantized base weights or tensor parallelism")
         apply_qat(model, options.qat)
     parts = decoder_parts(model)
-    topology.layout.check_model(model.config)
+    check_model(topology.layout, model.config)
     if options.unfrozen_parameters is not None and lora is not None:
         raise ConfigError("unfrozen_parameters with LoRA is not supported: LoRA already freezes the base weights")
     # chosen on the model as built (global shapes), applied once TP and EP have re-created the parameters

@@ -27,10 +27,10 @@ from transformers import AutoModelForCausalLM
 from ndparallel import _compat
 from ndparallel.errors import ModelError, NdParallelError
 from ndparallel.lora import LoraSpec, attach_lora, merge_lora_weights, save_peft_adapter
+from ndparallel.mesh.topology import Topology
 from ndparallel.models.build import materialize, meta_model, model_config_for, restore_buffers
 from ndparallel.parallelize import ParallelOptions, as_dtype, parallelize
 from ndparallel.safe_io import owned_files
-from ndparallel.topology import Topology
 
 # What a model directory needs for training (weights, configs, tokenizer); nothing that could hold code.
 _MODEL_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]

@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 
 from ndparallel.batching import Batch
+from ndparallel.mesh.topology import Topology
 from ndparallel.models.moe import moe_facts
 from ndparallel.parallel.context import PAD_SEGMENT, cp_shard
-from ndparallel.topology import Topology
 
 
 def router_aux_loss(outputs, batch: Batch, *, config, topology: Topology, num_micro_batches: int = 1) -> torch.Tensor:

@@ -67,7 +67,7 @@ def fetch_run_inputs(cfg: TrainConfig, device_type: str) -> None:
         return
     import torch.distributed as dist
 
-    from ndparallel.topology import init_distributed
+    from ndparallel.mesh.topology import init_distributed
 
     init_distributed(device_type=device_type, timeout_s=cfg.process_group_timeout_s)
 

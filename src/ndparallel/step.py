@@ -23,10 +23,10 @@ from ndparallel.fused_loss import linear_cross_entropy_sum
 from ndparallel.kernels import grad_norm as triton_norm
 from ndparallel.loss import cross_entropy_sum, vocab_offset
 from ndparallel.loss_head import loss_head_of
+from ndparallel.mesh.topology import Topology
 from ndparallel.optim import FlatAdamW
 from ndparallel.parallel.float8 import fp8_post_step_hook
 from ndparallel.parallel.single_rank import single_rank_state
-from ndparallel.topology import Topology
 
 
 def count_tokens(local_count: torch.Tensor | int, topology: Topology) -> torch.Tensor:

@@ -33,9 +33,10 @@ from ndparallel.config import TrainConfig
 from ndparallel.data import DataOrder, build_rows_distributed
 from ndparallel.errors import ConfigError
 from ndparallel.flops import AttentionFlops, flops_per_token
-from ndparallel.layout import Layout
 from ndparallel.lora import LoraSpec, save_peft_adapter
 from ndparallel.loss import IGNORE_INDEX
+from ndparallel.mesh.layout import Layout
+from ndparallel.mesh.topology import Topology, default_device_type, init_distributed
 from ndparallel.metrics import MetricsLogger, device_peak_flops
 from ndparallel.models.build import initialize_adapters, materialize, meta_model, model_config_for
 from ndparallel.oom import (
@@ -47,6 +48,7 @@ from ndparallel.oom import (
     write_snapshot,
 )
 from ndparallel.parallel.float8 import Fp8Spec
+from ndparallel.parallel.rules import check_model
 from ndparallel.parallelize import ParallelOptions, parallelize
 from ndparallel.preflight import writable_dir_problem
 from ndparallel.progress import human_seconds
@@ -67,7 +69,6 @@ from ndparallel.setup_progress import SetupProgress, run_summary, weights_phase
 from ndparallel.step import clip_grad_norm_, count_tokens, model_loss, set_gradient_sync
 from ndparallel.steptime import PhaseTimer
 from ndparallel.summary import RunClock, print_summary
-from ndparallel.topology import Topology, default_device_type, init_distributed
 from ndparallel.tracking import check_trackers_installed
 from ndparallel.vocab import fit_vocab
 from ndparallel.window import LogWindow, StepResult
@@ -286,7 +287,7 @@ def _check(cfg: TrainConfig, world: int, output_dir: Path):
     layout, layout_reason = resolve_layout(cfg, world, model_config)
     tokenizer, added_tokens = load_run_tokenizer(cfg)
     vocab_from, vocab_note = fit_vocab(model_config, len(tokenizer), added_tokens, tp=layout.tp)
-    layout.check_model(model_config, seq_len=cfg.sequence_len)
+    check_model(layout, model_config, seq_len=cfg.sequence_len)
     check_trackers_installed(cfg)
     unwritable = writable_dir_problem(output_dir, "output_dir")  # not a raw PermissionError at the first write
     if unwritable:

@@ -10,7 +10,8 @@ from pathlib import Path
 from ndparallel.config import TrainConfig
 from ndparallel.data.files import resolve_data_path
 from ndparallel.errors import NdParallelError
-from ndparallel.layout import Layout
+from ndparallel.mesh.layout import Layout
+from ndparallel.parallel.rules import model_problems
 from ndparallel.preflight import Preflight, output_problems, preflight
 
 
@@ -92,7 +93,7 @@ def _model_checks(cfg: TrainConfig, model_config, tokenizer, plan: RunPlan | Non
         tp = plan.layout.tp
         notes.append(_attempt(problems, lambda: fit_vocab(model_config, len(tokenizer[0]), tokenizer[1], tp=tp)[1]))
     if plan is not None:
-        problems += list(plan.layout.model_problems(model_config, seq_len=cfg.sequence_len))
+        problems += list(model_problems(plan.layout, model_config, seq_len=cfg.sequence_len))
         notes.append(_attempt(problems, lambda: _offload_note(cfg, model_config, plan)))
     for wanted, check in ((cfg.unfrozen_parameters, _check_unfrozen), (cfg.qat is not None, _check_qat)):
         if wanted:

@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 from ndparallel.errors import NumericsError
 from ndparallel.flops import AttentionFlops, mfu
+from ndparallel.mesh.topology import Topology
 from ndparallel.step import reduce_loss
 from ndparallel.steptime import PhaseTimer
-from ndparallel.topology import Topology
 
 
 @dataclass

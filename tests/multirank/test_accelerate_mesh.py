@@ -11,7 +11,7 @@ import torch.distributed as dist
 from harness import run_ranks
 
 import ndparallel as ndp
-from ndparallel.layout import AXES, VIEWS
+from ndparallel.mesh.layout import AXES, VIEWS
 
 # Sizes that together cover every axis and every flattened view, on 8 ranks. One comment per row.
 LAYOUTS = [

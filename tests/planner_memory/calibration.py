@@ -43,7 +43,7 @@ import os
 from typing import Any
 
 from ndparallel.errors import ConfigError
-from ndparallel.layout import Layout
+from ndparallel.mesh.layout import Layout
 from ndparallel.planner.activations import activation_bytes, fused_loss_peak, layer_none, loss_peak
 from ndparallel.planner.hardware import Cluster
 from ndparallel.planner.memory import MemoryEstimate, memory_moments

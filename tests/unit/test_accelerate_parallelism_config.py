@@ -18,7 +18,7 @@ import pytest
 
 import ndparallel as ndp
 from ndparallel import LayoutError
-from ndparallel.layout import AXES
+from ndparallel.mesh.layout import AXES
 
 # (dp_replicate, dp_shard, tp, cp) -> the enabled mesh dims and their sizes, in mesh order; one comment per row.
 LAYOUTS = [

@@ -8,7 +8,7 @@ import torch
 
 from ndparallel.batching import prepare_batch
 from ndparallel.flops import AttentionFlops, flops_per_token, layer_windows, mfu, packed_row_pairs, visible_pairs
-from ndparallel.layout import Layout
+from ndparallel.mesh.layout import Layout
 from ndparallel.models.build import model_config_for
 from ndparallel.parallel.cp_layout import chunk_ids
 

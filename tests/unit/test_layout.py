@@ -4,7 +4,8 @@ import pytest
 from transformers import LlamaConfig
 
 from ndparallel import LayoutError, ParallelismConfig
-from ndparallel.layout import Layout
+from ndparallel.mesh.layout import Layout
+from ndparallel.parallel.rules import model_problems
 
 # (sizes, world, expected (dp_replicate, dp_shard, cp, tp)), one comment per row.
 GOOD = [
@@ -78,15 +79,17 @@ MODEL = LlamaConfig(
     ],
 )
 def test_model_problems_are_all_reported(layout, problems):
-    found = list(layout.model_problems(MODEL))
+    found = list(model_problems(layout, MODEL))
     assert len(found) == len(problems), found
     for text, expected in zip(found, problems):
         assert expected in text
 
 
 def test_sequence_too_short_for_cp_and_tp():
-    (problem,) = Layout(cp=4, tp=2).model_problems(
-        LlamaConfig(num_attention_heads=8, num_key_value_heads=8, intermediate_size=64, vocab_size=64), seq_len=8
+    (problem,) = model_problems(
+        Layout(cp=4, tp=2),
+        LlamaConfig(num_attention_heads=8, num_key_value_heads=8, intermediate_size=64, vocab_size=64),
+        seq_len=8,
     )
     assert "sequence_len=8 is shorter than 2 x cp_size x tp_size = 16" in problem
 

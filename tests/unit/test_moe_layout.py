@@ -7,8 +7,9 @@ import torch
 from transformers import DeepseekV3Config, GptOssConfig, LlamaConfig, OlmoeConfig, Qwen3MoeConfig
 
 from ndparallel import LayoutError, ParallelismConfig
-from ndparallel.layout import Layout
+from ndparallel.mesh.layout import Layout
 from ndparallel.models.moe import moe_facts
+from ndparallel.parallel.rules import model_problems
 
 
 def test_ep_borrows_the_innermost_token_ranks():
@@ -86,16 +87,18 @@ PROBLEMS = [
 
 @pytest.mark.parametrize("config, layout, message", PROBLEMS)
 def test_moe_problems_name_the_setting(config, layout, message):
-    assert any(message in p for p in layout.model_problems(config)), list(layout.model_problems(config))
+    assert any(message in p for p in model_problems(layout, config)), list(model_problems(layout, config))
 
 
 def test_moe_models_split_attention_only():
     # an MLP size tp does not divide is fine: MoE blocks are not split by tp (and a tp plan entry for the experts
     # no longer refuses the model, whatever tp is)
-    assert list(Layout(tp=2).model_problems(_qwen3_moe(intermediate_size=91))) == []
+    assert list(model_problems(Layout(tp=2), _qwen3_moe(intermediate_size=91))) == []
     assert (
         list(
-            Layout(tp=2).model_problems(GptOssConfig(num_local_experts=4, num_attention_heads=8, num_key_value_heads=4))
+            model_problems(
+                Layout(tp=2), GptOssConfig(num_local_experts=4, num_attention_heads=8, num_key_value_heads=4)
+            )
         )
         == []
     )

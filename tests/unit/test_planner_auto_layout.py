@@ -4,7 +4,8 @@ import pytest
 from transformers import LlamaConfig
 
 from ndparallel.config import parse_config
-from ndparallel.layout import Layout
+from ndparallel.mesh.layout import Layout
+from ndparallel.parallel.rules import check_model
 from ndparallel.planner import best_layout
 from ndparallel.train import resolve_layout
 
@@ -28,7 +29,7 @@ def test_auto_gives_a_valid_layout_of_the_world_size_and_a_reason(world, method)
     layout, reason = resolve_layout(cfg, world, TINY)
     assert isinstance(layout, Layout)
     assert layout.world_size == world
-    layout.check_model(TINY, seq_len=cfg.sequence_len)
+    check_model(layout, TINY, seq_len=cfg.sequence_len)
     assert isinstance(reason, str) and reason.strip()
     assert layout.cp == 1 or layout.cp_comm_strategy == method
 

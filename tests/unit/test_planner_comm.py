@@ -2,7 +2,7 @@
 
 import pytest
 
-from ndparallel.layout import Layout
+from ndparallel.mesh.layout import Layout
 from ndparallel.planner.comm import comm_per_step
 from ndparallel.planner.hardware import Cluster, group_placement, groups_cross_nodes
 from ndparallel.planner.perf import step_flops

@@ -10,7 +10,7 @@ short and the simulation's whole-row fp32 accumulators, which the real methods d
 
 import pytest
 
-from ndparallel.layout import Layout
+from ndparallel.mesh.layout import Layout
 from ndparallel.planner.gpus import GPUS
 from ndparallel.planner.parts import MicroBatch, attention_s, cp_bytes
 from ndparallel.planner.rates import Rates

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from ndparallel.layout import CP_METHODS
+from ndparallel.mesh.layout import CP_METHODS
 from ndparallel.planner.candidates import knob_choices, valid_layouts
 from ndparallel.planner.shapes import PRESETS, ModelShape
 

@@ -6,7 +6,7 @@ from transformers import LlamaConfig
 
 from ndparallel import ConfigError
 from ndparallel.config import parse_config
-from ndparallel.layout import Layout
+from ndparallel.mesh.layout import Layout
 from ndparallel.oom import planner_advice
 from ndparallel.planner import Cluster, Workload, best_layout, plan
 from ndparallel.planner.activations import (

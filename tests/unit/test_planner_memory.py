@@ -3,7 +3,7 @@
 import pytest
 
 from ndparallel import ConfigError
-from ndparallel.layout import Layout
+from ndparallel.mesh.layout import Layout
 from ndparallel.planner.activations import activation_bytes, layer_full, layer_none, layer_selective, loss_peak
 from ndparallel.planner.memory import (
     GPU_WORKSPACE_BYTES,

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from ndparallel import ConfigError
-from ndparallel.layout import Layout
+from ndparallel.mesh.layout import Layout
 from ndparallel.planner import Cluster, Workload, best_layout, plan
 from ndparallel.planner.comm import AxisComm
 from ndparallel.planner.gpus import GPUS

@@ -18,7 +18,7 @@ checkpointing, the fused loss alone or with the tiled MLP and 15 layers offloade
 
 import pytest
 
-from ndparallel.layout import Layout
+from ndparallel.mesh.layout import Layout
 from ndparallel.planner.gpus import GPUS
 from ndparallel.planner.hardware import Cluster
 from ndparallel.planner.plan import plan

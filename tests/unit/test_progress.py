@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from ndparallel.config import parse_config
-from ndparallel.layout import Layout
+from ndparallel.mesh.layout import Layout
 from ndparallel.models.build import model_config_for
 from ndparallel.oom import oom_message
 from ndparallel.progress import human_count, human_seconds, progress_fields, timing_line

@@ -21,7 +21,7 @@ from ndparallel.checkpoint import store
 from ndparallel.checkpoint.checkpointer import Checkpointer
 from ndparallel.checkpoint.loading import open_checkpoint
 from ndparallel.errors import CheckpointError
-from ndparallel.topology import Topology
+from ndparallel.mesh.topology import Topology
 
 _SHAPE_KEYS = (
     "model_type",

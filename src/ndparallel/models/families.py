@@ -1,6 +1,6 @@
 """What ndparallel knows about each decoder family, read from its config alone (no weights, no processes).
 
-Two users: ``Layout.model_problems`` (so ``ndparallel validate`` and ``parallelize`` refuse an axis a family
+Two users: ``parallel.rules.model_problems`` (so ``ndparallel validate`` and ``parallelize`` refuse an axis a family
 cannot take, in one line, before any process starts) and ``models/decoder.py`` (which TP style each
 linear and norm gets).
 

@@ -34,6 +34,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ndparallel.errors import ConfigError, ModelError
+from ndparallel.mesh.topology import Topology
 from ndparallel.parallel.cp_attention import context_attention
 from ndparallel.parallel.cp_layout import (  # noqa: F401  (re-exported: the public CP helpers)
     PAD_SEGMENT,
@@ -44,7 +45,6 @@ from ndparallel.parallel.cp_layout import (  # noqa: F401  (re-exported: the pub
     segment_ids_from,
     single_segment,
 )
-from ndparallel.topology import Topology
 
 ATTENTION_NAME = "ndparallel"
 SEGMENTS_HOST_KWARG, SINGLE_KWARG = "ndp_segments_host", "ndp_single_segment"

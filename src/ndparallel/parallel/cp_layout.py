@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ndparallel.errors import ConfigError
-from ndparallel.topology import Topology
+from ndparallel.mesh.topology import Topology
 
 PAD_SEGMENT = -1
 

@@ -35,10 +35,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from transformers.integrations.moe import ExpertsInterface
 
+from ndparallel.mesh.topology import Topology
 from ndparallel.models.decoder import DecoderParts
 from ndparallel.models.moe import expert_parameters, moe_blocks, num_experts_of
 from ndparallel.models.moe_experts import combine, inverse_permutation, run_experts, sort_by_expert
-from ndparallel.topology import Topology
 
 EXPERTS_NAME = "ndparallel-experts"
 

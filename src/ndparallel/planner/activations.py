@@ -90,8 +90,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ndparallel.fused_loss import CHUNK_BYTES
-from ndparallel.layout import Layout
 from ndparallel.loss import CHUNK_ROWS
+from ndparallel.mesh.layout import Layout
 from ndparallel.planner.shapes import ModelShape
 
 

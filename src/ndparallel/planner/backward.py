@@ -41,7 +41,7 @@ of the layers above. ``position_extra`` is the most, over j, of these relative t
 
 from __future__ import annotations
 
-from ndparallel.layout import Layout
+from ndparallel.mesh.layout import Layout
 from ndparallel.parallel.tiled_mlp import tile_count
 from ndparallel.planner.activations import ActivationBytes, attention_side, mlp_tensors
 from ndparallel.planner.shapes import ModelShape

@@ -3,7 +3,7 @@
 A layout (dp_replicate, dp_shard, cp, tp, cp method) is valid when
 
 - dp_replicate x dp_shard x cp x tp equals the world size;
-- ``Layout.model_problems`` reports nothing: tp divides the attention heads, key/value heads, MLP width and
+- ``parallel.rules.model_problems`` reports nothing: tp divides the attention heads, key/value heads, MLP width and
   vocabulary; alltoall CP splits the heads over cp x tp; the sequence is at least 2 x cp x tp tokens;
 - the sequence splits without padding: seq_len % (2 x cp x tp) == 0 with CP, seq_len % tp == 0 without
   (``prepare_batch`` would pad otherwise, wasting compute on every row).
@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from ndparallel.layout import CP_METHODS, Layout
+from ndparallel.mesh.layout import CP_METHODS, Layout
+from ndparallel.parallel.rules import model_problems
 from ndparallel.planner.shapes import ModelShape
 
 
@@ -34,7 +35,7 @@ def factorizations(world: int) -> Iterator[tuple[int, int, int, int]]:
 
 def layout_problems(layout: Layout, model: ModelShape, seq_len: int) -> list[str]:
     """Why ``layout`` cannot train ``model`` on rows of ``seq_len`` tokens (empty when it can)."""
-    problems = list(layout.model_problems(model.hf_like(), seq_len=seq_len))
+    problems = list(model_problems(layout, model.hf_like(), seq_len=seq_len))
     if not problems and seq_len % layout.seq_multiple:
         problems.append(
             f"sequence_len={seq_len} does not split into {layout.seq_multiple} equal parts "

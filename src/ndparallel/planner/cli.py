@@ -17,7 +17,7 @@ import math
 import sys
 
 from ndparallel.errors import ConfigError
-from ndparallel.layout import AXES, CP_METHODS
+from ndparallel.mesh.layout import AXES, CP_METHODS
 from ndparallel.models import presets
 from ndparallel.planner.advice import nothing_fits
 from ndparallel.planner.gpus import DEFAULT_GPU, GPUS, gpu_preset

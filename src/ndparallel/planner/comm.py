@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from ndparallel.layout import Layout
+from ndparallel.mesh.layout import Layout
 from ndparallel.planner.activations import kv_width_alltoall
 from ndparallel.planner.hardware import Cluster, group_placement, group_size
 from ndparallel.planner.memory import lora_params

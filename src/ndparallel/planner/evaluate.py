@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ndparallel.layout import Layout
+from ndparallel.mesh.layout import Layout
 from ndparallel.parallel.offload import HOST_SHARE
 from ndparallel.planner.candidates import Knobs
 from ndparallel.planner.comm import AxisComm, comm_per_step

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field
 
 from ndparallel.errors import ConfigError
-from ndparallel.layout import AXES, Layout
+from ndparallel.mesh.layout import AXES, Layout
 from ndparallel.planner.gpus import DEFAULT_GPU, GPUS, GpuSpec
 from ndparallel.planner.rates import H200_EFFICIENCY, Efficiency, Rates
 

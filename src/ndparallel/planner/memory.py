@@ -75,7 +75,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ndparallel.layout import Layout
+from ndparallel.mesh.layout import Layout
 from ndparallel.parallel.offload import host_bytes_per_layer, layers_host_holds
 from ndparallel.planner.activations import (
     ActivationBytes,

@@ -66,7 +66,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ndparallel.flops import packed_row_pairs
-from ndparallel.layout import Layout
+from ndparallel.mesh.layout import Layout
 from ndparallel.planner.activations import kv_width_allgather, kv_width_alltoall
 from ndparallel.planner.memory import local_params, lora_params
 from ndparallel.planner.rates import Rates

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ndparallel.layout import Layout
+from ndparallel.mesh.layout import Layout
 from ndparallel.planner.comm import AxisComm
 from ndparallel.planner.hardware import Cluster
 from ndparallel.planner.memory import lora_params, offloaded_layer_bytes

@@ -23,7 +23,7 @@ import math
 from typing import Any, NamedTuple
 
 from ndparallel.errors import ConfigError
-from ndparallel.layout import AXES, CP_METHODS, Layout
+from ndparallel.mesh.layout import AXES, CP_METHODS, Layout
 from ndparallel.planner.candidates import Knobs, knob_choices, valid_layouts
 from ndparallel.planner.evaluate import PlanRow, evaluate
 from ndparallel.planner.gpus import DEFAULT_GPU, GPUS, GpuSpec, gpu_preset, preset_for_device_name

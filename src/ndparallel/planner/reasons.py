@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ndparallel.layout import Layout
+from ndparallel.mesh.layout import Layout
 from ndparallel.parallel.offload import HOST_SHARE
 from ndparallel.planner.activations import activation_bytes
 from ndparallel.planner.backward import tile_tokens

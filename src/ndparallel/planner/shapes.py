@@ -146,7 +146,7 @@ class ModelShape:
         return rank * sum(a + b for a, b in ins_outs)
 
     def hf_like(self) -> SimpleNamespace:
-        """The attribute names ``Layout.model_problems`` reads from a transformers config."""
+        """The attribute names ``parallel.rules.model_problems`` reads from a transformers config."""
         return SimpleNamespace(
             num_attention_heads=self.heads,
             num_key_value_heads=self.kv_heads,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ndparallel.errors import ConfigError
-from ndparallel.layout import CP_METHODS
+from ndparallel.mesh.layout import CP_METHODS
 from ndparallel.parallel.checkpointing import MODES as AC_MODES
 
 PRECISIONS = ("bf16", "fp32")

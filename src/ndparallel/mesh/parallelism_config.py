@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ndparallel.errors import LayoutError
-from ndparallel.layout import CP_METHODS, Layout, resolve
-from ndparallel.topology import Topology
+from ndparallel.mesh.layout import CP_METHODS, Layout, resolve
+from ndparallel.mesh.topology import Topology
 
 ENV_PREFIX = "PARALLELISM_CONFIG_"
 

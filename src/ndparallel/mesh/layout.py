@@ -16,10 +16,8 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterator
 
 from ndparallel.errors import LayoutError
-from ndparallel.models.families import family_problems
 
 AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 """The mesh dims, outer to inner."""
@@ -198,50 +196,6 @@ class Layout:
             ep_groups += blocks
             dp_groups += [[block[j] for block in blocks] for j in range(self.ep)]
         return ep_groups, dp_groups
-
-    def check_model(self, model_config: Any, *, seq_len: int | None = None) -> None:
-        """Raise ``LayoutError`` if the model's shapes cannot be split this way (all problems at once)."""
-        problems = list(self.model_problems(model_config, seq_len=seq_len))
-        if problems:
-            raise LayoutError("; ".join(problems))
-
-    def model_problems(self, model_config: Any, *, seq_len: int | None = None) -> Iterator[str]:
-        from ndparallel.models.moe import is_moe_config, moe_problems
-
-        yield from moe_problems(model_config, tp=self.tp, cp=self.cp, ep=self.ep)
-        heads = getattr(model_config, "num_attention_heads", None)
-        kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
-        t, c = self.tp, self.cp
-        if t > 1:
-            splits = {
-                "num_attention_heads": ("attention heads", heads),
-                "num_key_value_heads": ("key/value heads", kv_heads),
-                # a mixture-of-experts model's MLPs are not split by tp (each tp rank runs them on its tokens)
-                "intermediate_size": (
-                    "MLP intermediate size",
-                    None if is_moe_config(model_config) else getattr(model_config, "intermediate_size", None),
-                ),
-            }
-            for attr, (what, value) in splits.items():
-                if value is not None and value % t:
-                    divisors = [d for d in range(1, min(value, 64) + 1) if value % d == 0]
-                    yield (
-                        f"tp_size={t} does not divide the model's {what} ({attr}={value}); choose tp_size from "
-                        f"{divisors}"
-                    )
-        if c > 1 and self.cp_comm_strategy == "alltoall" and heads is not None and heads % (c * t):
-            yield (
-                f"cp_comm_strategy='alltoall' splits attention heads over cp_size x tp_size = {c * t}, "
-                f"which does not divide num_attention_heads={heads}; use cp_comm_strategy='allgather' or 'ring', "
-                f"or sizes whose product divides {heads}"
-            )
-        # What the model's family cannot do on these sizes (e.g. soft-capped attention under cp).
-        yield from family_problems(model_config, tp=t, cp=c)
-        if seq_len is not None and seq_len < self.seq_multiple:
-            yield (
-                f"sequence_len={seq_len} is shorter than 2 x cp_size x tp_size = {self.seq_multiple} tokens, "
-                f"so some ranks would hold no tokens; use a longer sequence or smaller cp/tp"
-            )
 
     def describe(self) -> str:
         """Human-readable layout: sizes, the groups of each view and what every rank holds."""

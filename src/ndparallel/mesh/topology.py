@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ndparallel import _compat
 from ndparallel.errors import LayoutError
-from ndparallel.layout import AXES, VIEWS, Layout
+from ndparallel.mesh.layout import AXES, VIEWS, Layout
 
 DEFAULT_TIMEOUT_S = 600.0
 RENDEZVOUS_FILE_ENV = "NDPARALLEL_RENDEZVOUS_FILE"
