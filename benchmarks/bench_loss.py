@@ -1,4 +1,4 @@
-"""The chunked cross-entropy (``ndparallel.loss``) alone: time of forward + backward per kernel, and the
+"""The chunked cross-entropy (``ndparallel.loss.cross_entropy``) alone: time of forward + backward per kernel, and the
 compiled loss against the eager one on the same logits.
 
     PYTHONPATH=src python3 benchmarks/bench_loss.py --tokens 8192 --vocab 128256
@@ -16,7 +16,7 @@ import json
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ndparallel.loss import cross_entropy_sum
+from ndparallel.loss.cross_entropy import cross_entropy_sum
 
 
 def _step(logits: torch.Tensor, labels: torch.Tensor, compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:

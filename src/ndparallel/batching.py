@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ndparallel.errors import ConfigError
-from ndparallel.loss import IGNORE_INDEX
+from ndparallel.loss.cross_entropy import IGNORE_INDEX
 from ndparallel.mesh.topology import Topology
 from ndparallel.parallel.context import SEGMENTS_HOST_KWARG, SINGLE_KWARG, full_rows_mask
 from ndparallel.parallel.cp_layout import cp_shard, segment_ids_from, single_segment

@@ -3,7 +3,7 @@
 0. QAT (optional, ``qat.py``) swaps every linear for torchao's fake-quantized one, before anything holds on
    to the modules. FP8 (optional) swaps the chosen linears for torchao's ``Float8Linear`` before anything
    splits them. A plain lm_head becomes a ``LossHead`` (same parameters), which can hand its input to the
-   fused loss instead of computing the logits (``loss_head.py``). ``load_in_8bit`` turns the blocks'
+   fused loss instead of computing the logits (``loss/head.py``). ``load_in_8bit`` turns the blocks'
    linears into int8 codes with row scales here too, so tensor parallelism splits codes and scales as it
    splits weights (``quantized/int8.py``).
 1. Tensor parallel first: it replaces weights by DTensors split over ``tp`` and installs sequence
@@ -35,7 +35,7 @@ from torch import nn
 from ndparallel.errors import ConfigError
 from ndparallel.freeze import apply_trainable, select_trainable, store_frozen_in
 from ndparallel.lora import LoraSpec, attach_lora
-from ndparallel.loss_head import install_loss_head
+from ndparallel.loss.head import install_loss_head
 from ndparallel.mesh.topology import Topology
 from ndparallel.models.decoder import decoder_parts
 from ndparallel.models.families import needs_eager_attention
@@ -113,9 +113,9 @@ class ParallelOptions:
     """Frozen quantized base weights under LoRA (``quantized/``): 'nf4' (QLoRA, 4-bit) or 'int8' (8-bit,
     one scale per row) for the decoder blocks' linear weights; needs ``lora``. None: unquantized."""
     fused_loss: bool = True
-    """Give lm_head's input to the fused linear + cross-entropy loss (``fused_loss.py``) instead of computing
+    """Give lm_head's input to the fused linear + cross-entropy loss (``loss/fused.py``) instead of computing
     the (tokens x vocabulary) logits, when the loss goes through ``step.model_loss`` (the trainer's does).
-    The head stays a plain linear layer for any other caller (``loss_head.py``)."""
+    The head stays a plain linear layer for any other caller (``loss/head.py``)."""
     single_rank_fsdp: bool = False
     """Wrap with FSDP2 even when the world is one rank. By default one rank keeps its parameters in flat
     buffers instead (same numbers, less copying); this restores the FSDP path (for comparisons)."""

@@ -19,10 +19,10 @@ from torch.distributed.tensor import DTensor
 
 from ndparallel import _compat
 from ndparallel.errors import ConfigError
-from ndparallel.fused_loss import linear_cross_entropy_sum
 from ndparallel.kernels import grad_norm as triton_norm
-from ndparallel.loss import cross_entropy_sum, vocab_offset
-from ndparallel.loss_head import loss_head_of
+from ndparallel.loss.cross_entropy import cross_entropy_sum, vocab_offset
+from ndparallel.loss.fused import linear_cross_entropy_sum
+from ndparallel.loss.head import loss_head_of
 from ndparallel.mesh.topology import Topology
 from ndparallel.optim import FlatAdamW
 from ndparallel.parallel.float8 import fp8_post_step_hook
@@ -66,7 +66,7 @@ def model_loss(
     """Run ``model`` on ``inputs`` and return (this rank's share of the step loss, the model's outputs).
 
     With a ``LossHead`` (``parallelize``'s default) the logits are never made: the head hands its input to
-    the fused linear + cross-entropy (``fused_loss.py``) and ``outputs.logits`` is empty. Otherwise the
+    the fused linear + cross-entropy (``loss/fused.py``) and ``outputs.logits`` is empty. Otherwise the
     model's logits go through ``token_loss``. Either way the share is (sum of token losses) / ``num_tokens``.
     """
     head = loss_head_of(model)
@@ -86,7 +86,7 @@ def model_loss(
         vocab_start=head.vocab_start,
         kernels=compiled,
     )
-    total = total + outputs.logits.sum()  # exactly 0: ties the model's output into the loss (loss_head.py)
+    total = total + outputs.logits.sum()  # exactly 0: ties the model's output into the loss (loss/head.py)
     return total / num_tokens.clamp(min=1), outputs
 
 

@@ -34,7 +34,7 @@ from ndparallel.data import DataOrder, build_rows_distributed
 from ndparallel.errors import ConfigError
 from ndparallel.flops import AttentionFlops, flops_per_token
 from ndparallel.lora import LoraSpec, save_peft_adapter
-from ndparallel.loss import IGNORE_INDEX
+from ndparallel.loss.cross_entropy import IGNORE_INDEX
 from ndparallel.mesh.layout import Layout
 from ndparallel.mesh.topology import Topology, default_device_type, init_distributed
 from ndparallel.metrics import MetricsLogger, device_peak_flops

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 import ndparallel as ndp
-from ndparallel.fused_loss import LogitTransform, linear_cross_entropy_sum
-from ndparallel.loss import cross_entropy_sum
+from ndparallel.loss.cross_entropy import cross_entropy_sum
+from ndparallel.loss.fused import LogitTransform, linear_cross_entropy_sum
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

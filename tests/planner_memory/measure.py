@@ -274,7 +274,7 @@ class _PeakRecorder(TorchDispatchMode):
 def measure_loss_peak(
     *, vocab: int, tokens: int, precision: str = "bf16", hidden: int = 64, seed: int = 0
 ) -> dict[str, Any]:
-    """Peak bytes of the logits and ``ndparallel.loss`` through forward and backward, on this rank.
+    """Peak bytes of the logits and ``ndparallel.loss.cross_entropy`` through forward and backward, on this rank.
 
     The logits are (tokens, vocab / world) in the compute dtype, made inside the measured block by a
     linear head from a narrow (``hidden``-wide) input, like lm_head's, and referenced until backward ends,
@@ -284,7 +284,7 @@ def measure_loss_peak(
     """
     import torch.distributed as dist
 
-    from ndparallel.loss import cross_entropy_sum
+    from ndparallel.loss.cross_entropy import cross_entropy_sum
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -314,7 +314,7 @@ def measure_fused_loss_peak(
     gradients it makes in forward (x's, and W's summed in float32), each chunk's logits and temporaries, the
     per-token label tensors and, in backward, autograd's cast of W's float32 gradient to W's dtype.
     """
-    from ndparallel.fused_loss import linear_cross_entropy_sum
+    from ndparallel.loss.fused import linear_cross_entropy_sum
 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     g = torch.Generator().manual_seed(seed)

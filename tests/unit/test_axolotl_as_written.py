@@ -15,7 +15,7 @@ from ndparallel.data.spec import DatasetSpec
 from ndparallel.data.templates import template_source
 from ndparallel.data.tokenization import tokenize_records
 from ndparallel.data.tokenizer import byte_tokenizer
-from ndparallel.loss import IGNORE_INDEX
+from ndparallel.loss.cross_entropy import IGNORE_INDEX
 
 BASE = """\
 model_shape: tiny

@@ -15,8 +15,8 @@ from harness import run_ranks
 from scenarios import make_model
 
 import ndparallel as ndp
-from ndparallel.fused_loss import LogitTransform, chunk_rows_for, linear_cross_entropy_sum
-from ndparallel.loss_head import LossHead, install_loss_head, loss_head_of
+from ndparallel.loss.fused import LogitTransform, chunk_rows_for, linear_cross_entropy_sum
+from ndparallel.loss.head import LossHead, install_loss_head, loss_head_of
 
 TRANSFORMS = [
     pytest.param(LogitTransform(), id="plain"),

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ndparallel.loss import cross_entropy_sum
+from ndparallel.loss.cross_entropy import cross_entropy_sum
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.float64, 1e-12), (torch.bfloat16, 1e-2)])

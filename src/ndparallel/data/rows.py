@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ndparallel.loss import IGNORE_INDEX
+from ndparallel.loss.cross_entropy import IGNORE_INDEX
 
 COLUMNS = ("input_ids", "labels", "position_ids", "attention_mask")
 

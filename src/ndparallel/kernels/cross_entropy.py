@@ -1,5 +1,5 @@
-"""The chunked cross-entropy's two passes as Triton kernels (CUDA; ``loss.py`` holds the math and the eager
-version).
+"""The chunked cross-entropy's two passes as Triton kernels (CUDA; ``loss/cross_entropy.py`` holds the math and
+the eager version).
 
 The loss is memory-bound: the logits of one 1B/3B step (8192 tokens x 128,256) are 2.1 GB in bf16. The
 floor is reading them once in forward and once in backward and writing their gradient once. The

@@ -312,7 +312,7 @@ class SingleRankParams:
             return
         # The compute copies stay registered until backward ends (activation checkpointing recomputes
         # layers during backward and must find them); the first output gradient, or the first gradient of a
-        # compute copy (a loss computed from an input the model handed out, ``loss_head.py``, leaves the
+        # compute copy (a loss computed from an input the model handed out, ``loss/head.py``, leaves the
         # outputs without one), queues the swap back.
         self._backward_pending = True
         for t in needs_grad:

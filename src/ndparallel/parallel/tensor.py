@@ -41,7 +41,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from ndparallel.loss_head import LossHead
+from ndparallel.loss.head import LossHead
 from ndparallel.models.decoder import DecoderParts
 from ndparallel.parallel.float8 import tp_style_classes
 

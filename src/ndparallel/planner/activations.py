@@ -45,7 +45,7 @@ gradient): (4h + 4)/t once. The linears' inputs stay saved (each adapter's A rea
                 sequence) and every B output (o/down: sequence-split)
 Measured on CPU (``tiny-gqa4-*-lora*`` rows, world 1 and tp 2) and on the H200 (1B LoRA rows).
 
-fused loss (``Workload.fused_loss``, the trainer's default: ``fused_loss.py``; counted on CPU, H200 rows)
+fused loss (``Workload.fused_loss``, the trainer's default: ``loss/fused.py``; counted on CPU, H200 rows)
     head        lm_head's input is not saved; the loss's gradient of it is, e*h per token (made in forward
                 whenever the hidden states need a gradient: under LoRA too)
     loss        no logits: lm_head's weight gradient, summed in float32 from forward to backward, 4*V*h/t
@@ -89,8 +89,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ndparallel.fused_loss import CHUNK_BYTES
-from ndparallel.loss import CHUNK_ROWS
+from ndparallel.loss.cross_entropy import CHUNK_ROWS
+from ndparallel.loss.fused import CHUNK_BYTES
 from ndparallel.mesh.layout import Layout
 from ndparallel.planner.shapes import ModelShape
 
@@ -293,7 +293,7 @@ def fused_weight_grad(m: ModelShape, layout: Layout, lora_rank: int | None = Non
 
 
 def loss_peak(m: ModelShape, layout: Layout, seq: int, b: int, e: int, compiled: bool = False) -> float:
-    """Most bytes the logits and the loss hold at once, per micro-batch (``ndparallel.loss``, eager).
+    """Most bytes the logits and the loss hold at once, per micro-batch (``ndparallel.loss.cross_entropy``, eager).
 
     The chunked cross-entropy never makes a full float32 copy or softmax of the (N, V/t) logits (N = b*s
     tokens of the rank). Its peak is in backward, inside ``_chunk_grad`` for a chunk of c = min(N,
@@ -330,7 +330,7 @@ def fused_loss_peak(
     device: str = "cuda",
     chunk_rows: int | None = None,
 ) -> float:
-    """Most bytes the fused loss (``fused_loss.py``) adds to the kept activations, per micro-batch: in its
+    """Most bytes the fused loss (``loss/fused.py``) adds to the kept activations, per micro-batch: in its
     forward, which computes the gradients chunk by chunk (module docstring, "fused loss"). ``device`` 'cpu'
     counts the CPU's own weight-gradient path (the measurements); ``chunk_rows`` overrides the chunk."""
     n, w, h = b * (seq // layout.cp), m.vocab / layout.tp, m.hidden

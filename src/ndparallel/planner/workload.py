@@ -66,9 +66,9 @@ class Workload:
     """On that flat path, fp32 gradients in the parameters' ``.grad`` (``build_optimizer``'s default, for a user's
     own loop). False is the trainer's: AdamW reads the bf16 gradients where autograd left them."""
     fused_loss: bool = True
-    """lm_head and the cross-entropy fused over chunks of rows (``fused_loss.py``; the trainer's
+    """lm_head and the cross-entropy fused over chunks of rows (``loss/fused.py``; the trainer's
     ``fused_cross_entropy``, on by default): no (tokens x vocabulary) logits are held. False: the model's logits go
-    to the chunked cross-entropy (``loss.py``), as every measurement before 2026-12-03 ran."""
+    to the chunked cross-entropy (``loss/cross_entropy.py``), as every measurement before 2026-12-03 ran."""
     tiled_mlp: bool | str = "auto"
     """Each dense MLP over sequence tiles, one tile's (tokens x intermediate) tensors at a time
     (``parallel/tiled_mlp.py``; the trainer's ``tiled_mlp``): True, False, or 'auto' (tried where nothing fits)."""

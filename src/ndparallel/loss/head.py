@@ -1,7 +1,7 @@
 """lm_head as a module that either projects (as ``nn.Linear``) or hands its input to the fused loss.
 
 transformers' ``...ForCausalLM.forward`` calls ``self.lm_head(hidden)`` and returns the logits. Training
-wants the loss, not the (N, V) logits (``fused_loss.py``), but the model must still be called as a whole:
+wants the loss, not the (N, V) logits (``loss/fused.py``), but the model must still be called as a whole:
 FSDP2's root unit and the one-rank path's compute copies live in the hooks of that call. So the head is
 swapped (once, in ``parallelize``) for a ``LossHead`` holding the same parameters under the same names.
 Inside ``head.capture()`` its forward records its input and returns zero-width logits (B, S, 0), on
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ndparallel.fused_loss import LogitTransform
+from ndparallel.loss.fused import LogitTransform
 from ndparallel.models.families import logit_transform
 
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ndparallel.kernels import cross_entropy as triton_ce
-from ndparallel.loss import IGNORE_INDEX
+from ndparallel.loss.cross_entropy import IGNORE_INDEX
 
 CHUNK_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}
 """Bytes of one chunk's logits: large enough that the chunk's GEMMs run at full rate (4,096 rows of a
