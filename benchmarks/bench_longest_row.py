@@ -115,7 +115,7 @@ def _ndparallel_step(args, row: str, length: int):
     import torch
 
     import ndparallel as ndp
-    from ndparallel.lora import LoraSpec
+    from ndparallel.adapters.lora import LoraSpec
     from ndparallel.models.build import initialize_adapters, materialize, meta_model, model_config_for
     from ndparallel.parallel.offload import host_memory_available, offload_layer_count
     from ndparallel.train import forward_backward

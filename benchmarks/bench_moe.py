@@ -80,7 +80,7 @@ def _build(config, device, dtype):
 
 def _select(model, name: str) -> None:
     if name == "ndparallel":
-        from ndparallel.parallel.expert import ensure_ndparallel_experts
+        from ndparallel.models.moe_experts import ensure_ndparallel_experts
 
         ensure_ndparallel_experts(model)
     else:

@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import ndparallel as ndp
-from ndparallel.lora import LoraSpec
+from ndparallel.adapters.lora import LoraSpec
 from ndparallel.models.build import materialize, meta_model, model_config_for
 
 

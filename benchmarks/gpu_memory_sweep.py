@@ -24,8 +24,8 @@ import time
 import torch
 
 import ndparallel as ndp
+from ndparallel.adapters.lora import LoraSpec
 from ndparallel.flops import AttentionFlops, flops_per_token
-from ndparallel.lora import LoraSpec
 from ndparallel.metrics import device_peak_flops
 from ndparallel.models.build import materialize, meta_model, model_config_for
 from ndparallel.train import forward_backward

@@ -146,7 +146,7 @@ def peft_lora(model, spec):
     start from ndparallel's seeded values (A; B = 0), so both start at the same point."""
     from peft import LoraConfig, get_peft_model
 
-    from ndparallel.lora import init_lora_tensor
+    from ndparallel.adapters.lora import init_lora_tensor
 
     peft_model = get_peft_model(
         model,
@@ -212,7 +212,7 @@ def train_reference(
     """
     micro_loss = micro_loss or functools.partial(_dense_micro_loss, transformers_masks=transformers_masks)
     if lora is not None:
-        from ndparallel.lora import attach_lora
+        from ndparallel.adapters.lora import attach_lora
 
         attach_lora(model, lora, tp_mesh=None)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -308,7 +308,7 @@ def train_parallel(
         weights[_compat.canonical_name(name)] = full.detach().cpu()
     result = {"losses": losses, "grad_norms": norms, "weights": weights if topo.rank == 0 else None}
     if lora is not None:  # the adapters in PEFT's names and layout (a collective)
-        from ndparallel.lora import adapter_state
+        from ndparallel.adapters.lora import adapter_state
 
         result["adapters"] = adapter_state(model, lora) if topo.rank == 0 else (adapter_state(model, lora) and None)
     return result

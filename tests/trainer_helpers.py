@@ -247,9 +247,9 @@ def plain_reference(config: dict, trainable: set[str] | None = None) -> dict:
     from scenarios import peft_lora, plain_targets, reference_mask
     from transformers import AutoModelForCausalLM
 
+    from ndparallel.adapters.lora import LoraSpec
     from ndparallel.config import parse_config
     from ndparallel.data import DataOrder, build_rows_distributed, load_tokenizer
-    from ndparallel.lora import LoraSpec
     from ndparallel.run_inputs import dataset_specs
 
     cfg = parse_config(config)

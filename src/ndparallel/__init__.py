@@ -13,6 +13,7 @@ Library use (the loop you would write, done right)::
     ckpt.save(step, {"model": model, "optimizer": opt}); ckpt.load({"model": model, "optimizer": opt})
 """
 
+from ndparallel.adapters.lora import LoraSpec
 from ndparallel.batching import IGNORE_INDEX, Batch, prepare_batch, shift_labels
 from ndparallel.checkpoint import Checkpointer, ModelState, OptimizerState
 from ndparallel.errors import (
@@ -24,7 +25,6 @@ from ndparallel.errors import (
     NdParallelError,
     NumericsError,
 )
-from ndparallel.lora import LoraSpec
 from ndparallel.mesh.layout import Layout
 from ndparallel.mesh.parallelism_config import (
     ParallelismConfig,

@@ -15,6 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ndparallel.adapters.lora import MAX_LORA_R
 from ndparallel.errors import ConfigError
 from ndparallel.from_axolotl import not_used_line, read_axolotl
 from ndparallel.mesh.parallelism_config import ParallelismConfig
@@ -116,7 +117,7 @@ _QAT_DTYPE_ALIASES = {"fp8": "float8_e4m3fn", "float8": "float8_e4m3fn"}
 
 
 class QatSettings(BaseModel):
-    """Axolotl's qat: quantization-aware training of the full weights (``qat.py`` lists the schemes)."""
+    """Axolotl's qat: quantization-aware training of the full weights (``adapters/qat.py`` lists the schemes)."""
 
     model_config = ConfigDict(extra="forbid")
     weight_dtype: Literal["int4", "int8", "float8_e4m3fn", "mxfp4", "nvfp4"] = "int8"
@@ -142,7 +143,6 @@ EIGHT_BIT_OPTIMIZERS = ("adamw_8bit", "adamw_bnb_8bit", "adamw_torch_8bit", "pag
 # Sane maxima of sizes (a typo such as sequence_len: 1000000000 is one line at validate, not a MemoryError).
 MAX_SEQUENCE_LEN = 2**24
 MAX_COUNT = 2**16
-MAX_LORA_R = 2**16
 
 
 class TrainConfig(BaseModel):
@@ -415,7 +415,7 @@ class TrainConfig(BaseModel):
     [mlp.experts.gate_up_proj, mlp.experts.down_proj]."""
     unfrozen_parameters: list[str] | None = None
     """A full fine-tune of only these weights, everything else frozen (Axolotl's meaning: regular expressions
-    matched at the start of each weight's name, periods literal; ``freeze.py``), e.g. [^lm_head.weight$,
+    matched at the start of each weight's name, periods literal; ``adapters/freeze.py``), e.g. [^lm_head.weight$,
     model.layers.2[0-9]+.mlp]."""
 
     # --- checks across fields -----------------------------------------------------------------------
@@ -471,7 +471,7 @@ class TrainConfig(BaseModel):
     def _unfrozen(cls, value):
         if not value:
             return None  # an empty list sets nothing (Axolotl's reading): a full fine-tune
-        from ndparallel.freeze import compile_patterns
+        from ndparallel.adapters.freeze import compile_patterns
 
         compile_patterns(value)
         return value
@@ -490,8 +490,8 @@ class TrainConfig(BaseModel):
         return self
 
     def _qat_problems(self):
+        from ndparallel.adapters.qat import check_spec
         from ndparallel.errors import ConfigError
-        from ndparallel.qat import check_spec
 
         if self.adapter is not None or self.load_in_4bit or self.load_in_8bit:
             yield "qat with adapter / load_in_4bit / load_in_8bit is not supported: QAT trains the full weights"
@@ -510,7 +510,7 @@ class TrainConfig(BaseModel):
     @property
     def qat_spec(self):
         """The qat block as ``qat.QatSpec`` (None without one)."""
-        from ndparallel.qat import QatSpec
+        from ndparallel.adapters.qat import QatSpec
 
         return QatSpec(**self.qat.model_dump()) if self.qat is not None else None
 

@@ -66,7 +66,7 @@ def load_hf_config(path: Path):
 def cpu_model(config, *, dtype: torch.dtype, lora=None):
     """A transformers model of ``config`` on CPU, weights uninitialized (fill them, then ``restore_buffers``);
     with ``lora`` (a ``LoraSpec``) its adapters attached."""
-    from ndparallel.lora import attach_lora
+    from ndparallel.adapters.lora import attach_lora
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -77,7 +77,7 @@ def cpu_model(config, *, dtype: torch.dtype, lora=None):
 
 def load_full_model(path: Path, *, dtype: torch.dtype, with_adapters: bool = False):
     """The model of checkpoint ``path`` in one process, on CPU. Returns (model, adapter_spec or None)."""
-    from ndparallel.lora import LoraSpec
+    from ndparallel.adapters.lora import LoraSpec
 
     try:
         spec = LoraSpec.from_checkpoint(path)
@@ -151,7 +151,7 @@ def write_hf_directory(
     With ``lora`` (a ``LoraSpec`` whose adapters are attached): a PEFT adapter directory, or with
     ``merge_lora`` the merged model. ``out_dir`` must not exist or be empty: nothing is overwritten.
     """
-    from ndparallel.lora import merge_lora_weights, save_peft_adapter
+    from ndparallel.adapters.lora import merge_lora_weights, save_peft_adapter
 
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):

@@ -1,6 +1,6 @@
 """Apply every strategy to a Hugging Face decoder model, in the one order that composes.
 
-0. QAT (optional, ``qat.py``) swaps every linear for torchao's fake-quantized one, before anything holds on
+0. QAT (optional, ``adapters/qat.py``) swaps every linear for torchao's fake-quantized one, before anything holds on
    to the modules. FP8 (optional) swaps the chosen linears for torchao's ``Float8Linear`` before anything
    splits them. A plain lm_head becomes a ``LossHead`` (same parameters), which can hand its input to the
    fused loss instead of computing the logits (``loss/head.py``). ``load_in_8bit`` turns the blocks'
@@ -32,9 +32,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ndparallel.adapters.freeze import apply_trainable, select_trainable, store_frozen_in
+from ndparallel.adapters.lora import LoraSpec, attach_lora
+from ndparallel.adapters.qat import QatSpec, apply_qat
 from ndparallel.errors import ConfigError
-from ndparallel.freeze import apply_trainable, select_trainable, store_frozen_in
-from ndparallel.lora import LoraSpec, attach_lora
 from ndparallel.loss.head import install_loss_head
 from ndparallel.mesh.topology import Topology
 from ndparallel.models.decoder import decoder_parts
@@ -49,7 +50,6 @@ from ndparallel.parallel.rules import check_model
 from ndparallel.parallel.single_rank import apply_single_rank, eligible
 from ndparallel.parallel.tensor import apply_tensor_parallel
 from ndparallel.parallel.tiled_mlp import apply_tiled_mlp
-from ndparallel.qat import QatSpec, apply_qat
 from ndparallel.quantized import FORMATS, check_supported, is_nf4, quantize_linears
 from ndparallel.quantized.int8 import replicate_rowwise_scales
 
@@ -104,10 +104,10 @@ class ParallelOptions:
     fp8: Fp8Spec | bool | None = None
     """FP8 linears (torchao float8): True for the default ``Fp8Spec``, or a spec; None/False: bf16."""
     unfrozen_parameters: tuple[str, ...] | None = None
-    """Train only the weights these patterns select (Axolotl's ``unfrozen_parameters``, ``freeze.py``);
+    """Train only the weights these patterns select (Axolotl's ``unfrozen_parameters``, ``adapters/freeze.py``);
     None: every weight trains (or, with LoRA, only the adapters)."""
     qat: QatSpec | None = None
-    """Quantization-aware training (``qat.py``): torchao fake-quantized linear layers; not with lora, fp8,
+    """Quantization-aware training (``adapters/qat.py``): torchao fake-quantized linear layers; not with lora, fp8,
     quantized_base or tp > 1."""
     quantized_base: str | None = None
     """Frozen quantized base weights under LoRA (``quantized/``): 'nf4' (QLoRA, 4-bit) or 'int8' (8-bit,

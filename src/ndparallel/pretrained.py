@@ -25,8 +25,8 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from ndparallel import _compat
+from ndparallel.adapters.lora import LoraSpec, attach_lora, merge_lora_weights, save_peft_adapter
 from ndparallel.errors import ModelError, NdParallelError
-from ndparallel.lora import LoraSpec, attach_lora, merge_lora_weights, save_peft_adapter
 from ndparallel.mesh.topology import Topology
 from ndparallel.models.build import materialize, meta_model, model_config_for, restore_buffers
 from ndparallel.parallelize import ParallelOptions, as_dtype, parallelize

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ndparallel.freeze import describe_trainable
+from ndparallel.adapters.freeze import describe_trainable
 from ndparallel.metrics import MetricsLogger
 from ndparallel.models.decoder import decoder_parts
 from ndparallel.progress import human_seconds

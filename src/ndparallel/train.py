@@ -26,14 +26,15 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from ndparallel import _compat, qat
+from ndparallel import _compat
 from ndparallel import checkpoint as ckpt
+from ndparallel.adapters import qat
+from ndparallel.adapters.lora import LoraSpec, save_peft_adapter
 from ndparallel.batching import prepare_batch
 from ndparallel.config import TrainConfig
 from ndparallel.data import DataOrder, build_rows_distributed
 from ndparallel.errors import ConfigError
 from ndparallel.flops import AttentionFlops, flops_per_token
-from ndparallel.lora import LoraSpec, save_peft_adapter
 from ndparallel.loss.cross_entropy import IGNORE_INDEX
 from ndparallel.mesh.layout import Layout
 from ndparallel.mesh.topology import Topology, default_device_type, init_distributed

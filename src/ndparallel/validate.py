@@ -117,7 +117,7 @@ def _offload_note(cfg: TrainConfig, model_config, plan: RunPlan) -> str | None:
 def _check_unfrozen(cfg: TrainConfig, model_config) -> str:
     """unfrozen_parameters against the weights' names (the model built on the meta device: no memory); the
     line saying how much of the model trains."""
-    from ndparallel.freeze import apply_trainable, describe_trainable, select_trainable
+    from ndparallel.adapters.freeze import apply_trainable, describe_trainable, select_trainable
     from ndparallel.models.build import meta_model
 
     model = meta_model(model_config)
@@ -127,8 +127,8 @@ def _check_unfrozen(cfg: TrainConfig, model_config) -> str:
 
 def _check_qat(cfg: TrainConfig, model_config) -> str:
     """The qat scheme against the model's layer shapes (group sizes must divide every input width)."""
+    from ndparallel.adapters.qat import apply_qat
     from ndparallel.models.build import meta_model
-    from ndparallel.qat import apply_qat
 
     count = apply_qat(meta_model(model_config), cfg.qat_spec)
     return f"{cfg.qat_spec.describe()}: {count} linear layers"

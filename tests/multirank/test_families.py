@@ -39,8 +39,8 @@ from trainer_helpers import layout_config, run_train, tiny_config
 from transformers import AutoModelForCausalLM
 
 import ndparallel as ndp
+from ndparallel.adapters.lora import LoraSpec
 from ndparallel.cli import main
-from ndparallel.lora import LoraSpec
 
 STEPS = 5
 EPS = 1e-4

@@ -20,7 +20,7 @@ from scenarios import (
     world_size,
 )
 
-from ndparallel.lora import LoraSpec
+from ndparallel.adapters.lora import LoraSpec
 
 STEPS = 5
 SPEC_QV = LoraSpec(r=4, alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"], seed=3)

@@ -15,7 +15,7 @@ from moe_scenarios import make_moe_model, train_parallel_moe, train_reference_mo
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from scenarios import VOCAB, make_batches, max_rel_diff, world_size
 
-from ndparallel.lora import LoraSpec, init_lora_tensor
+from ndparallel.adapters.lora import LoraSpec, init_lora_tensor
 
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 SPEC = LoraSpec(r=2, alpha=4.0, target_modules=["q_proj", "v_proj"], target_parameters=EXPERTS, seed=5)
@@ -72,7 +72,7 @@ def test_expert_lora_matches_peft(family, layout, parity_record):
 def _save_adapter(family: str, out_dir: str, probe: torch.Tensor):
     """One rank: ndparallel's model with non-zero adapters; saves them and returns its logits on ``probe``."""
     import ndparallel as ndp
-    from ndparallel.lora import save_peft_adapter
+    from ndparallel.adapters.lora import save_peft_adapter
 
     topo = ndp.Topology.build(ndp.ParallelismConfig(dp_shard_size=1))
     model = make_moe_model(family)

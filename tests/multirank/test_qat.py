@@ -84,8 +84,8 @@ def test_unsupported_schemes_are_one_line_errors(tmp_path, qat, extra, message):
 
 
 def test_a_group_size_that_does_not_divide_a_layer_names_it():
+    from ndparallel.adapters.qat import QatSpec, apply_qat
     from ndparallel.errors import ConfigError
-    from ndparallel.qat import QatSpec, apply_qat
 
     with pytest.raises(ConfigError, match="has 64 input features, not a multiple of group_size 48"):
         apply_qat(make_model("llama", vocab_size=320), QatSpec("int4", "int8", group_size=48))

@@ -185,7 +185,7 @@ def _parallelized(shape: ModelShape, layout: dict[str, Any], seed: int, lora_ran
     from transformers import AutoModelForCausalLM
 
     import ndparallel as ndp
-    from ndparallel.lora import LoraSpec
+    from ndparallel.adapters.lora import LoraSpec
 
     topo = ndp.Topology.build(ndp.ParallelismConfig(**layout))
     torch.manual_seed(seed)

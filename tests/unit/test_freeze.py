@@ -1,12 +1,12 @@
-"""unfrozen_parameters: which weights Axolotl's patterns select (freeze.py), on models built on the meta device."""
+"""unfrozen_parameters: which weights Axolotl's patterns select (adapters/freeze.py), on meta-device models."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig
 
 from ndparallel import ConfigError
+from ndparallel.adapters.freeze import apply_trainable, compile_patterns, describe_trainable, select_trainable
 from ndparallel.config import parse_config
-from ndparallel.freeze import apply_trainable, compile_patterns, describe_trainable, select_trainable
 
 
 def meta(config):

@@ -200,7 +200,7 @@ def test_cosine_with_a_floor_and_a_constant_tail():
 def test_lora_target_modules_as_a_regex_matches_full_module_paths():
     from scenarios import make_model
 
-    from ndparallel.lora import LoraSpec, peft_config_dict, target_paths
+    from ndparallel.adapters.lora import LoraSpec, peft_config_dict, target_paths
 
     regex = r".*layers\.1\.self_attn\.(q|v)_proj"
     spec = LoraSpec.from_config(read_config({**BASE, "adapter": "lora", "lora_target_modules": regex}).config)

@@ -23,8 +23,8 @@ from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, Llama
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ndparallel import _compat
+from ndparallel.adapters.lora import init_lora_tensor
 from ndparallel.errors import ModelError
-from ndparallel.lora import init_lora_tensor
 from ndparallel.models import presets
 from ndparallel.models.families import needs_eager_attention
 from ndparallel.models.moe import is_moe_weight

@@ -1,4 +1,6 @@
-"""The experts of one MoE block applied to tokens already grouped by expert. Nothing here is distributed.
+"""The experts of one MoE block applied to tokens already grouped by expert, and the experts function
+transformers calls (``experts_forward``, selected through its ``ExpertsInterface``). Nothing here is
+distributed: with expert parallelism the rows travel through the ``exchange`` that ``parallel/expert.py`` binds.
 
 transformers' experts modules (models/moe.py) keep all experts' weights as 3-D tensors; this applies a
 contiguous range of them (all of them, or the ``num_experts / ep`` an expert-parallel rank holds) to rows
@@ -12,17 +14,25 @@ sorted by expert, with the same arithmetic as transformers' own implementations:
 On a GPU in bf16 each projection is one grouped matmul (``_compat.grouped_mm``); elsewhere (CPU, fp32) a
 loop over the experts, which is the dense-loop baseline the GPU benchmark compares against.
 
-LoRA on experts (``lora_experts.py``): a weight with adapters is used as W + scaling * B @ A per expert,
+LoRA on experts (``adapters/lora_experts.py``): a weight with adapters is used as W + scaling * B @ A per expert,
 the adapters (E, r, in) and (E, out, r) indexed like the weight.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from transformers.integrations.moe import ExpertsInterface
 
 from ndparallel import _compat
+from ndparallel.models.moe import num_experts_of
+
+EXPERTS_NAME = "ndparallel-experts"
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -91,3 +101,55 @@ def combine(
 def sort_by_expert(top_k_index: torch.Tensor) -> torch.Tensor:
     """Order of the (token, choice) pairs, flattened, that groups them by expert (stable: token order kept)."""
     return torch.argsort(top_k_index.reshape(-1), stable=True)
+
+
+@dataclass(frozen=True)
+class ExpertSetup:
+    """The static part of the experts' forward for a run."""
+
+    num_experts: int
+    ep_size: int = 1
+    ep_group: Any = None
+    """The process group of the ep ranks (expert parallelism), None when every expert is here."""
+    exchange: Callable | None = None
+    """With ep_size > 1 (``parallel/expert.py``): ``exchange(experts, rows sorted by expert, rows per expert,
+    setup)`` sends the rows to the ranks holding their experts, runs them there and returns their outputs."""
+
+
+def experts_forward(
+    experts: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    setup: ExpertSetup,
+) -> torch.Tensor:
+    """transformers' experts signature: hidden (T, H), top_k_index / top_k_weights (T, k) -> (T, H)."""
+    k = top_k_index.shape[-1]
+    order = sort_by_expert(top_k_index)
+    rows = hidden_states.index_select(0, order // k)  # (T*k, H), grouped by expert = by owning rank
+    flat = top_k_index.reshape(-1)
+    counts = torch.zeros(setup.num_experts, dtype=torch.long, device=flat.device)
+    counts = counts.scatter_add(0, flat, torch.ones_like(flat))  # rows per expert (bincount would sync the host)
+    if setup.ep_size == 1:
+        out = run_experts(experts, rows, counts)
+    else:
+        out = setup.exchange(experts, rows, counts, setup)
+    return combine(out, order, top_k_weights, hidden_states.dtype)
+
+
+def register_experts(model: nn.Module, setup: ExpertSetup, group_name: str) -> None:
+    """Select ndparallel's experts function (bound to ``setup``) through transformers' ExpertsInterface."""
+    name = f"{EXPERTS_NAME}-{group_name}"
+    ExpertsInterface.register(name, functools.partial(experts_forward, setup=setup))
+    model.set_experts_implementation(name)
+
+
+def uses_ndparallel_experts(model: nn.Module) -> bool:
+    return str(getattr(model.config, "_experts_implementation", "")).startswith(EXPERTS_NAME)
+
+
+def ensure_ndparallel_experts(model: nn.Module) -> None:
+    """Outside ``parallelize`` (one process, e.g. an export): the local experts function, so expert adapters apply."""
+    if not uses_ndparallel_experts(model):
+        register_experts(model, ExpertSetup(num_experts_of(model.config)), "local")

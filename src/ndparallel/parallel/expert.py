@@ -25,31 +25,16 @@ name bound to this run's ep group, and the model's config selects it (no patchin
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from transformers.integrations.moe import ExpertsInterface
 
 from ndparallel.mesh.topology import Topology
 from ndparallel.models.decoder import DecoderParts
 from ndparallel.models.moe import expert_parameters, moe_blocks, num_experts_of
-from ndparallel.models.moe_experts import combine, inverse_permutation, run_experts, sort_by_expert
-
-EXPERTS_NAME = "ndparallel-experts"
-
-
-@dataclass(frozen=True)
-class ExpertSetup:
-    """The static part of the experts' forward for a run."""
-
-    num_experts: int
-    ep_size: int
-    ep_group: dist.ProcessGroup | None
+from ndparallel.models.moe_experts import ExpertSetup, inverse_permutation, register_experts, run_experts
 
 
 class _AllToAll(torch.autograd.Function):
@@ -71,58 +56,20 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
-def experts_forward(
-    experts: nn.Module,
-    hidden_states: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    *,
-    setup: ExpertSetup,
-) -> torch.Tensor:
-    """transformers' experts signature: hidden (T, H), top_k_index / top_k_weights (T, k) -> (T, H)."""
-    k = top_k_index.shape[-1]
-    order = sort_by_expert(top_k_index)
-    rows = hidden_states.index_select(0, order // k)  # (T*k, H), grouped by expert = by owning rank
-    flat = top_k_index.reshape(-1)
-    counts = torch.zeros(setup.num_experts, dtype=torch.long, device=flat.device)
-    counts = counts.scatter_add(0, flat, torch.ones_like(flat))  # rows per expert (bincount would sync the host)
-    if setup.ep_size == 1:
-        out = run_experts(experts, rows, counts)
-    else:
-        out = _exchange_and_run(experts, rows, counts, setup)
-    return combine(out, order, top_k_weights, hidden_states.dtype)
-
-
 @torch.compiler.disable  # outside compiled graphs: collectives, a host sync and data-dependent sizes
 def _exchange_and_run(experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor, setup: ExpertSetup) -> torch.Tensor:
-    ep, local_experts = setup.ep_size, setup.num_experts // setup.ep_size
+    """The rows (grouped by expert) sent to the ep ranks holding their experts, run there, and sent back."""
+    ep, local_experts, group = setup.ep_size, setup.num_experts // setup.ep_size, setup.ep_group
     received = torch.empty_like(counts)  # [source rank][local expert]: rows each peer sends to my experts
-    dist.all_to_all_single(received, counts, group=setup.ep_group)
+    dist.all_to_all_single(received, counts, group=group)
     both = torch.stack([counts, received]).cpu().view(2, ep, local_experts)  # the step's one host sync
     send, recv = both[0].sum(1).tolist(), both[1].sum(1).tolist()
-    arrived = _AllToAll.apply(rows, send, recv, setup.ep_group)  # grouped by (source rank, local expert)
+    arrived = _AllToAll.apply(rows, send, recv, group)  # grouped by (source rank, local expert)
     expert_of_row = torch.repeat_interleave(torch.arange(local_experts).repeat(ep), both[1].reshape(-1))
     regroup = torch.argsort(expert_of_row, stable=True).to(rows.device)
     out = run_experts(experts, arrived.index_select(0, regroup), both[1].sum(0))
     out = out.index_select(0, inverse_permutation(regroup))  # back to (source rank, local expert) order
-    return _AllToAll.apply(out, recv, send, setup.ep_group)
-
-
-def register_experts(model: nn.Module, setup: ExpertSetup, group_name: str) -> None:
-    """Select ndparallel's experts function (bound to ``setup``) through transformers' ExpertsInterface."""
-    name = f"{EXPERTS_NAME}-{group_name}"
-    ExpertsInterface.register(name, functools.partial(experts_forward, setup=setup))
-    model.set_experts_implementation(name)
-
-
-def uses_ndparallel_experts(model: nn.Module) -> bool:
-    return str(getattr(model.config, "_experts_implementation", "")).startswith(EXPERTS_NAME)
-
-
-def ensure_ndparallel_experts(model: nn.Module) -> None:
-    """Outside ``parallelize`` (one process, e.g. an export): the local experts function, so expert adapters apply."""
-    if not uses_ndparallel_experts(model):
-        register_experts(model, ExpertSetup(num_experts_of(model.config), 1, None), "local")
+    return _AllToAll.apply(out, recv, send, group)
 
 
 def apply_expert_parallel(parts: DecoderParts, topology: Topology) -> None:
@@ -131,13 +78,14 @@ def apply_expert_parallel(parts: DecoderParts, topology: Topology) -> None:
     if not blocks:
         return
     ep = topology.layout.ep
-    group, group_name = None, "local"
+    setup, group_name = ExpertSetup(num_experts_of(parts.model.config)), "local"
     if ep > 1:
         mesh = topology.experts.ep
         group, group_name = mesh.get_group(), mesh.get_group().group_name
         for block in blocks:
             shard_experts(block.experts, mesh)
-    register_experts(parts.model, ExpertSetup(num_experts_of(parts.model.config), ep, group), group_name)
+        setup = ExpertSetup(setup.num_experts, ep_size=ep, ep_group=group, exchange=_exchange_and_run)
+    register_experts(parts.model, setup, group_name)
 
 
 def shard_experts(experts: nn.Module, ep_mesh: DeviceMesh) -> None:

@@ -23,9 +23,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from ndparallel import _compat
 from ndparallel.errors import ConfigError
 from ndparallel.models.moe import moe_blocks
-from ndparallel.models.moe_experts import adapted_weight
+from ndparallel.models.moe_experts import adapted_weight, ensure_ndparallel_experts
 
 ADAPTABLE = ("gate_up_proj", "up_proj", "down_proj")
 
@@ -68,8 +69,6 @@ def attach_expert_lora(
     init,
 ) -> None:
     """Add adapters to the targeted expert weights (after expert parallelism, before FSDP)."""
-    from ndparallel.parallel.expert import ensure_ndparallel_experts
-
     if dropout:
         raise ConfigError(
             f"lora_dropout={dropout} cannot apply to expert weights (the input of each expert is not "
@@ -138,6 +137,4 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _clean(path: str) -> str:
-    from ndparallel import _compat
-
     return _compat.canonical_name(path)

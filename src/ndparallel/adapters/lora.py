@@ -34,17 +34,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ndparallel import _compat
-from ndparallel.errors import ConfigError
-from ndparallel.lora_experts import (
+from ndparallel.adapters.lora_experts import (
     attach_expert_lora,
     expert_adapter_state,
     expert_target_parameters,
     merge_expert_lora,
 )
+from ndparallel.errors import ConfigError
 from ndparallel.models.decoder import decoder_parts
 from ndparallel.safe_io import bounded_regex
 
 PEFT_PREFIX = "base_model.model."
+MAX_LORA_R = 2**16
+"""The largest adapter rank (a typo such as lora_r: 1000000 is one line at validate, not a MemoryError)."""
 
 
 @dataclass
@@ -99,7 +101,6 @@ class LoraSpec:
 
     def check(self) -> None:
         """ValueError unless every field has the type and range ndparallel writes (r at most MAX_LORA_R)."""
-        from ndparallel.config import MAX_LORA_R
 
         def whole(value) -> bool:
             return isinstance(value, int) and not isinstance(value, bool)
