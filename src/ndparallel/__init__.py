@@ -15,7 +15,8 @@ Library use (the loop you would write, done right)::
 
 from ndparallel.adapters.lora import LoraSpec
 from ndparallel.batching import IGNORE_INDEX, Batch, prepare_batch, shift_labels
-from ndparallel.checkpoint import Checkpointer, ModelState, OptimizerState
+from ndparallel.checkpoint.checkpointer import Checkpointer
+from ndparallel.checkpoint.states import ModelState, OptimizerState
 from ndparallel.errors import (
     CheckpointError,
     ConfigError,

@@ -516,7 +516,7 @@ class TrainConfig(BaseModel):
 
     def _problems(self):
         """Contradictions between settings (the first one is raised)."""
-        from ndparallel.quantized import FORMATS
+        from ndparallel.quantized.linears import FORMATS
 
         if self.fp16:
             yield "fp16 is not supported: set bf16: true (bf16 needs no loss scaling)"

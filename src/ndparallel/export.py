@@ -22,8 +22,10 @@ import torch
 import yaml
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from ndparallel.checkpoint import checkpoints_dir, load_tensors, open_checkpoint, store
+from ndparallel.checkpoint import store
 from ndparallel.checkpoint.guard import read_index
+from ndparallel.checkpoint.loading import load_tensors, open_checkpoint
+from ndparallel.checkpoint.training import checkpoints_dir
 from ndparallel.errors import CheckpointError, ConfigError
 from ndparallel.models.build import restore_buffers
 from ndparallel.safe_io import bounded_yaml, owned_files

@@ -50,8 +50,9 @@ from ndparallel.parallel.rules import check_model
 from ndparallel.parallel.single_rank import apply_single_rank, eligible
 from ndparallel.parallel.tensor import apply_tensor_parallel
 from ndparallel.parallel.tiled_mlp import apply_tiled_mlp
-from ndparallel.quantized import FORMATS, check_supported, is_nf4, quantize_linears
 from ndparallel.quantized.int8 import replicate_rowwise_scales
+from ndparallel.quantized.linears import FORMATS, check_supported, quantize_linears
+from ndparallel.quantized.nf4 import is_nf4
 
 _DTYPES = {
     "float32": torch.float32,

@@ -11,11 +11,11 @@ from functools import partial
 import torch
 
 from ndparallel.config import TrainConfig
-from ndparallel.data import DatasetSpec, load_tokenizer
 from ndparallel.data.files import resolve_data_path
 from ndparallel.data.hub_files import snapshot_patterns
+from ndparallel.data.spec import DatasetSpec
 from ndparallel.data.templates import template_source
-from ndparallel.data.tokenizer import add_config_tokens
+from ndparallel.data.tokenizer import add_config_tokens, load_tokenizer
 from ndparallel.optim8bit import build_adamw_8bit
 from ndparallel.safe_io import hub
 from ndparallel.step import build_optimizer

@@ -15,7 +15,7 @@ from ndparallel.adapters.freeze import describe_trainable
 from ndparallel.metrics import MetricsLogger
 from ndparallel.models.decoder import decoder_parts
 from ndparallel.progress import human_seconds
-from ndparallel.quantized import describe
+from ndparallel.quantized.linears import describe
 from ndparallel.tracking import open_trackers, wandb_wanted
 
 if TYPE_CHECKING:

@@ -27,12 +27,14 @@ import torch
 import torch.distributed as dist
 
 from ndparallel import _compat
-from ndparallel import checkpoint as ckpt
 from ndparallel.adapters import qat
 from ndparallel.adapters.lora import LoraSpec, save_peft_adapter
 from ndparallel.batching import prepare_batch
+from ndparallel.checkpoint import training as ckpt
+from ndparallel.checkpoint.checkpointer import Checkpointer
 from ndparallel.config import TrainConfig
-from ndparallel.data import DataOrder, build_rows_distributed
+from ndparallel.data.build import build_rows_distributed
+from ndparallel.data.sampler import DataOrder
 from ndparallel.errors import ConfigError
 from ndparallel.flops import AttentionFlops, flops_per_token
 from ndparallel.loss.cross_entropy import IGNORE_INDEX
@@ -88,7 +90,7 @@ class TrainResult:
 def resolve_layout(cfg: TrainConfig, world_size: int, model_config) -> tuple[Layout, str | None]:
     """The layout for this world size; with dp_shard_size: auto the planner picks it (and says why)."""
     if cfg.dp_shard_size == "auto":
-        from ndparallel.planner import best_layout
+        from ndparallel.planner.plan import best_layout
         from ndparallel.planner.request import layout_request
 
         layout, reason = best_layout(model_config, world_size, **layout_request(cfg))
@@ -162,7 +164,7 @@ class TrainingRun:
     eval_rows: object
     lora: LoraSpec | None
     state: ckpt.TrainState
-    checkpointer: ckpt.Checkpointer
+    checkpointer: Checkpointer
     total_steps: int
     steps_per_epoch: int
     resume_dir: Path | None

@@ -55,7 +55,7 @@ def run_errors(cfg: TrainConfig, *, world_size: int | None) -> tuple[list[str], 
     if plan is not None:
         plan.notes += [*checks.notes, checks.not_checked_line()]
     if cfg.load_in_4bit:
-        from ndparallel.quantized import nf4_available
+        from ndparallel.quantized.nf4 import nf4_available
 
         _attempt(problems, nf4_available)
     if cfg.eight_bit_optimizer and cfg.device == "cpu":

@@ -80,7 +80,7 @@ def _plan(argv: list[str], quiet: bool) -> int:
     from ndparallel import cli
 
     try:
-        from ndparallel.planner import add_plan_arguments, run_plan
+        from ndparallel.planner.cli import add_plan_arguments, run_plan
     except ImportError as exc:  # the other commands still work; `plan` says why it cannot
         return cli.plan_unavailable(f"{type(exc).__name__}: {exc}")
     if quiet:

@@ -20,7 +20,7 @@ from trainer_helpers import (
 
 from ndparallel.config import parse_config
 from ndparallel.errors import ConfigError
-from ndparallel.quantized import quantize_linears
+from ndparallel.quantized.linears import quantize_linears
 
 # hidden 256, 8 heads of 32, one key/value head: q/o (4 scale groups of 64 x 256 values), gate/up/down (8)
 # are 4-bit; k/v (32 x 256: half a group) stay fp32, on every layout

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ndparallel.checkpoint import Checkpointer
+from ndparallel.checkpoint.checkpointer import Checkpointer
 from ndparallel.checkpoint.codec import join_state, split_state
 from ndparallel.errors import CheckpointError
 

@@ -14,14 +14,14 @@ from ndparallel import cli
 
 
 def test_plan_whose_import_fails_says_why(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "ndparallel.planner", None)  # `from ndparallel.planner import` raises
+    monkeypatch.setitem(sys.modules, "ndparallel.planner.cli", None)  # `from ndparallel.planner.cli import` raises
     code = cli.main(["plan", "--model", "llama-8b", "--seq-len", "4096"])
     err = capsys.readouterr().err
     assert code == 1
     assert err.count("\n") == 1
     expected = (
         "`ndparallel plan` is unavailable: importing ndparallel.planner failed (ModuleNotFoundError: import "
-        "of ndparallel.planner halted"
+        "of ndparallel.planner.cli halted"
     )
     assert expected in err
 

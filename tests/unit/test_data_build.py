@@ -8,7 +8,9 @@ import pytest
 
 import ndparallel.data.build as build_module
 from ndparallel import DataError
-from ndparallel.data import DatasetSpec, build_rows, build_rows_distributed, byte_tokenizer
+from ndparallel.data.build import build_rows, build_rows_distributed
+from ndparallel.data.spec import DatasetSpec
+from ndparallel.data.tokenizer import byte_tokenizer
 
 COLUMNS = ("input_ids", "labels", "position_ids", "attention_mask")
 

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from ndparallel import DataError, shift_labels
-from ndparallel.data import Example, ExampleStore, Rows, pack_examples, pad_examples
+from ndparallel.data.examples import Example, ExampleStore
+from ndparallel.data.packing import pack_examples, pad_examples
+from ndparallel.data.rows import Rows
 
 PAD = 999
 IGNORE = -100

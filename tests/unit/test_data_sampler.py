@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from ndparallel import DataError
-from ndparallel.data import DataOrder
+from ndparallel.data.sampler import DataOrder
 
 
 def orders(num_rows, rows_per_rank, ranks, seed=0, **kwargs):

@@ -8,7 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from ndparallel import DataError
-from ndparallel.data import ChatRecord, DatasetSpec, InstructionRecord, TextRecord, read_records
+from ndparallel.data.sources import ChatRecord, InstructionRecord, TextRecord, read_records
+from ndparallel.data.spec import DatasetSpec
 
 TEXTS = [{"text": "first"}, {"text": "second é"}, {"text": "third"}]
 

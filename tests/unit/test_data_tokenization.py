@@ -4,17 +4,15 @@ import pytest
 from tokenizers import processors
 
 from ndparallel import DataError
-from ndparallel.data import (
+from ndparallel.data.examples import Example
+from ndparallel.data.sources import ChatRecord, InstructionRecord, TextRecord
+from ndparallel.data.tokenization import (
     ALPACA_PROMPT,
     ALPACA_PROMPT_WITH_INPUT,
-    ChatRecord,
-    Example,
-    InstructionRecord,
     RecordTokenizer,
-    TextRecord,
-    byte_tokenizer,
     fit_long_rows,
 )
+from ndparallel.data.tokenizer import byte_tokenizer
 
 EOS = 256
 IGNORE = -100

@@ -7,8 +7,10 @@ from hub_cache import add_dataset, add_model, alpaca_records, chat_records, fami
 from scenarios import make_model
 
 from ndparallel.config import read_config
-from ndparallel.data import DatasetSpec, read_records, tokenize_records
+from ndparallel.data.sources import read_records
+from ndparallel.data.spec import DatasetSpec
 from ndparallel.data.templates import TEMPLATES, template_source
+from ndparallel.data.tokenization import tokenize_records
 from ndparallel.errors import ConfigError, DataError, ModelError, NdParallelError
 from ndparallel.models.build import model_config_for
 from ndparallel.run_inputs import build_run_optimizer, load_run_tokenizer

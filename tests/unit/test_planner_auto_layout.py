@@ -6,7 +6,7 @@ from transformers import LlamaConfig
 from ndparallel.config import parse_config
 from ndparallel.mesh.layout import Layout
 from ndparallel.parallel.rules import check_model
-from ndparallel.planner import best_layout
+from ndparallel.planner.plan import best_layout
 from ndparallel.train import resolve_layout
 
 BASE = {"model_shape": "tiny", "datasets": [{"path": "data.jsonl", "type": "completion"}], "sequence_len": 64}

@@ -7,8 +7,8 @@ import re
 import pytest
 
 from ndparallel import ConfigError
-from ndparallel.planner import ModelShape, add_plan_arguments, load_model_shape, run_plan
-from ndparallel.planner.shapes import PRESETS
+from ndparallel.planner.cli import add_plan_arguments, run_plan
+from ndparallel.planner.shapes import PRESETS, ModelShape, load_model_shape
 
 
 def run(argv, capsys):

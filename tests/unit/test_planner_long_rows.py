@@ -8,7 +8,6 @@ from ndparallel import ConfigError
 from ndparallel.config import parse_config
 from ndparallel.mesh.layout import Layout
 from ndparallel.oom import planner_advice
-from ndparallel.planner import Cluster, Workload, best_layout, plan
 from ndparallel.planner.activations import (
     activation_bytes,
     attention_side,
@@ -18,10 +17,13 @@ from ndparallel.planner.activations import (
 )
 from ndparallel.planner.backward import attention_stage, mlp_stage, position_extra, tile_tokens
 from ndparallel.planner.gpus import GPUS
+from ndparallel.planner.hardware import Cluster
 from ndparallel.planner.memory import offload_host_bytes, offload_layers_for
 from ndparallel.planner.parts import MicroBatch, linear_s
+from ndparallel.planner.plan import best_layout, plan
 from ndparallel.planner.request import layout_request
 from ndparallel.planner.shapes import PRESETS
+from ndparallel.planner.workload import Workload
 from ndparallel.train import resolve_layout
 
 L1B, L8B = PRESETS["llama-1b"], PRESETS["llama-8b"]
@@ -292,7 +294,8 @@ def test_plan_command_takes_the_features_and_the_host_memory(capsys):
     import argparse
     import json
 
-    from ndparallel.planner import PlanRow, add_plan_arguments, run_plan
+    from ndparallel.planner.cli import add_plan_arguments, run_plan
+    from ndparallel.planner.evaluate import PlanRow
 
     def run(*extra):
         base = ["--model", "1b", "--gpu", "h200", "--gpus-per-node", "1", "--seq-len", "1048576", "--global-batch"]

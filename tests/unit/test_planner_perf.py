@@ -9,13 +9,15 @@ import pytest
 
 from ndparallel import ConfigError
 from ndparallel.mesh.layout import Layout
-from ndparallel.planner import Cluster, Workload, best_layout, plan
 from ndparallel.planner.comm import AxisComm
 from ndparallel.planner.gpus import GPUS
+from ndparallel.planner.hardware import Cluster
 from ndparallel.planner.parts import MicroBatch, attention_s, layer_pointwise_bytes, linear_s, loss_s, pointwise_s
 from ndparallel.planner.perf import _background
+from ndparallel.planner.plan import best_layout, plan
 from ndparallel.planner.rates import H200_EFFICIENCY, Efficiency, Rates
 from ndparallel.planner.shapes import PRESETS, ModelShape
+from ndparallel.planner.workload import Workload
 
 H100 = Rates(GPUS["h100-sxm"])
 M = ModelShape(vocab=1000, hidden=256, intermediate=1024, layers=2, heads=4, kv_heads=2, head_dim=64)

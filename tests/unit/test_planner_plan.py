@@ -6,10 +6,13 @@ import json
 import pytest
 
 from ndparallel import ConfigError
-from ndparallel.planner import Cluster, PlanRow, Workload, best_layout, format_table, plan, to_json
 from ndparallel.planner.candidates import layout_problems
-from ndparallel.planner.hardware import groups_cross_nodes
+from ndparallel.planner.evaluate import PlanRow
+from ndparallel.planner.hardware import Cluster, groups_cross_nodes
+from ndparallel.planner.plan import best_layout, plan
+from ndparallel.planner.report import format_table, to_json
 from ndparallel.planner.shapes import PRESETS
+from ndparallel.planner.workload import Workload
 
 
 @functools.lru_cache(maxsize=None)

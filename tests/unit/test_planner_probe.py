@@ -5,8 +5,12 @@ import dataclasses
 
 import pytest
 
-from ndparallel.planner import Cluster, Workload, add_plan_arguments, plan, probe, run_plan
+from ndparallel.planner import probe
+from ndparallel.planner.cli import add_plan_arguments, run_plan
+from ndparallel.planner.hardware import Cluster
+from ndparallel.planner.plan import plan
 from ndparallel.planner.shapes import PRESETS
+from ndparallel.planner.workload import Workload
 
 TINY = dataclasses.replace(PRESETS["tiny"], kv_heads=4, name="tiny-gqa")
 

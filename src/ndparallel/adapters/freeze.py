@@ -136,7 +136,7 @@ def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> int:
     read in the compute dtype, so they are kept in it: the same numbers as casting an fp32 copy for every
     forward, at half its memory (an 8B LoRA base: 16 GB instead of 32 GB of fp32 plus 16 GB of casts). Trainable
     weights keep their fp32 masters. A tensor two modules share stays shared. Returns the values converted."""
-    from ndparallel.quantized import is_quantized
+    from ndparallel.quantized.linears import is_quantized
 
     converted: dict[int, nn.Parameter] = {}
     values = 0

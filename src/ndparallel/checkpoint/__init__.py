@@ -7,35 +7,7 @@ asynchronous, and loaded without trusting anything read from disk.
 - ``guard.py``: what loading trusts, and the checks; ``loading.py``: reading back into live objects.
 - ``store.py``: the directory layout, atomic publication, ``latest``, keep-K pruning.
 - ``training.py``: the trainer's states and facts (layout, model shape) on top of the Checkpointer.
+
+Layer: above ``safe_io``, ``mesh`` and ``quantized`` (quantized base weights are left out of checkpoints);
+below ``weights`` (``export`` reads checkpoints) and ``train``.
 """
-
-from ndparallel.checkpoint.checkpointer import Checkpointer
-from ndparallel.checkpoint.loading import Restored, load_tensors, open_checkpoint
-from ndparallel.checkpoint.states import ModelState, OptimizerState
-from ndparallel.checkpoint.training import (
-    DataPosition,
-    TrainState,
-    checkpoints_dir,
-    find_resume,
-    has_checkpoints,
-    load,
-    save,
-    trainer_checkpointer,
-)
-
-__all__ = [
-    "Checkpointer",
-    "Restored",
-    "load_tensors",
-    "open_checkpoint",
-    "ModelState",
-    "OptimizerState",
-    "DataPosition",
-    "TrainState",
-    "checkpoints_dir",
-    "find_resume",
-    "has_checkpoints",
-    "load",
-    "save",
-    "trainer_checkpointer",
-]

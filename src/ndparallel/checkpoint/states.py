@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ndparallel import _compat
 from ndparallel.errors import CheckpointError
-from ndparallel.quantized import is_quantized
+from ndparallel.quantized.linears import is_quantized
 
 _SHARDED = StateDictOptions(full_state_dict=False, cpu_offload=False)
 

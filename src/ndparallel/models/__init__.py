@@ -1,5 +1,7 @@
-"""Model-family knowledge (which modules split how). Model files hold no distributed code."""
+"""Model-family knowledge: the parts of a decoder and its tensor-parallel plan (``decoder``), what each family
+needs or refuses (``families``), mixture-of-experts facts, weights and the experts function transformers calls
+(``moe``, ``moe_weights``, ``moe_experts``), tied weights (``ties``) and preset shapes (``presets``).
 
-from ndparallel.models.decoder import DecoderParts, decoder_parts
-
-__all__ = ["DecoderParts", "decoder_parts"]
+Layer: imports only ``errors`` and ``_compat``. No distributed code, no mesh, no strategy: what a family needs
+under a parallel axis is said here as data, and applied by ``parallel``.
+"""

@@ -31,7 +31,8 @@ from ndparallel.models.moe import is_moe_weight
 from ndparallel.models.moe_weights import hub_expert_tensor
 from ndparallel.models.ties import shared_owners, tie_again
 from ndparallel.parallel.single_rank import reallocate
-from ndparallel.quantized import assign_quantized, int8, is_nf4
+from ndparallel.quantized import int8
+from ndparallel.quantized.nf4 import assign_quantized, is_nf4
 from ndparallel.safe_io import file_names, hub
 from ndparallel.vocab import grow_rows
 

@@ -48,7 +48,7 @@ from torch import nn
 
 from ndparallel import _compat
 from ndparallel.models.ties import shared_owners, tie_again
-from ndparallel.quantized import is_quantized
+from ndparallel.quantized.linears import is_quantized
 
 ALIGN = 64  # elements: 256 bytes of fp32, so every view is aligned for vectorized kernels and cuBLAS
 

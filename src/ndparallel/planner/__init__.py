@@ -1,7 +1,11 @@
 """Layout planner: which (dp_replicate, dp_shard, cp, tp) layout to train a model on, and why.
 
-    from ndparallel.planner import Cluster, Workload, plan, format_table
     from ndparallel.planner.gpus import GPUS
+    from ndparallel.planner.hardware import Cluster
+    from ndparallel.planner.plan import plan
+    from ndparallel.planner.report import format_table
+    from ndparallel.planner.workload import Workload
+
     rows = plan("llama-8b", Cluster(nodes=2, gpus_per_node=8, gpu=GPUS["h200"]),
                 Workload(seq_len=131072, global_batch_tokens=1 << 20, compile=True))
     print(format_table(rows))
@@ -24,39 +28,7 @@ Modules, in the order a plan is made:
 
 A new parallel axis (expert parallelism) adds its group to ``hardware.GROUP_AXES``, its traffic to
 ``comm.AXIS_TRAFFIC``, what it shards to ``memory.py`` and its work to ``parts.py``.
+
+Layer: above ``mesh``, ``models``, ``parallel`` and ``step`` (whose choices it models: offload, tiled MLP, the
+attention plan, FLOPs) and ``config`` (``request.py`` reads a training config duck-typed); below ``train``.
 """
-
-from ndparallel.planner.activations import ActivationBytes, activation_bytes
-from ndparallel.planner.candidates import valid_layouts
-from ndparallel.planner.cli import add_plan_arguments, run_plan
-from ndparallel.planner.comm import AxisComm, comm_per_step
-from ndparallel.planner.evaluate import PlanRow
-from ndparallel.planner.hardware import Cluster
-from ndparallel.planner.memory import MemoryEstimate, estimate_memory
-from ndparallel.planner.plan import LayoutChoice, best_layout, plan
-from ndparallel.planner.report import format_table, to_json
-from ndparallel.planner.shapes import PRESETS, ModelShape, load_model_shape
-from ndparallel.planner.workload import Workload
-
-__all__ = [
-    "ActivationBytes",
-    "activation_bytes",
-    "valid_layouts",
-    "add_plan_arguments",
-    "run_plan",
-    "AxisComm",
-    "comm_per_step",
-    "PlanRow",
-    "Cluster",
-    "MemoryEstimate",
-    "estimate_memory",
-    "LayoutChoice",
-    "best_layout",
-    "plan",
-    "format_table",
-    "to_json",
-    "PRESETS",
-    "ModelShape",
-    "load_model_shape",
-    "Workload",
-]
