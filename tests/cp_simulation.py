@@ -3,7 +3,8 @@
 ``rank_share`` gives cp rank ``rank`` its local queries (its two chunks) and, at each step, the keys and
 values the real method would hold (allgather: the whole row; ring: the two chunks of the rank ``step``
 places behind; alltoall: the whole row for its head group), and runs exactly the planned calls of
-``cp_attention.py``, forward and backward. Summed over ranks, the returned dk/dv are the full gradients.
+``parallel/attention/cp_methods.py``, forward and backward. Summed over ranks, the returned dk/dv are the full
+gradients.
 
 Used where several ranks cannot run: the GPU checks (every block shape of every method through the CUDA
 kernels, against float64) and ``benchmarks/bench_cp_rank_share.py`` (one rank's time and memory at
@@ -16,15 +17,15 @@ from types import SimpleNamespace
 
 import torch
 
-from ndparallel.parallel import cp_attention as cpa
-from ndparallel.parallel.cp_layout import chunk_ids, cp_shard
+from ndparallel.parallel.attention import cp_methods as cpa
+from ndparallel.parallel.sequence import chunk_ids, cp_shard
 
 
 def fake_context(segments: torch.Tensor, cp: int, rank: int, method: str):
     """What the attention functions read from an ``AttentionContext``, without a process group."""
     host = segments.cpu()
     return SimpleNamespace(
-        cp_size=cp,
+        cp=cp,
         cp_rank=rank,
         method=method,
         cp_group=None,
@@ -73,7 +74,7 @@ def rank_share(
             for name in ("dk", "dv"):
                 result[name] = result[name].view(b, s, kv_heads_given, -1, d).sum(3)
         return result
-    shard = dict(cp_size=cp, cp_rank=rank, dim=1)
+    shard = dict(cp=cp, cp_rank=rank, dim=1)
     local_q, local_grad = cp_shard(q, **shard), cp_shard(grad, **shard)
     result = _run(ctx, local_q, k, v, local_grad, scale, window, backward)
     result["heads"] = slice(0, h)
@@ -115,7 +116,7 @@ def _stages(ctx, k, v, window, device):
     """(keys, values, calls, row index of those keys in the whole rows) per step of the method."""
     b, seq = ctx.batch_size, ctx.seq_len
     whole_rows = torch.arange(b * seq, device=device)
-    if ctx.cp_size == 1:
+    if ctx.cp == 1:
         return [(_tok(k).contiguous(), _tok(v).contiguous(), cpa._local_plan(ctx, window, device), whole_rows)]
     if ctx.method == "allgather":
         return [(_tok(k).contiguous(), _tok(v).contiguous(), cpa._allgather_plan(ctx, window, device), whole_rows)]
@@ -123,8 +124,8 @@ def _stages(ctx, k, v, window, device):
     positions = whole_rows.view(b, seq)
     stages = []
     for step, calls in enumerate(plan):
-        source = (ctx.cp_rank - step) % ctx.cp_size
-        shard = dict(cp_size=ctx.cp_size, cp_rank=source, dim=1)
+        source = (ctx.cp_rank - step) % ctx.cp
+        shard = dict(cp=ctx.cp, cp_rank=source, dim=1)
         stages.append(
             (
                 _tok(cp_shard(k, **shard)).contiguous(),

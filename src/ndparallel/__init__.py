@@ -33,9 +33,10 @@ from ndparallel.mesh.parallelism_config import (
     TorchTensorParallelConfig,
 )
 from ndparallel.mesh.topology import Topology, init_distributed
-from ndparallel.parallel.cp_layout import cp_gather, cp_shard
+from ndparallel.parallel.apply import parallelize
 from ndparallel.parallel.float8 import Fp8Spec
-from ndparallel.parallelize import ParallelOptions, parallelize
+from ndparallel.parallel.options import ParallelOptions
+from ndparallel.parallel.sequence import cp_gather, cp_shard
 from ndparallel.pretrained import load_pretrained, save_pretrained
 from ndparallel.router_loss import router_aux_loss
 from ndparallel.step import (

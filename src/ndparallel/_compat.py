@@ -129,7 +129,8 @@ SDPA_KERNEL_OPS = frozenset(
         aten._scaled_dot_product_efficient_attention.default,
         aten._scaled_dot_product_cudnn_attention.default,
         aten._scaled_dot_product_flash_attention_for_cpu.default,
-        aten._flash_attention_forward.default,  # the variable-length calls of packed rows and CP (cp_attention.py)
+        # the variable-length calls of packed rows and CP (parallel/attention/cp_methods.py)
+        aten._flash_attention_forward.default,
     }
 )
 

@@ -21,8 +21,8 @@ import torch
 from ndparallel.errors import ConfigError
 from ndparallel.loss.cross_entropy import IGNORE_INDEX
 from ndparallel.mesh.topology import Topology
-from ndparallel.parallel.context import SEGMENTS_HOST_KWARG, SINGLE_KWARG, full_rows_mask
-from ndparallel.parallel.cp_layout import cp_shard, segment_ids_from, single_segment
+from ndparallel.parallel.context import attention_inputs
+from ndparallel.parallel.sequence import cp_shard, segment_ids_from, single_segment
 
 
 @dataclass
@@ -44,13 +44,9 @@ class Batch:
         # use_cache=False: training needs no KV cache, and one would grow again when checkpointed layers
         # are recomputed in backward.
         inputs: dict[str, Any] = {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
-        # Always the flag (a Python bool: compiled layers guard on it, no host work per layer); the host segment
-        # ids only when attention needs a plan (packed or padded rows, or cp > 1).
-        inputs[SINGLE_KWARG] = self.single_segment
-        if self.segments_host is not None:
-            inputs[SEGMENTS_HOST_KWARG] = self.segments_host
-        if self.single_segment:  # whole rows: tells transformers there is no padding, so it skips a device sync
-            inputs["attention_mask"] = full_rows_mask(*self.input_ids.shape, self.input_ids.device)
+        inputs.update(
+            attention_inputs(self.input_ids, single_segment=self.single_segment, segments_host=self.segments_host)
+        )
         return inputs
 
     @property
@@ -127,7 +123,7 @@ def prepare_batch(
     single = single_segment(segments_host)
     input_ids, targets, position_ids = (_to_device(t, topology.device) for t in (input_ids, targets, position_ids))
     needs_segments = layout.cp > 1 or not single
-    shard = dict(cp_size=layout.cp, cp_rank=topology.cp_rank)
+    shard = dict(cp=layout.cp, cp_rank=topology.cp_rank)
     return Batch(
         input_ids=cp_shard(input_ids, **shard),
         labels=cp_shard(targets, **shard),

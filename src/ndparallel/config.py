@@ -489,24 +489,6 @@ class TrainConfig(BaseModel):
             raise ValueError(problem)
         return self
 
-    def _qat_problems(self):
-        from ndparallel.adapters.qat import check_spec
-        from ndparallel.errors import ConfigError
-
-        if self.adapter is not None or self.load_in_4bit or self.load_in_8bit:
-            yield "qat with adapter / load_in_4bit / load_in_8bit is not supported: QAT trains the full weights"
-        if self.fp8:
-            yield "qat with fp8: true is not supported (both change the linear layers); keep one"
-        if self.tensor_parallel_size > 1:
-            yield (
-                "qat with tensor_parallel_size > 1 is not supported (fake quantization scales whole rows and "
-                "groups that tensor parallelism splits); shard with dp_shard_size instead"
-            )
-        try:
-            check_spec(self.qat_spec)
-        except ConfigError as exc:
-            yield str(exc)
-
     @property
     def qat_spec(self):
         """The qat block as ``qat.QatSpec`` (None without one)."""
@@ -516,6 +498,7 @@ class TrainConfig(BaseModel):
 
     def _problems(self):
         """Contradictions between settings (the first one is raised)."""
+        from ndparallel.parallel.rules import option_problems
         from ndparallel.quantized.linears import FORMATS
 
         if self.fp16:
@@ -526,33 +509,22 @@ class TrainConfig(BaseModel):
             yield "base_model and model_shape are both set: keep one (model_shape means random init)"
         if self.adapter == "qlora" and not self.load_in_4bit:
             yield "adapter: qlora needs load_in_4bit: true (its base weights are 4-bit); or use adapter: lora"
-        if self.load_in_4bit and self.adapter is None:
-            yield (
-                "load_in_4bit: true needs adapter: qlora: 4-bit base weights are frozen, so only adapters can "
-                "train; set adapter: qlora, or load_in_4bit: false for a full fine-tune"
-            )
-        if self.load_in_4bit and self.tensor_parallel_size > 1:
-            yield (
-                "load_in_4bit with tensor_parallel_size > 1 is not supported (4-bit weights split by rows only); "
-                "set tensor_parallel_size: 1 and shard with dp_shard_size"
-            )
+        yield from option_problems(
+            lora=self.adapter is not None,
+            quantized_base=self.quantized_base,
+            fp8=self.fp8,
+            qat=self.qat_spec,
+            unfrozen=self.unfrozen_parameters is not None,
+            tp=self.tensor_parallel_size,
+        )
         if self.load_in_4bit and self.load_in_8bit:
             yield "load_in_4bit and load_in_8bit are both true: keep one"
-        if self.load_in_8bit and self.adapter is None:
-            yield (
-                "load_in_8bit: true needs adapter: lora: 8-bit base weights are frozen, so only adapters can "
-                "train; set adapter: lora, or load_in_8bit: false for a full fine-tune"
-            )
         quantized = FORMATS.get(self.quantized_base)  # the setting's name
         if quantized and self.export_hf:
             yield (
                 f"export_hf with {quantized} is not supported: the run writes its PEFT adapter to "
                 f"output_dir/adapter; load it on base_model with peft (or merge with peft's merge_and_unload)"
             )
-        if quantized and self.fp8:
-            yield f"{quantized} with fp8: true is not supported; set fp8: false"
-        if self.qat is not None:
-            yield from self._qat_problems()
         if self.adapter in ("lora", "qlora") and not (
             self.lora_target_modules or self.lora_target_linear or self.lora_target_parameters
         ):
@@ -566,12 +538,6 @@ class TrainConfig(BaseModel):
             yield (
                 "lora_target_modules / lora_target_linear / lora_target_parameters are set but adapter is not: add "
                 "adapter: lora"
-            )
-        if self.unfrozen_parameters is not None and self.adapter is not None:
-            yield (
-                "unfrozen_parameters with adapter: lora is not supported: LoRA already freezes the base weights "
-                "(train whole modules beside the adapters with lora_modules_to_save), or drop adapter for a "
-                "full fine-tune of the listed weights"
             )
         if not self.datasets and not self.pretraining_dataset:
             yield "datasets is empty: add at least one entry with a path and a type (or a pretraining_dataset)"

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ndparallel.parallel.attention_plan import cached_plan
-from ndparallel.parallel.cp_layout import PAD_SEGMENT, chunk_ids
+from ndparallel.parallel.attention.plan import cached_plan
+from ndparallel.parallel.sequence import PAD_SEGMENT, chunk_ids
 
 if TYPE_CHECKING:
     from ndparallel.batching import Batch
@@ -97,7 +97,7 @@ class AttentionFlops:
         """One row of ``seq_len`` tokens, documents of ``doc_len`` (None: the row is one document)."""
         return self.per_pair * sum(n * packed_row_pairs(seq_len, doc_len, w) for w, n in self.windows.items())
 
-    def of_batch(self, batch: "Batch", *, cp_size: int = 1, cp_rank: int = 0) -> float:
+    def of_batch(self, batch: "Batch", *, cp: int = 1, cp_rank: int = 0) -> float:
         """This rank's share of a prepared batch: the pairs whose queries it holds (its cp chunks), all heads.
         Host work only (the batch's host segment ids; the documents are found once and shared with the
         attention plan). Summed over the loss group (dp x cp) it is the global count."""
@@ -106,20 +106,18 @@ class AttentionFlops:
             return rows * self.of_row(seq)
         segments = batch.segments_host
         pairs = {
-            w: cached_plan(
-                segments, ("visible_pairs", w, cp_size, cp_rank), _pair_counter(segments, w, cp_size, cp_rank)
-            )
+            w: cached_plan(segments, ("visible_pairs", w, cp, cp_rank), _pair_counter(segments, w, cp, cp_rank))
             for w in self.windows
         }
         return self.per_pair * sum(n * pairs[w] for w, n in self.windows.items())
 
 
-def _pair_counter(segments: torch.Tensor, window: int | None, cp_size: int, cp_rank: int):
+def _pair_counter(segments: torch.Tensor, window: int | None, cp: int, cp_rank: int):
     def count(docs) -> int:
         real = segments[docs.row, docs.start] != PAD_SEGMENT
         start, end = docs.start[real], docs.end[real]
         total = 0
-        for lo, hi in _query_ranges(segments.shape[1], cp_size, cp_rank):
+        for lo, hi in _query_ranges(segments.shape[1], cp, cp_rank):
             first = (start.clamp(min=lo) - start).clamp(min=0)
             last = (end.clamp(max=hi) - start).clamp(min=0)
             seen = last > first
@@ -129,12 +127,12 @@ def _pair_counter(segments: torch.Tensor, window: int | None, cp_size: int, cp_r
     return count
 
 
-def _query_ranges(seq: int, cp_size: int, cp_rank: int) -> list[tuple[int, int]]:
-    """Row positions whose queries this cp rank computes: its two load-balanced chunks (cp_layout.py)."""
-    if cp_size == 1:
+def _query_ranges(seq: int, cp: int, cp_rank: int) -> list[tuple[int, int]]:
+    """Row positions whose queries this cp rank computes: its two load-balanced chunks (parallel/sequence.py)."""
+    if cp == 1:
         return [(0, seq)]
-    chunk = seq // (2 * cp_size)
-    return [(c * chunk, (c + 1) * chunk) for c in chunk_ids(cp_rank, cp_size)]
+    chunk = seq // (2 * cp)
+    return [(c * chunk, (c + 1) * chunk) for c in chunk_ids(cp_rank, cp)]
 
 
 def mfu(*, flops: float, seconds: float, peak: float) -> float:

@@ -29,7 +29,8 @@ from ndparallel.adapters.lora import LoraSpec, attach_lora, merge_lora_weights, 
 from ndparallel.errors import ModelError, NdParallelError
 from ndparallel.mesh.topology import Topology
 from ndparallel.models.build import materialize, meta_model, model_config_for, restore_buffers
-from ndparallel.parallelize import ParallelOptions, as_dtype, parallelize
+from ndparallel.parallel.apply import parallelize
+from ndparallel.parallel.options import ParallelOptions, as_dtype
 from ndparallel.safe_io import owned_files
 
 # What a model directory needs for training (weights, configs, tokenizer); nothing that could hold code.

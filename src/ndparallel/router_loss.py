@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ndparallel.batching import Batch
 from ndparallel.mesh.topology import Topology
 from ndparallel.models.moe import moe_facts
-from ndparallel.parallel.context import PAD_SEGMENT, cp_shard
+from ndparallel.parallel.sequence import PAD_SEGMENT, rank_tokens
 
 
 def router_aux_loss(outputs, batch: Batch, *, config, topology: Topology, num_micro_batches: int = 1) -> torch.Tensor:
@@ -60,14 +60,12 @@ def local_token_mask(batch: Batch, topology: Topology) -> torch.Tensor:
     """1.0 for each real token this rank routes, 0.0 for padding, flattened as the router sees them: the rows'
     cp chunks, and under tp this rank's slice of them (B * S_local)."""
     layout = topology.layout
-    if batch.segments_host is None:  # one document per row, no padding
-        real = torch.ones_like(batch.input_ids, dtype=torch.float32)
-    else:  # decided on the host, as attention is; a small copy (one float per local token)
-        local = cp_shard(batch.segments_host, cp_size=layout.cp, cp_rank=topology.cp_rank)
-        real = (local != PAD_SEGMENT).float().to(batch.input_ids.device, non_blocking=True)
-    if layout.tp > 1:
-        real = real.chunk(layout.tp, dim=1)[topology.tp_rank]
-    return real.reshape(-1)
+    tp = dict(tp=layout.tp, tp_rank=topology.tp_rank)
+    if batch.segments_host is None:  # one document per row, no padding: every token of the cp part is real
+        return rank_tokens(torch.ones_like(batch.input_ids, dtype=torch.float32), cp=1, cp_rank=0, **tp).reshape(-1)
+    # decided on the host, as attention is; a small copy (one float per local token)
+    local = rank_tokens(batch.segments_host, cp=layout.cp, cp_rank=topology.cp_rank, **tp)
+    return (local != PAD_SEGMENT).float().to(batch.input_ids.device, non_blocking=True).reshape(-1)
 
 
 def _expert_sums(

@@ -95,7 +95,7 @@ def gather_logits(logits: torch.Tensor, topology: Topology) -> torch.Tensor:
 
     For checks and debugging: it materializes what parallelism avoids materializing. A collective.
     """
-    from ndparallel.parallel.cp_layout import cp_gather
+    from ndparallel.parallel.sequence import cp_gather
 
     if topology.layout.tp > 1:
         # The last vocabulary slice may be narrower (torch.chunk split): pad to the widest, trim after.

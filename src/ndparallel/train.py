@@ -50,9 +50,10 @@ from ndparallel.oom import (
     oom_message,
     write_snapshot,
 )
+from ndparallel.parallel.apply import parallelize
 from ndparallel.parallel.float8 import Fp8Spec
+from ndparallel.parallel.options import ParallelOptions
 from ndparallel.parallel.rules import check_model
-from ndparallel.parallelize import ParallelOptions, parallelize
 from ndparallel.preflight import writable_dir_problem
 from ndparallel.progress import human_seconds
 from ndparallel.router_loss import router_aux_loss

@@ -72,7 +72,7 @@ class LogWindow:
         """Step ``step``'s result, and its micro-batches (whose documents say what attention computed)."""
         if self.attention is not None:
             layout, rank = self.topo.layout, self.topo.cp_rank
-            self.attention_flops += sum(self.attention.of_batch(b, cp_size=layout.cp, cp_rank=rank) for b in batches)
+            self.attention_flops += sum(self.attention.of_batch(b, cp=layout.cp, cp_rank=rank) for b in batches)
         self.loss += result.loss
         self.tokens += result.tokens
         self.grad_norm = result.grad_norm

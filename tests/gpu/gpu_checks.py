@@ -21,7 +21,7 @@ from scenarios import make_batches, make_model, max_rel_diff, train_parallel, tr
 
 import ndparallel as ndp  # noqa: E402
 from ndparallel import _compat  # noqa: E402
-from ndparallel.parallel.cp_layout import segment_ids_from  # noqa: E402
+from ndparallel.parallel.sequence import segment_ids_from  # noqa: E402
 
 FAILURES: list[str] = []
 

@@ -13,8 +13,9 @@ import torch.distributed as dist
 from harness import run_ranks
 
 import ndparallel as ndp
-from ndparallel.parallel.context import build_attention_context, segment_ids_from
-from ndparallel.parallel.cp_attention import context_attention
+from ndparallel.parallel.attention.cp_methods import context_attention
+from ndparallel.parallel.context import build_attention_context
+from ndparallel.parallel.sequence import segment_ids_from
 
 B, H, S, D = 2, 8, 64, 16
 DATA_KINDS = ("causal", "padded", "packed", "gqa", "window", "sinks")
@@ -77,7 +78,7 @@ def _run_cp(method: str, cp: int) -> dict:
     results = {}
     for kind in DATA_KINDS:
         q, k, v, grad, segments, window = _inputs(kind)
-        shard = dict(cp_size=cp, cp_rank=topo.cp_rank, dim=2)
+        shard = dict(cp=cp, cp_rank=topo.cp_rank, dim=2)
         ql, kl, vl = (ndp.cp_shard(t, **shard).clone().requires_grad_() for t in (q, k, v))
         ctx = build_attention_context(segments, topo)
         sinks = _sinks(kind)

@@ -9,8 +9,8 @@ import gc
 import pytest
 import torch
 
-from ndparallel.parallel import attention_plan as ap
-from ndparallel.parallel.cp_layout import segment_ids_from
+from ndparallel.parallel.attention import plan as ap
+from ndparallel.parallel.sequence import segment_ids_from
 
 
 def _segments(seed: int, batch: int = 3, seq: int = 96) -> torch.Tensor:

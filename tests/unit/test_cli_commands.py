@@ -77,7 +77,7 @@ def test_other_libraries_warnings_are_hidden_unless_verbose():
         "logging.getLogger('torchao').warning('TORCHAO-LOAD')\n"
         "logging.getLogger('torch.utils._pytree').warning('PYTREE-DEPRECATION')\n"
         "warnings.warn_explicit('LIBRARY-WARNING', FutureWarning, 'x.py', 1, module='transformers.x')\n"
-        "warnings.warn_explicit('OUR-WARNING', UserWarning, 'y.py', 1, module='ndparallel.parallelize')\n"
+        "warnings.warn_explicit('OUR-WARNING', UserWarning, 'y.py', 1, module='ndparallel.parallel.apply')\n"
     )
     quiet = _run_cli("quiet", code=probe).stderr
     assert "OUR-WARNING" in quiet

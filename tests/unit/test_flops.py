@@ -10,7 +10,7 @@ from ndparallel.batching import prepare_batch
 from ndparallel.flops import AttentionFlops, flops_per_token, layer_windows, mfu, packed_row_pairs, visible_pairs
 from ndparallel.mesh.layout import Layout
 from ndparallel.models.build import model_config_for
-from ndparallel.parallel.cp_layout import chunk_ids
+from ndparallel.parallel.sequence import chunk_ids
 
 H200_PEAK = 989e12
 
@@ -80,10 +80,8 @@ def test_batch_count_equals_brute_force_on_every_cp_rank(cp, window):
     for rank in range(cp):
         batch = batch_of(segments, cp, rank)
         padded = batch.segments_host  # rows padded to a multiple of 2 x cp (padding: -1)
-        assert counter.of_batch(batch, cp_size=cp, cp_rank=rank) == per_pair * brute_force_pairs(
-            padded, window, cp, rank
-        )
-        shares.append(counter.of_batch(batch, cp_size=cp, cp_rank=rank))
+        assert counter.of_batch(batch, cp=cp, cp_rank=rank) == per_pair * brute_force_pairs(padded, window, cp, rank)
+        shares.append(counter.of_batch(batch, cp=cp, cp_rank=rank))
     assert sum(shares) == per_pair * brute_force_pairs(segments, window)  # the ranks' shares add up to the row's
 
 

@@ -1,7 +1,7 @@
 """Context parallelism's entry point: the attention function transformers calls, and how it is installed.
 
 Which tokens may attend to which is described by the segment id of every token of the whole rows
-(``cp_layout.segment_ids_from``): a query sees the keys of its own segment at or before it. Padding is a
+(``sequence.segment_ids_from``): a query sees the keys of its own segment at or before it. Padding is a
 segment of its own: its queries still see themselves (no empty softmax rows), and no real token sees it.
 Every CP rank of a group holds the same rows, so this needs no communication.
 
@@ -10,7 +10,7 @@ function bound to the topology's cp group (``CPSetup``: static for the run). Per
 ids travel as plain keyword arguments (``ndp_segments_host``, ``ndp_single_segment``) that transformers
 passes through to the attention function: no globals, no patching, and nothing per-batch that
 ``torch.compile`` would guard on by identity. The attention plan derived from them is cached on that
-tensor (``attention_plan.cached_plan``) and goes away with the batch.
+tensor (``attention/plan.cached_plan``) and goes away with the batch.
 
 transformers builds no attention mask for our batches: the mask function registered for our attention
 returns None unless the caller passed its own padding mask or decodes with a KV cache (plain calls,
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,26 +36,18 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ndparallel.errors import ConfigError, ModelError
 from ndparallel.mesh.topology import Topology
-from ndparallel.parallel.cp_attention import context_attention
-from ndparallel.parallel.cp_layout import (  # noqa: F401  (re-exported: the public CP helpers)
-    PAD_SEGMENT,
-    chunk_ids,
-    cp_gather,
-    cp_shard,
-    natural_order_index,
-    segment_ids_from,
-    single_segment,
-)
+from ndparallel.parallel.attention.cp_methods import context_attention
+from ndparallel.parallel.sequence import segment_ids_from, single_segment
 
 ATTENTION_NAME = "ndparallel"
-SEGMENTS_HOST_KWARG, SINGLE_KWARG = "ndp_segments_host", "ndp_single_segment"
+_SEGMENTS_HOST_KWARG, _SINGLE_KWARG = "ndp_segments_host", "ndp_single_segment"
 
 
 @dataclass(frozen=True)
 class CPSetup:
     """The static part of attention for a run: this rank's place in the cp group, and the method."""
 
-    cp_size: int
+    cp: int
     cp_rank: int
     method: str
     cp_group: dist.ProcessGroup | None
@@ -63,7 +56,7 @@ class CPSetup:
     def from_topology(cls, topology: Topology) -> "CPSetup":
         layout = topology.layout
         return cls(
-            cp_size=layout.cp,
+            cp=layout.cp,
             cp_rank=topology.cp_rank,
             method=layout.cp_comm_strategy,
             cp_group=topology.cp.get_group() if layout.cp > 1 else None,
@@ -85,8 +78,8 @@ class AttentionContext:
     setup: CPSetup
 
     @property
-    def cp_size(self) -> int:
-        return self.setup.cp_size
+    def cp(self) -> int:
+        return self.setup.cp
 
     @property
     def cp_rank(self) -> int:
@@ -110,11 +103,26 @@ class AttentionContext:
 
     @property
     def chunk_len(self) -> int:
-        return self.seq_len // (2 * self.cp_size)
+        return self.seq_len // (2 * self.cp)
 
     def is_plain(self, window: int | None) -> bool:
         """True when plain causal attention over the whole row is exact (one document, no padding)."""
         return self.single_segment and (window is None or window >= self.seq_len)
+
+
+def attention_inputs(
+    input_ids: torch.Tensor, *, single_segment: bool, segments_host: torch.Tensor | None
+) -> dict[str, Any]:
+    """What a prepared batch passes to the model for this attention, beside its ids and positions: the
+    one-document flag always (a Python bool: compiled layers guard on it, no host work per layer); the host
+    segment ids only when attention needs a plan (packed or padded rows, or cp > 1); and for whole rows
+    ``full_rows_mask``, which tells transformers there is no padding, so it skips a device sync."""
+    inputs: dict[str, Any] = {_SINGLE_KWARG: single_segment}
+    if segments_host is not None:
+        inputs[_SEGMENTS_HOST_KWARG] = segments_host
+    if single_segment:
+        inputs["attention_mask"] = full_rows_mask(*input_ids.shape, input_ids.device)
+    return inputs
 
 
 def build_attention_context(segment_ids: torch.Tensor, topology: Topology) -> AttentionContext:
@@ -143,14 +151,14 @@ def ndparallel_attention(
     **kwargs,
 ):
     """transformers' attention signature: q (B, H, L, D), k/v (B, Hkv, L, D) -> ((B, L, H, D), None)."""
-    segments_host = kwargs.pop(SEGMENTS_HOST_KWARG, None)
-    single = kwargs.pop(SINGLE_KWARG, None)
+    segments_host = kwargs.pop(_SEGMENTS_HOST_KWARG, None)
+    single = kwargs.pop(_SINGLE_KWARG, None)
     if kwargs.get("softcap") is not None:
         raise ModelError(
             f"attention logit soft-capping (attn_logit_softcapping={kwargs['softcap']}) is not "
             f"supported by ndparallel's fused attention kernels; use a model config without it"
         )
-    if segments_host is None and setup.cp_size > 1:
+    if segments_host is None and setup.cp > 1:
         raise ConfigError(
             "the model is context-parallel: call it with the inputs of ndparallel.prepare_batch "
             "(batch.model_inputs()), which carry this rank's sequence chunks and their segments"
@@ -167,7 +175,7 @@ def ndparallel_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     window = kwargs.get("sliding_window")
     sinks = kwargs.get("s_aux")
-    if setup.cp_size == 1 and sinks is None and single and (window is None or window >= query.shape[2]):
+    if setup.cp == 1 and sinks is None and single and (window is None or window >= query.shape[2]):
         # One document per row, no padding: plain causal attention (cuDNN / flash kernels). A prepared batch
         # says so in a flag, so nothing here touches the host and the layer stays one compiled graph.
         out = torch.nn.functional.scaled_dot_product_attention(

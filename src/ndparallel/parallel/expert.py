@@ -35,25 +35,7 @@ from ndparallel.mesh.topology import Topology
 from ndparallel.models.decoder import DecoderParts
 from ndparallel.models.moe import expert_parameters, moe_blocks, num_experts_of
 from ndparallel.models.moe_experts import ExpertSetup, inverse_permutation, register_experts, run_experts
-
-
-class _AllToAll(torch.autograd.Function):
-    """Rows (N, H) exchanged with variable counts per peer; backward sends the gradients back the same way."""
-
-    @staticmethod
-    def forward(ctx, x, send: list[int], recv: list[int], group):
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        out = x.new_empty((sum(recv), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        back = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        dist.all_to_all_single(
-            back, grad.contiguous(), output_split_sizes=ctx.send, input_split_sizes=ctx.recv, group=ctx.group
-        )
-        return back, None, None, None
+from ndparallel.parallel.comm import all_to_all
 
 
 @torch.compiler.disable  # outside compiled graphs: collectives, a host sync and data-dependent sizes
@@ -64,12 +46,12 @@ def _exchange_and_run(experts: nn.Module, rows: torch.Tensor, counts: torch.Tens
     dist.all_to_all_single(received, counts, group=group)
     both = torch.stack([counts, received]).cpu().view(2, ep, local_experts)  # the step's one host sync
     send, recv = both[0].sum(1).tolist(), both[1].sum(1).tolist()
-    arrived = _AllToAll.apply(rows, send, recv, group)  # grouped by (source rank, local expert)
+    arrived = all_to_all(rows, group, send=send, recv=recv)  # grouped by (source rank, local expert)
     expert_of_row = torch.repeat_interleave(torch.arange(local_experts).repeat(ep), both[1].reshape(-1))
     regroup = torch.argsort(expert_of_row, stable=True).to(rows.device)
     out = run_experts(experts, arrived.index_select(0, regroup), both[1].sum(0))
     out = out.index_select(0, inverse_permutation(regroup))  # back to (source rank, local expert) order
-    return _AllToAll.apply(out, recv, send, group)
+    return all_to_all(out, group, send=recv, recv=send)
 
 
 def apply_expert_parallel(parts: DecoderParts, topology: Topology) -> None:

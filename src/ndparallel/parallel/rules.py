@@ -1,22 +1,99 @@
-"""Every rule of what composes: a model on a layout. ``validate``, ``train``, ``parallelize`` and the planner
-ask here, and nowhere else.
+"""Every rule of what composes: strategies with each other, and a model with a layout. The config's checks
+(so ``validate`` and ``train``), ``parallelize`` and the planner ask here, and nowhere else.
 
+- ``option_problems`` / ``check_options``: which strategies combine (quantized base weights need adapters and
+  refuse fp8, NF4 refuses tensor parallelism, QAT trains the full weights alone, ``unfrozen_parameters`` and
+  fp8 refuse LoRA);
 - ``model_problems`` / ``check_model``: whether a model's shapes split over a layout (tp divides the heads
   and the MLP width, alltoall's head split, the family's and the mixture-of-experts refusals, a sequence
   long enough for every rank).
 
-Each rule yields one line per problem, naming the settings and the fix. Layer: a strategy-level module (it
-reads ``mesh`` and ``models``); it knows nothing of the config file.
+Each rule yields one line per problem, naming the settings as the config file spells them and the fix.
+Layer: a strategy-level module (it reads ``mesh``, ``models``, ``quantized`` and ``adapters``); it takes plain
+values, never the config.
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterator
 
-from ndparallel.errors import LayoutError
+from ndparallel.adapters.qat import QatSpec, check_spec
+from ndparallel.errors import ConfigError, LayoutError
 from ndparallel.mesh.layout import Layout
 from ndparallel.models.families import family_problems
 from ndparallel.models.moe import is_moe_config, moe_problems
+from ndparallel.quantized.linears import FORMATS
+
+
+def check_options(
+    *, lora: bool, quantized_base: str | None, fp8: bool, qat: QatSpec | None, unfrozen: bool, tp: int
+) -> None:
+    """Raise ``ConfigError`` with the first of ``option_problems``."""
+    for problem in option_problems(
+        lora=lora, quantized_base=quantized_base, fp8=fp8, qat=qat, unfrozen=unfrozen, tp=tp
+    ):
+        raise ConfigError(problem)
+
+
+def option_problems(
+    *, lora: bool, quantized_base: str | None, fp8: bool, qat: QatSpec | None, unfrozen: bool, tp: int
+) -> Iterator[str]:
+    """Why these strategies cannot be combined (nothing when they can). ``lora``: adapters are attached;
+    ``quantized_base``: 'nf4', 'int8' or None; ``unfrozen``: ``unfrozen_parameters`` selects the trained
+    weights; ``tp``: the tensor-parallel size."""
+    if quantized_base is not None:
+        yield from _quantized_problems(quantized_base, lora=lora, tp=tp, fp8=fp8)
+    if qat is not None:
+        yield from _qat_problems(qat, lora=lora, quantized=quantized_base is not None, fp8=fp8, tp=tp)
+    if unfrozen and lora:
+        yield (
+            "unfrozen_parameters with adapter: lora is not supported: LoRA already freezes the base weights "
+            "(train whole modules beside the adapters with lora_modules_to_save), or drop adapter for a "
+            "full fine-tune of the listed weights"
+        )
+    if fp8 and lora and quantized_base is None:  # quantized base weights said so already
+        yield (
+            "fp8: true with adapter: lora is not supported (LoRA's adapters are far below FP8's useful size and "
+            "its frozen-base path is not validated); set fp8: false"
+        )
+
+
+def _quantized_problems(fmt: str, *, lora: bool, tp: int, fp8: bool) -> Iterator[str]:
+    """Frozen quantized base weights (``quantized/``): only adapters train on them, NF4 splits by rows only."""
+    if fmt not in FORMATS:
+        yield f"quantized_base={fmt!r} must be one of {sorted(FORMATS)} or None"
+        return
+    setting = FORMATS[fmt]
+    if not lora:
+        adapter, bits = ("qlora", 4) if fmt == "nf4" else ("lora", 8)
+        yield (
+            f"{setting}: true needs adapter: {adapter}: {bits}-bit base weights are frozen, so only adapters can "
+            f"train; set adapter: {adapter}, or {setting}: false for a full fine-tune"
+        )
+    if fmt == "nf4" and tp > 1:
+        yield (
+            "load_in_4bit with tensor_parallel_size > 1 is not supported (4-bit weights split by rows only); "
+            "set tensor_parallel_size: 1 and shard with dp_shard_size, or use load_in_8bit"
+        )
+    if fp8:
+        yield f"{setting} with fp8: true is not supported; set fp8: false"
+
+
+def _qat_problems(spec: QatSpec, *, lora: bool, quantized: bool, fp8: bool, tp: int) -> Iterator[str]:
+    """Quantization-aware training (``adapters/qat.py``) fake-quantizes the full weights of every linear layer."""
+    if lora or quantized:
+        yield "qat with adapter / load_in_4bit / load_in_8bit is not supported: QAT trains the full weights"
+    if fp8:
+        yield "qat with fp8: true is not supported (both change the linear layers); keep one"
+    if tp > 1:
+        yield (
+            "qat with tensor_parallel_size > 1 is not supported (fake quantization scales whole rows and "
+            "groups that tensor parallelism splits); shard with dp_shard_size instead"
+        )
+    try:
+        check_spec(spec)
+    except ConfigError as exc:
+        yield str(exc)
 
 
 def check_model(layout: Layout, model_config: Any, *, seq_len: int | None = None) -> None:

@@ -20,7 +20,7 @@ attention   flash attention, 4*d FLOPs per visible (query, key) pair and head in
             D without CP and with alltoall, min(D, S/(2c)) for ring and allgather blocks. Kernels, as
             ``parallel/context.py`` chooses them: rows of one document at cp 1 go through SDPA (cuDNN on
             Hopper, ``Efficiency.attention``); packed rows and every CP method run FlashAttention's
-            variable-length kernel (``varlen_attention``, ``Efficiency.block_attention``), one sequence per
+            variable-length kernel (``attention/varlen``, ``Efficiency.block_attention``), one sequence per
             document piece, so no work crosses documents. Full checkpointing repeats the forward; selective
             keeps the kernel's output.
 pointwise   the eager elementwise ops of a layer, bytes per token of the rank (``layer_pointwise_bytes``),

@@ -37,8 +37,8 @@ import torch.nn.functional as F
 
 from ndparallel import _compat
 from ndparallel.errors import ConfigError
-from ndparallel.parallel.attention_plan import UNBOUNDED, Side, block_pieces, find_documents, make_call
-from ndparallel.parallel.varlen_attention import call_backward, call_forward
+from ndparallel.parallel.attention.plan import UNBOUNDED, Side, block_pieces, find_documents, make_call
+from ndparallel.parallel.attention.varlen import call_backward, call_forward
 from ndparallel.planner.gpus import GpuSpec, preset_for_device_name
 from ndparallel.planner.parts import layer_pointwise_bytes
 from ndparallel.planner.rates import H200_EFFICIENCY, Efficiency

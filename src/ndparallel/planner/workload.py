@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ndparallel.errors import ConfigError
 from ndparallel.mesh.layout import CP_METHODS
-from ndparallel.parallel.checkpointing import MODES as AC_MODES
+from ndparallel.parallel.activation_checkpoint import MODES as AC_MODES
 
 PRECISIONS = ("bf16", "fp32")
 QUANTIZED_FORMATS = ("nf4", "int8")

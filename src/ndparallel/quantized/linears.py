@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ndparallel.errors import ConfigError
 from ndparallel.quantized import int8, nf4
 from ndparallel.quantized.nf4 import is_nf4
 
@@ -46,22 +45,6 @@ class QuantReport:
         if self.kept:
             text += f"; unquantized: {len(self.kept)} ({'; '.join(sorted(set(self.kept.values())))})"
         return text
-
-
-def check_supported(fmt: str, *, lora: bool, tp: int, fp8: bool) -> None:
-    setting = FORMATS[fmt]
-    if not lora:
-        raise ConfigError(
-            f"{setting}: true needs adapter: {'qlora' if fmt == 'nf4' else 'lora'}: quantized base weights are "
-            f"frozen, so only adapters can train; set the adapter, or {setting}: false for a full fine-tune"
-        )
-    if fmt == "nf4" and tp > 1:
-        raise ConfigError(
-            f"load_in_4bit with tensor_parallel_size {tp} is not supported (4-bit weights are split by rows "
-            f"only); set tensor_parallel_size: 1 and shard with dp_shard_size, or use load_in_8bit"
-        )
-    if fp8:
-        raise ConfigError(f"{setting} with fp8: true is not supported; set fp8: false")
 
 
 def is_quantized(tensor: torch.Tensor) -> bool:

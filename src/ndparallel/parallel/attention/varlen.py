@@ -1,4 +1,4 @@
-"""Run one planned variable-length call (``attention_plan.VarlenCall``): forward (out, lse), backward.
+"""Run one planned variable-length call (``plan.VarlenCall``): forward (out, lse), backward.
 
 Two kernels, the same results:
 - CUDA in bf16/fp16: FlashAttention's variable-length kernel, which takes the call's cumulative lengths,
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ndparallel import _compat
-from ndparallel.parallel.attention_plan import UNBOUNDED, VarlenCall
+from ndparallel.parallel.attention.plan import UNBOUNDED, VarlenCall
 
 
 def select_rows(x: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:

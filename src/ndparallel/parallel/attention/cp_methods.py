@@ -1,9 +1,9 @@
 """Document-aware attention over this rank's tokens: cp = 1 and the three context-parallel methods.
 
 transformers gives q (B, H, L, D) and k, v (B, Hkv, L, D); under CP, L = S/cp local tokens (two chunks of
-n = S/(2cp), see ``cp_layout.py``). Work is token-major, (B*L, H, D); the output is (B, L, H, D), the
+n = S/(2cp), see ``parallel/sequence.py``). Work is token-major, (B*L, H, D); the output is (B, L, H, D), the
 layout transformers wants back. Which keys each query sees is planned once per batch as fused
-variable-length calls (``attention_plan.py``), run by ``varlen_attention.py``:
+variable-length calls (``parallel/attention/plan.py``), run by ``parallel/attention/varlen.py``:
 
 - cp = 1: one causal call over the whole rows (one sequence per document);
 - ``allgather``: all-gather k/v over cp (GQA keeps this cheap: Hkv << H); each local query chunk is one
@@ -27,18 +27,19 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ndparallel.parallel.attention_plan import Side, block_pieces, cached_plan, make_calls
-from ndparallel.parallel.cp_layout import chunk_ids, natural_order_index
-from ndparallel.parallel.varlen_attention import call_backward, call_forward, select_rows
+from ndparallel.parallel.attention.plan import Side, block_pieces, cached_plan, make_calls
+from ndparallel.parallel.attention.varlen import call_backward, call_forward, select_rows
+from ndparallel.parallel.comm import all_to_all
+from ndparallel.parallel.sequence import chunk_ids, natural_order_index
 
 
 def context_attention(q, k, v, ctx, *, scale: float, window: int | None, sinks: torch.Tensor | None = None):
     """Attention of this rank's queries, exact for packed/padded rows and CP; returns (B, L, H, D)."""
     b, h, local_len, d = q.shape
-    if ctx.method == "alltoall" and ctx.cp_size > 1:
+    if ctx.method == "alltoall" and ctx.cp > 1:
         return _ulysses_attention(q, k, v, ctx, scale, window, sinks)
     qt, kt, vt = (_tokens(t) for t in (q, k, v))
-    if ctx.cp_size == 1:
+    if ctx.cp == 1:
         calls = _local_plan(ctx, window, q.device)
         out = _LocalAttention.apply(qt, kt, vt, calls, scale, sinks)
     elif ctx.method == "allgather":
@@ -80,7 +81,7 @@ def _allgather_plan(ctx, window, device):
 
     def build(docs):
         calls = []
-        for slot, chunk in enumerate(chunk_ids(ctx.cp_rank, ctx.cp_size)):
+        for slot, chunk in enumerate(chunk_ids(ctx.cp_rank, ctx.cp)):
             q = _query_side(ctx, slot, chunk)
             prefix = Side(lo=0, hi=q.hi, stride=ctx.seq_len, base=0)
             calls += make_calls(
@@ -88,7 +89,7 @@ def _allgather_plan(ctx, window, device):
             )
         return calls
 
-    return cached_plan(ctx.segment_ids_host, ("allgather", ctx.cp_size, ctx.cp_rank, window, device), build)
+    return cached_plan(ctx.segment_ids_host, ("allgather", ctx.cp, ctx.cp_rank, window, device), build)
 
 
 def _ring_plan(ctx, window, device):
@@ -96,11 +97,11 @@ def _ring_plan(ctx, window, device):
 
     def build(docs):
         plan = []
-        for step in range(ctx.cp_size):
-            source = (ctx.cp_rank - step) % ctx.cp_size
+        for step in range(ctx.cp):
+            source = (ctx.cp_rank - step) % ctx.cp
             calls = []
-            for q_slot, q_chunk in enumerate(chunk_ids(ctx.cp_rank, ctx.cp_size)):
-                for k_slot, k_chunk in enumerate(chunk_ids(source, ctx.cp_size)):
+            for q_slot, q_chunk in enumerate(chunk_ids(ctx.cp_rank, ctx.cp)):
+                for k_slot, k_chunk in enumerate(chunk_ids(source, ctx.cp)):
                     if k_chunk <= q_chunk:
                         calls += make_calls(
                             block_pieces(
@@ -113,7 +114,7 @@ def _ring_plan(ctx, window, device):
             plan.append(calls)
         return plan
 
-    return cached_plan(ctx.segment_ids_host, ("ring", ctx.cp_size, ctx.cp_rank, window, device), build)
+    return cached_plan(ctx.segment_ids_host, ("ring", ctx.cp, ctx.cp_rank, window, device), build)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -235,11 +236,11 @@ class _LocalAttention(torch.autograd.Function):
 def _gather_kv(k, v, ctx):
     """All-gather local k/v (B*L, Hkv, D) over cp -> (B*S, 2*Hkv, D) in row order, and the order used."""
     hkv, d, local_len = k.shape[1], k.shape[2], 2 * ctx.chunk_len
-    gathered = k.new_empty((ctx.cp_size * k.shape[0], 2 * hkv, d))
+    gathered = k.new_empty((ctx.cp * k.shape[0], 2 * hkv, d))
     dist.all_gather_into_tensor(gathered, torch.cat([k, v], dim=1), group=ctx.cp_group)
     b = ctx.batch_size
-    kv = gathered.view(ctx.cp_size, b, local_len, 2 * hkv, d).transpose(0, 1).reshape(b, -1, 2 * hkv, d)
-    order = natural_order_index(ctx.cp_size, ctx.chunk_len, k.device)
+    kv = gathered.view(ctx.cp, b, local_len, 2 * hkv, d).transpose(0, 1).reshape(b, -1, 2 * hkv, d)
+    order = natural_order_index(ctx.cp, ctx.chunk_len, k.device)
     return kv.index_select(1, order).reshape(-1, 2 * hkv, d), order
 
 
@@ -267,7 +268,7 @@ class _AllGatherAttention(torch.autograd.Function):
         dv = torch.zeros_like(dk)
         _backward_calls(grad_out, q, kv[:, :hkv], kv[:, hkv:], out, lse, fctx.calls, fctx.scale, dq, dk, dv)
         # Back to rank-major order; each rank receives the sum of its own tokens' gradients.
-        b, cp, local_len = ctx.batch_size, ctx.cp_size, 2 * ctx.chunk_len
+        b, cp, local_len = ctx.batch_size, ctx.cp, 2 * ctx.chunk_len
         dkv = torch.cat([dk, dv], dim=1).view(b, -1, 2 * hkv, d).index_select(1, torch.argsort(order))
         dkv = dkv.view(b, cp, local_len, 2 * hkv, d).transpose(0, 1).reshape(cp * b * local_len, 2 * hkv, d)
         mine = dkv.new_empty((b * local_len, 2 * hkv, d))
@@ -283,8 +284,8 @@ class _AllGatherAttention(torch.autograd.Function):
 
 def _exchange(tensor: torch.Tensor, ctx):
     """Send ``tensor`` to the next cp rank and receive the previous rank's; returns (requests, received)."""
-    nxt = dist.get_global_rank(ctx.cp_group, (ctx.cp_rank + 1) % ctx.cp_size)
-    prv = dist.get_global_rank(ctx.cp_group, (ctx.cp_rank - 1) % ctx.cp_size)
+    nxt = dist.get_global_rank(ctx.cp_group, (ctx.cp_rank + 1) % ctx.cp)
+    prv = dist.get_global_rank(ctx.cp_group, (ctx.cp_rank - 1) % ctx.cp)
     received = torch.empty_like(tensor)
     ops = [dist.P2POp(dist.isend, tensor, nxt, ctx.cp_group), dist.P2POp(dist.irecv, received, prv, ctx.cp_group)]
     return dist.batch_isend_irecv(ops), received
@@ -303,7 +304,7 @@ class _RingAttention(torch.autograd.Function):
         acc = _new_accumulator(q)
         kv = torch.cat([k, v], dim=1)
         for step, calls in enumerate(plan):
-            pending = _exchange(kv, ctx) if step < ctx.cp_size - 1 else None  # overlaps this step's calls
+            pending = _exchange(kv, ctx) if step < ctx.cp - 1 else None  # overlaps this step's calls
             _forward_calls(q, kv[:, :hkv], kv[:, hkv:], calls, scale, acc)
             if pending is not None:
                 _wait(pending[0])
@@ -323,7 +324,7 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.cat([k, v], dim=1)
         dkv_pending = None
         for step, calls in enumerate(fctx.plan):
-            kv_pending = _exchange(kv, ctx) if step < ctx.cp_size - 1 else None
+            kv_pending = _exchange(kv, ctx) if step < ctx.cp - 1 else None
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             dk, dv = dkv[:, :hkv], dkv[:, hkv:]
             _backward_calls(grad_out, q, kv[:, :hkv], kv[:, hkv:], out, lse, calls, fctx.scale, dq, dk, dv)
@@ -345,29 +346,12 @@ class _RingAttention(torch.autograd.Function):
 # ------------------------------------------------------------------------------------------------
 
 
-class _AllToAll(torch.autograd.Function):
-    """Slot i of dim 0 goes to cp rank i; slot i of the result came from cp rank i. Self-inverse."""
-
-    @staticmethod
-    def forward(fctx, x, group):
-        fctx.group = group
-        out = x.new_empty(x.shape)  # contiguous (empty_like would copy x's permuted strides)
-        dist.all_to_all_single(out, x.contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(fctx, grad):
-        out = grad.new_empty(grad.shape)
-        dist.all_to_all_single(out, grad.contiguous(), group=fctx.group)
-        return out, None
-
-
 def _heads_to_sequence(x, ctx, order):
     """(B, h, L, D) with the local tokens -> (B*S, h/cp, D): the whole rows, in row order, token-major."""
     b, h, local_len, d = x.shape
-    cp = ctx.cp_size
+    cp = ctx.cp
     x = x.reshape(b, cp, h // cp, local_len, d).transpose(0, 1)
-    x = _AllToAll.apply(x, ctx.cp_group)  # (cp_src, B, h/cp, L, D)
+    x = all_to_all(x, ctx.cp_group)  # (cp_src, B, h/cp, L, D)
     x = x.permute(1, 0, 3, 2, 4).reshape(b, cp * local_len, h // cp, d)
     return x.index_select(1, order).reshape(-1, h // cp, d)
 
@@ -375,22 +359,22 @@ def _heads_to_sequence(x, ctx, order):
 def _sequence_to_heads(x, ctx, inverse_order, batch):
     """(B*S, h/cp, D) whole rows -> (B, L, h, D) with this rank's tokens and all heads."""
     _, hg, d = x.shape
-    cp = ctx.cp_size
+    cp = ctx.cp
     x = x.view(batch, -1, hg, d).index_select(1, inverse_order)
     x = x.view(batch, cp, -1, hg, d).transpose(0, 1)  # (destination rank, B, L, h/cp, D)
-    x = _AllToAll.apply(x, ctx.cp_group)  # (head group, B, L, h/cp, D)
+    x = all_to_all(x, ctx.cp_group)  # (head group, B, L, h/cp, D)
     return x.permute(1, 2, 0, 3, 4).reshape(batch, x.shape[2], cp * hg, d)
 
 
 def _ulysses_attention(q, k, v, ctx, scale, window, sinks):
     heads, batch = q.shape[1], q.shape[0]
-    if k.shape[1] % ctx.cp_size:
+    if k.shape[1] % ctx.cp:
         # Too few key/value heads to split over cp: give every query head its own copy first.
         k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
-    order = natural_order_index(ctx.cp_size, ctx.chunk_len, q.device)
+    order = natural_order_index(ctx.cp, ctx.chunk_len, q.device)
     qs, ks, vs = (_heads_to_sequence(t, ctx, order) for t in (q, k, v))
     if sinks is not None:  # this rank's head group
-        group = heads // ctx.cp_size
+        group = heads // ctx.cp
         sinks = sinks[ctx.cp_rank * group : (ctx.cp_rank + 1) * group]
     calls = _local_plan(ctx, window, q.device)
     out = _LocalAttention.apply(qs, ks, vs, calls, scale, sinks)

@@ -19,30 +19,44 @@ from ndparallel.mesh.topology import Topology
 PAD_SEGMENT = -1
 
 
-def chunk_ids(cp_rank: int, cp_size: int) -> tuple[int, int]:
-    """The two global chunk indices cp rank ``cp_rank`` holds: its own and the mirrored one."""
-    return cp_rank, 2 * cp_size - 1 - cp_rank
+def chunk_ids(cp_rank: int, cp: int) -> tuple[int, int]:
+    """The two global chunk indices cp rank ``cp_rank`` of ``cp`` holds: its own and the mirrored one."""
+    return cp_rank, 2 * cp - 1 - cp_rank
 
 
-def cp_shard(x: torch.Tensor, *, cp_size: int, cp_rank: int, dim: int = 1) -> torch.Tensor:
-    """This rank's load-balanced part of ``x`` along ``dim`` (length must divide into 2*cp_size chunks)."""
-    if cp_size == 1:
+def cp_shard(
+    x: torch.Tensor, *, cp: int | None = None, cp_rank: int, dim: int = 1, cp_size: int | None = None
+) -> torch.Tensor:
+    """This rank's load-balanced part of ``x`` along ``dim`` (length must divide into 2*cp chunks).
+    ``cp_size``: the former spelling of ``cp`` (still accepted)."""
+    cp = cp if cp is not None else cp_size
+    if cp is None:
+        raise TypeError("cp_shard() needs cp= (the context-parallel size)")
+    if cp == 1:
         return x
-    if x.shape[dim] % (2 * cp_size):
+    if x.shape[dim] % (2 * cp):
         raise ConfigError(
-            f"sequence length {x.shape[dim]} does not split into 2 x cp_size = {2 * cp_size} chunks; "
-            f"prepare_batch pads rows to a multiple of {2 * cp_size} for you"
+            f"sequence length {x.shape[dim]} does not split into 2 x cp_size = {2 * cp} chunks; "
+            f"prepare_batch pads rows to a multiple of {2 * cp} for you"
         )
-    chunks = x.chunk(2 * cp_size, dim=dim)
-    first, second = chunk_ids(cp_rank, cp_size)
+    chunks = x.chunk(2 * cp, dim=dim)
+    first, second = chunk_ids(cp_rank, cp)
     return torch.cat([chunks[first], chunks[second]], dim=dim)
 
 
-def natural_order_index(cp_size: int, chunk_len: int, device: torch.device | None = None) -> torch.Tensor:
+def rank_tokens(x: torch.Tensor, *, cp: int, cp_rank: int, tp: int = 1, tp_rank: int = 0, dim: int = 1) -> torch.Tensor:
+    """The tokens of ``x`` (whole rows) this rank computes where tp ranks hold different tokens, as between the
+    sequence-parallel norms (the MoE blocks and their router): its cp chunks (``cp_shard``), then its 1/tp of
+    them. ``cp=1``: ``x`` is already this rank's cp part."""
+    x = cp_shard(x, cp=cp, cp_rank=cp_rank, dim=dim)
+    return x.chunk(tp, dim=dim)[tp_rank] if tp > 1 else x
+
+
+def natural_order_index(cp: int, chunk_len: int, device: torch.device | None = None) -> torch.Tensor:
     """Index that puts rank-major gathered tokens (rank 0's two chunks, rank 1's, ...) back in row order."""
-    owner_order = [c for rank in range(cp_size) for c in chunk_ids(rank, cp_size)]
-    slot_of_chunk = torch.empty(2 * cp_size, dtype=torch.long)
-    slot_of_chunk[torch.tensor(owner_order)] = torch.arange(2 * cp_size)
+    owner_order = [c for rank in range(cp) for c in chunk_ids(rank, cp)]
+    slot_of_chunk = torch.empty(2 * cp, dtype=torch.long)
+    slot_of_chunk[torch.tensor(owner_order)] = torch.arange(2 * cp)
     index = (slot_of_chunk[:, None] * chunk_len + torch.arange(chunk_len)).flatten()
     return index.to(device) if device is not None else index
 
@@ -52,14 +66,14 @@ def cp_gather(x: torch.Tensor, topology: Topology, *, dim: int = 1) -> torch.Ten
 
     For logits and debugging; not differentiable.
     """
-    cp_size = topology.layout.cp
-    if cp_size == 1:
+    cp = topology.layout.cp
+    if cp == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(cp_size)]
+    parts = [torch.empty_like(x) for _ in range(cp)]
     dist.all_gather(parts, x.contiguous(), group=topology.cp.get_group())
     gathered = torch.cat(parts, dim=dim)
     chunk_len = x.shape[dim] // 2
-    return gathered.index_select(dim, natural_order_index(cp_size, chunk_len, x.device))
+    return gathered.index_select(dim, natural_order_index(cp, chunk_len, x.device))
 
 
 def segment_ids_from(position_ids: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
