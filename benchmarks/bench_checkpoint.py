@@ -37,8 +37,9 @@ import torch
 import torch.distributed as dist
 
 import ndparallel as ndp
-from ndparallel.models.build import materialize, meta_model, model_config_for
 from ndparallel.models.presets import PRESETS
+from ndparallel.weights.materialize import materialize
+from ndparallel.weights.meta import meta_model, model_config_for
 
 SHAPES = {
     **PRESETS,

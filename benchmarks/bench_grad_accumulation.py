@@ -23,7 +23,8 @@ import sys
 import torch
 
 import ndparallel as ndp
-from ndparallel.models.build import materialize, meta_model, model_config_for
+from ndparallel.weights.materialize import materialize
+from ndparallel.weights.meta import meta_model, model_config_for
 
 MODES = ("every_micro_batch", "last_micro_batch")
 

@@ -28,8 +28,10 @@ import psutil
 import torch
 
 import ndparallel as ndp
-from ndparallel.models import build
-from ndparallel.models.build import materialize, meta_model, model_config_for
+from ndparallel.weights.materialize import materialize, restore_buffers
+from ndparallel.weights.meta import meta_model, model_config_for
+from ndparallel.weights.safetensors_reader import SafetensorsReader
+from ndparallel.weights.shards import copy_shard
 
 SHAPE = dict(
     model_type="llama",
@@ -89,13 +91,13 @@ def _load_whole_tensors(model, directory: str, device: torch.device) -> None:
     from ndparallel import _compat
 
     model.to_empty(device=device)
-    files = build._SafetensorsReader(directory).files
+    files = SafetensorsReader(directory).files
     with torch.no_grad():
         for name, param in model.named_parameters():
             key = _compat.canonical_name(name)
             with safe_open(files[key], framework="pt") as f:
-                build._copy_shard(param, f.get_tensor(key))
-        build.restore_buffers(model, device)
+                copy_shard(param, f.get_tensor(key))
+        restore_buffers(model, device)
 
 
 def load(directory: Path, args) -> None:

@@ -26,8 +26,9 @@ import time
 import torch
 
 import ndparallel as ndp
-from ndparallel.models.build import materialize, meta_model, model_config_for
 from ndparallel.train import forward_backward
+from ndparallel.weights.materialize import materialize
+from ndparallel.weights.meta import meta_model, model_config_for
 
 
 def _rows(kind: str, length: int, vocab: int, step: int) -> dict:

@@ -116,9 +116,10 @@ def _ndparallel_step(args, row: str, length: int):
 
     import ndparallel as ndp
     from ndparallel.adapters.lora import LoraSpec
-    from ndparallel.models.build import initialize_adapters, materialize, meta_model, model_config_for
     from ndparallel.parallel.offload import host_memory_available, offload_layer_count
     from ndparallel.train import forward_backward
+    from ndparallel.weights.materialize import initialize_adapters, materialize
+    from ndparallel.weights.meta import meta_model, model_config_for
 
     topo = ndp.Topology.build(ndp.ParallelismConfig(dp_shard_size=1))
     config = model_config_for(base_model=None, model_shape=args.model, overrides={}, max_position_embeddings=length)
@@ -174,7 +175,7 @@ def _peer_step(args, row: str, length: int):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
-    from ndparallel.models.build import model_config_for
+    from ndparallel.weights.meta import model_config_for
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29561")
     dist.init_process_group("nccl")

@@ -19,7 +19,8 @@ from torch.distributed.tensor import DTensor
 
 import ndparallel as ndp
 from ndparallel.adapters.lora import LoraSpec
-from ndparallel.models.build import materialize, meta_model, model_config_for
+from ndparallel.weights.materialize import materialize
+from ndparallel.weights.meta import meta_model, model_config_for
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

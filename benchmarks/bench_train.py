@@ -63,9 +63,10 @@ import torch.distributed as dist
 import ndparallel as ndp
 from ndparallel.flops import AttentionFlops, flops_per_token
 from ndparallel.metrics import device_peak_flops
-from ndparallel.models.build import materialize, meta_model, model_config_for
 from ndparallel.models.presets import PRESETS
 from ndparallel.train import forward_backward
+from ndparallel.weights.materialize import materialize
+from ndparallel.weights.meta import meta_model, model_config_for
 
 PEER_BEST = ("accelerate-compile", "fsdp2-compile")
 DEFAULT_ROWS = "ndparallel,accelerate-compile,fsdp2-compile"

@@ -19,8 +19,9 @@ from torch.distributed.tensor import DTensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ndparallel as ndp
-from ndparallel.models.build import materialize, meta_model, model_config_for
 from ndparallel.train import forward_backward
+from ndparallel.weights.materialize import materialize
+from ndparallel.weights.meta import meta_model, model_config_for
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_perf_checks import SMALL  # noqa: E402

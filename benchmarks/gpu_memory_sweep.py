@@ -27,8 +27,9 @@ import ndparallel as ndp
 from ndparallel.adapters.lora import LoraSpec
 from ndparallel.flops import AttentionFlops, flops_per_token
 from ndparallel.metrics import device_peak_flops
-from ndparallel.models.build import materialize, meta_model, model_config_for
 from ndparallel.train import forward_backward
+from ndparallel.weights.materialize import materialize
+from ndparallel.weights.meta import meta_model, model_config_for
 
 DEFAULT_CASES = [
     *(f"1b:{seq}:{mb}:{ac}" for seq, mb in ((2048, 4), (4096, 2), (8192, 1)) for ac in ("none", "selective", "full")),

@@ -31,8 +31,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import ndparallel as ndp
-from ndparallel.models.build import materialize, meta_model, model_config_for
 from ndparallel.train import forward_backward
+from ndparallel.weights.materialize import materialize
+from ndparallel.weights.meta import meta_model, model_config_for
 
 SMALL = dict(
     hidden_size=1024,

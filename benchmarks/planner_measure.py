@@ -36,8 +36,8 @@ from planner_memory.calibration import (  # noqa: E402
 )
 from planner_memory.measure import measure_activations, measure_loss_peak  # noqa: E402
 
-from ndparallel.models.build import model_config_for  # noqa: E402
 from ndparallel.planner.shapes import PRESETS, ModelShape  # noqa: E402
+from ndparallel.weights.meta import model_config_for  # noqa: E402
 
 TINY = PRESETS["tiny"]
 # Grouped-query attention (8 query heads, 4 key/value heads): exercises K/V expansion in CP attention.
@@ -125,7 +125,7 @@ PICK_RESULTS = ["h200_planner_pick_check.jsonl", "h200_planner_pick_check_3b.jso
 # benchmarks/bench_long_rows.py on the flat path (build_optimizer's default master_grads): one row per length and
 # checkpointing mode (packed and one-document rows of the same length peak alike)
 LONG_ROWS_RESULTS = ["h200_long_rows_modes.jsonl"]
-GPU_SHAPES = {"1b": "llama-1b", "3b": "llama-3b", "8b": "llama-8b"}  # models/build.PRESETS -> planner presets
+GPU_SHAPES = {"1b": "llama-1b", "3b": "llama-3b", "8b": "llama-8b"}  # models/presets.py -> planner presets
 # --overrides of gpu_memory_sweep.py runs on the 8b preset, by the layer shape they make
 LAYER_SHAPE_NAMES = {
     json.dumps(

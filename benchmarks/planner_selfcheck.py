@@ -29,13 +29,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_train import run_row  # noqa: E402
 
 import ndparallel as ndp  # noqa: E402
-from ndparallel.models.build import model_config_for  # noqa: E402
 from ndparallel.planner import probe  # noqa: E402
 from ndparallel.planner.gpus import GPUS  # noqa: E402
 from ndparallel.planner.hardware import GIB, Cluster  # noqa: E402
 from ndparallel.planner.plan import plan  # noqa: E402
 from ndparallel.planner.shapes import load_model_shape  # noqa: E402
 from ndparallel.planner.workload import Workload  # noqa: E402
+from ndparallel.weights.meta import model_config_for  # noqa: E402
 
 
 def predict(model, cluster: Cluster, seq: int, b: int, compiled: bool) -> tuple[float, float]:

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 
 import ndparallel as ndp
 from ndparallel import _compat
-from ndparallel.models.build import attention_for
+from ndparallel.weights.meta import attention_for
 
 VOCAB = 256
 LR = 3e-3

@@ -37,7 +37,6 @@ from ndparallel.parallel.apply import parallelize
 from ndparallel.parallel.float8 import Fp8Spec
 from ndparallel.parallel.options import ParallelOptions
 from ndparallel.parallel.sequence import cp_gather, cp_shard
-from ndparallel.pretrained import load_pretrained, save_pretrained
 from ndparallel.router_loss import router_aux_loss
 from ndparallel.step import (
     build_optimizer,
@@ -49,6 +48,7 @@ from ndparallel.step import (
     set_gradient_sync,
     token_loss,
 )
+from ndparallel.weights.pretrained import load_pretrained, save_pretrained
 
 __version__ = "0.1.0"
 

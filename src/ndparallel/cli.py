@@ -272,7 +272,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from ndparallel.export import checkpoint_step, export_checkpoint, resolve_checkpoint
+    from ndparallel.weights.export import checkpoint_step, export_checkpoint, resolve_checkpoint
 
     try:
         checkpoint = resolve_checkpoint(args.checkpoint)  # an output_dir means its latest checkpoint

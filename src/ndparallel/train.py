@@ -41,7 +41,6 @@ from ndparallel.loss.cross_entropy import IGNORE_INDEX
 from ndparallel.mesh.layout import Layout
 from ndparallel.mesh.topology import Topology, default_device_type, init_distributed
 from ndparallel.metrics import MetricsLogger, device_peak_flops
-from ndparallel.models.build import initialize_adapters, materialize, meta_model, model_config_for
 from ndparallel.oom import (
     DeviceMemoryError,
     device_memory_gib,
@@ -74,7 +73,9 @@ from ndparallel.step import clip_grad_norm_, count_tokens, model_loss, set_gradi
 from ndparallel.steptime import PhaseTimer
 from ndparallel.summary import RunClock, print_summary
 from ndparallel.tracking import check_trackers_installed
-from ndparallel.vocab import fit_vocab
+from ndparallel.weights.materialize import initialize_adapters, materialize
+from ndparallel.weights.meta import meta_model, model_config_for
+from ndparallel.weights.vocab import fit_vocab
 from ndparallel.window import LogWindow, StepResult
 
 log = logging.getLogger("ndparallel")
@@ -609,7 +610,7 @@ def _finish(run: TrainingRun, metrics: MetricsLogger) -> None:
     if cfg.export_hf:
         export_dir = output_dir / "hf"
         if topo.is_main:
-            from ndparallel.export import export_checkpoint
+            from ndparallel.weights.export import export_checkpoint
 
             # Checked at start: empty, or (overwrite_output_dir) only files an earlier export wrote.
             owned_files.clear_written(export_dir)

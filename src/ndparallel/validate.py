@@ -86,7 +86,7 @@ def _plan(cfg: TrainConfig, world_size: int | None, model_config, problems: list
 def _model_checks(cfg: TrainConfig, model_config, tokenizer, plan: RunPlan | None, problems: list[str]) -> list[str]:
     """The model against the tokenizer and the layout (when there is one), unfrozen_parameters and qat; the
     notes to show."""
-    from ndparallel.vocab import fit_vocab
+    from ndparallel.weights.vocab import fit_vocab
 
     notes = []
     if plan is not None and tokenizer is not None:
@@ -118,7 +118,7 @@ def _check_unfrozen(cfg: TrainConfig, model_config) -> str:
     """unfrozen_parameters against the weights' names (the model built on the meta device: no memory); the
     line saying how much of the model trains."""
     from ndparallel.adapters.freeze import apply_trainable, describe_trainable, select_trainable
-    from ndparallel.models.build import meta_model
+    from ndparallel.weights.meta import meta_model
 
     model = meta_model(model_config)
     apply_trainable(model, select_trainable(model, cfg.unfrozen_parameters))
@@ -128,7 +128,7 @@ def _check_unfrozen(cfg: TrainConfig, model_config) -> str:
 def _check_qat(cfg: TrainConfig, model_config) -> str:
     """The qat scheme against the model's layer shapes (group sizes must divide every input width)."""
     from ndparallel.adapters.qat import apply_qat
-    from ndparallel.models.build import meta_model
+    from ndparallel.weights.meta import meta_model
 
     count = apply_qat(meta_model(model_config), cfg.qat_spec)
     return f"{cfg.qat_spec.describe()}: {count} linear layers"

@@ -34,8 +34,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from transformers import LlamaConfig
 
 import ndparallel as ndp
-from ndparallel.models.build import materialize, meta_model
 from ndparallel.optim8bit import build_adamw_8bit
+from ndparallel.weights.materialize import materialize
+from ndparallel.weights.meta import meta_model
 
 CONFIG = dict(
     vocab_size=8192,

@@ -22,8 +22,9 @@ def train(shard: int):
     from transformers import LlamaConfig
 
     import ndparallel as ndp
-    from ndparallel.models.build import materialize, meta_model
     from ndparallel.step import decay_groups
+    from ndparallel.weights.materialize import materialize
+    from ndparallel.weights.meta import meta_model
 
     topo = ndp.Topology.build(ndp.ParallelismConfig(dp_shard_size=shard), device_type="cpu")
     model = meta_model(

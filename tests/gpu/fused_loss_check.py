@@ -83,8 +83,9 @@ def loss_check(emit) -> None:
 
 
 def offload_check(emit) -> None:
-    from ndparallel.models.build import materialize, meta_model, model_config_for
     from ndparallel.train import forward_backward
+    from ndparallel.weights.materialize import materialize
+    from ndparallel.weights.meta import meta_model, model_config_for
 
     topo = ndp.Topology.build(ndp.ParallelismConfig(dp_shard_size=1))
     config = model_config_for(base_model=None, model_shape="1b", overrides={"num_hidden_layers": 4})

@@ -137,7 +137,7 @@ def test_export_gives_the_parallel_models_logits(saved, tmp_path, capsys):
         assert float((logits - want[rows]).abs().max() / want.abs().max()) < 1e-5
     # Nothing is overwritten: exporting into the same directory again is refused.
     with pytest.raises(CheckpointError, match="not empty"):
-        from ndparallel.export import export_checkpoint
+        from ndparallel.weights.export import export_checkpoint
 
         export_checkpoint(tmp / "out", out)
 
@@ -252,7 +252,7 @@ def test_damaged_and_malicious_checkpoints_are_refused_on_every_rank(saved, bad_
 
 def test_export_goes_through_the_same_guard(saved, bad_checkpoints, tmp_path):
     """Export refuses what it would read; the per-rank state files it never opens (their payloads stay inert)."""
-    from ndparallel.export import export_checkpoint
+    from ndparallel.weights.export import export_checkpoint
 
     tmp, _, _ = saved
     unread = {"rank-file-reduce", "rank-file-build", "state-json-unknown-entry"}

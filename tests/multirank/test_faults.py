@@ -160,7 +160,7 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_
 def test_nan_policy_skip_finishes_with_finite_weights(tmp_path):
     from safetensors.torch import load_file
 
-    from ndparallel.export import export_checkpoint
+    from ndparallel.weights.export import export_checkpoint
 
     config = layout_config(
         tiny_config(

@@ -10,7 +10,8 @@ from scenarios import make_model, world_size
 from transformers import AutoModelForCausalLM
 
 import ndparallel as ndp
-from ndparallel.models.build import materialize, meta_model, model_config_for
+from ndparallel.weights.materialize import materialize
+from ndparallel.weights.meta import meta_model, model_config_for
 
 SEQ = 32
 

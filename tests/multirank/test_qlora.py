@@ -75,7 +75,7 @@ def test_a_layout_that_would_cut_a_scale_group_is_refused_naming_the_weight():
 def _meta_layers():
     from transformers import LlamaConfig
 
-    from ndparallel.models.build import meta_model
+    from ndparallel.weights.meta import meta_model
 
     return meta_model(LlamaConfig(num_hidden_layers=2, **SHAPE)).model.layers
 

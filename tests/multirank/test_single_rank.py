@@ -61,8 +61,9 @@ def _built_from_meta() -> dict:
     import torch
 
     import ndparallel as ndp
-    from ndparallel.models.build import materialize, meta_model, model_config_for
     from ndparallel.parallel.single_rank import single_rank_state
+    from ndparallel.weights.materialize import materialize
+    from ndparallel.weights.meta import meta_model, model_config_for
 
     topo = ndp.Topology.build(ndp.ParallelismConfig(dp_shard_size=1))
     config = model_config_for(
@@ -98,7 +99,8 @@ def _train_lora_from_meta(single_rank_fsdp: bool) -> dict:
     import torch
 
     import ndparallel as ndp
-    from ndparallel.models.build import materialize, meta_model, model_config_for
+    from ndparallel.weights.materialize import materialize
+    from ndparallel.weights.meta import meta_model, model_config_for
 
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     topo = ndp.Topology.build(ndp.ParallelismConfig(dp_shard_size=world))
@@ -152,8 +154,9 @@ def _trained_then_dropped(param_dtype, master_grads: bool) -> dict:
     import torch
 
     import ndparallel as ndp
-    from ndparallel.models.build import materialize, meta_model, model_config_for
     from ndparallel.train import forward_backward
+    from ndparallel.weights.materialize import materialize
+    from ndparallel.weights.meta import meta_model, model_config_for
 
     topo = ndp.Topology.build(ndp.ParallelismConfig(dp_shard_size=1))
 

@@ -3,14 +3,14 @@ turns it off), every file with the same permissions (the safetensors came out 06
 
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ndparallel.export import checkpoint_step, save_for_inference
+from ndparallel.weights.export import checkpoint_step, save_for_inference
 
 
 def test_save_for_inference_turns_the_cache_on_and_evens_the_modes(tmp_path):
     config = LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=64
     )
-    config.use_cache = False  # as models/build.py sets it for training
+    config.use_cache = False  # as weights/materialize.py sets it for training
     model = LlamaForCausalLM(config)
     model.generation_config.use_cache = False
     save_for_inference(model, tmp_path / "hf")

@@ -9,8 +9,8 @@ import torch
 from ndparallel.batching import prepare_batch
 from ndparallel.flops import AttentionFlops, flops_per_token, layer_windows, mfu, packed_row_pairs, visible_pairs
 from ndparallel.mesh.layout import Layout
-from ndparallel.models.build import model_config_for
 from ndparallel.parallel.sequence import chunk_ids
+from ndparallel.weights.meta import model_config_for
 
 H200_PEAK = 989e12
 

@@ -9,7 +9,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scenarios import make_model  # noqa: E402
 
-from ndparallel.models.build import materialize, meta_model, model_config_for  # noqa: E402
+from ndparallel.weights.materialize import materialize  # noqa: E402
+from ndparallel.weights.meta import meta_model, model_config_for
 
 
 def test_offloaded_parameters_are_materialized_on_the_cpu(tmp_path):

@@ -165,8 +165,8 @@ def test_presets_have_the_published_sizes_under_both_names():
 
 
 def test_one_preset_table_for_model_shape_and_the_planner():
-    from ndparallel.models.build import model_config_for
     from ndparallel.models.presets import PRESETS as TABLE
+    from ndparallel.weights.meta import model_config_for
 
     for key in TABLE:
         config = model_config_for(base_model=None, model_shape=key, overrides={})

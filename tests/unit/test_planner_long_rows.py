@@ -279,8 +279,8 @@ def test_dp_shard_size_auto_plans_the_runs_features():
 
 
 def test_out_of_memory_advice_names_the_features_that_would_fit(monkeypatch):
-    from ndparallel.models.build import model_config_for
     from ndparallel.parallel import offload
+    from ndparallel.weights.meta import model_config_for
 
     monkeypatch.setattr(offload, "host_memory_available", lambda: 128 * GIB)
     cfg = parse_config({**BASE, "model_shape": "1b", "sequence_len": 1 << 20, "gradient_checkpointing": True})

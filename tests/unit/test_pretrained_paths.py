@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ndparallel.errors import ModelError
-from ndparallel.pretrained import model_directory
+from ndparallel.weights.pretrained import model_directory
 
 COMMIT = "89abcdef0123456789abcdef0123456789abcdef"
 

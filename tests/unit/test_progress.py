@@ -6,9 +6,9 @@ import pytest
 
 from ndparallel.config import parse_config
 from ndparallel.mesh.layout import Layout
-from ndparallel.models.build import model_config_for
 from ndparallel.oom import oom_message
 from ndparallel.progress import human_count, human_seconds, progress_fields, timing_line
+from ndparallel.weights.meta import model_config_for
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@
     ndp.save_pretrained(model, "out/hf", topo, tokenizer=tok)    # a Hugging Face directory, from the live model
 
 ``load_pretrained`` builds the model on the meta device, parallelizes it, then gives it storage and fills
-each rank's shards from the safetensors files (``models/build.py``): no rank ever holds the whole model.
+each rank's shards from the safetensors files (``weights/materialize.py``): no rank ever holds the whole model.
 ``save_pretrained`` gathers one parameter at a time to rank 0 (a collective: every rank calls it), which
 writes the directory under a temporary name and renames it into place; with ``lora`` it writes the PEFT
 adapter instead, or the base weights with the adapters merged in.
@@ -28,10 +28,11 @@ from ndparallel import _compat
 from ndparallel.adapters.lora import LoraSpec, attach_lora, merge_lora_weights, save_peft_adapter
 from ndparallel.errors import ModelError, NdParallelError
 from ndparallel.mesh.topology import Topology
-from ndparallel.models.build import materialize, meta_model, model_config_for, restore_buffers
 from ndparallel.parallel.apply import parallelize
 from ndparallel.parallel.options import ParallelOptions, as_dtype
 from ndparallel.safe_io import owned_files
+from ndparallel.weights.materialize import materialize, restore_buffers
+from ndparallel.weights.meta import meta_model, model_config_for
 
 # What a model directory needs for training (weights, configs, tokenizer); nothing that could hold code.
 _MODEL_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
@@ -209,7 +210,7 @@ def _write_hf(
         restore_buffers(skeleton, torch.device("cpu"))
     if lora is not None:
         merge_lora_weights(skeleton, lora)
-    from ndparallel.export import save_for_inference
+    from ndparallel.weights.export import save_for_inference
 
     save_for_inference(skeleton.to(dtype), directory, max_shard_size=max_shard_size)
 

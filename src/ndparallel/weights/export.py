@@ -27,8 +27,8 @@ from ndparallel.checkpoint.guard import read_index
 from ndparallel.checkpoint.loading import load_tensors, open_checkpoint
 from ndparallel.checkpoint.training import checkpoints_dir
 from ndparallel.errors import CheckpointError, ConfigError
-from ndparallel.models.build import restore_buffers
 from ndparallel.safe_io import bounded_yaml, owned_files
+from ndparallel.weights.materialize import restore_buffers
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 MODEL_STATE = "model"  # the trainer's name for the model among a checkpoint's states
