@@ -35,7 +35,7 @@ Every row: the same Llama-shaped model (random init), the same synthetic full ro
 weight decay 0.1, torch's fused kernel for the peers), clipping to norm 1.0, bf16 compute with fp32
 master weights (fp32 on CPU). The peers use transformers' own loss (labels=input_ids).
 MFU = tokens/s x FLOPs/token / (devices x 989 TFLOP/s), FLOPs/token = 6 x (non-embedding params +
-lm_head) + the causal attention of a row per token (``ndparallel.flops``, as the trainer counts it).
+lm_head) + the causal attention of a row per token (``ndparallel.step.flops``, as the trainer counts it).
 ``--warmup`` steps (compilation included) are not timed.
 
 On one CUDA process each peer row runs in a subprocess of its own (``--isolate``, default on): its
@@ -61,9 +61,9 @@ import torch
 import torch.distributed as dist
 
 import ndparallel as ndp
-from ndparallel.flops import AttentionFlops, flops_per_token
 from ndparallel.metrics import device_peak_flops
 from ndparallel.models.presets import PRESETS
+from ndparallel.step.flops import AttentionFlops, flops_per_token
 from ndparallel.train import forward_backward
 from ndparallel.weights.materialize import materialize
 from ndparallel.weights.meta import meta_model, model_config_for

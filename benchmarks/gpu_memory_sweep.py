@@ -25,8 +25,8 @@ import torch
 
 import ndparallel as ndp
 from ndparallel.adapters.lora import LoraSpec
-from ndparallel.flops import AttentionFlops, flops_per_token
 from ndparallel.metrics import device_peak_flops
+from ndparallel.step.flops import AttentionFlops, flops_per_token
 from ndparallel.train import forward_backward
 from ndparallel.weights.materialize import materialize
 from ndparallel.weights.meta import meta_model, model_config_for

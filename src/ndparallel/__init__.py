@@ -14,7 +14,6 @@ Library use (the loop you would write, done right)::
 """
 
 from ndparallel.adapters.lora import LoraSpec
-from ndparallel.batching import IGNORE_INDEX, Batch, prepare_batch, shift_labels
 from ndparallel.checkpoint.checkpointer import Checkpointer
 from ndparallel.checkpoint.states import ModelState, OptimizerState
 from ndparallel.errors import (
@@ -33,21 +32,16 @@ from ndparallel.mesh.parallelism_config import (
     TorchTensorParallelConfig,
 )
 from ndparallel.mesh.topology import Topology, init_distributed
+from ndparallel.optim.build import build_optimizer
+from ndparallel.optim.clipping import clip_grad_norm_
 from ndparallel.parallel.apply import parallelize
 from ndparallel.parallel.float8 import Fp8Spec
 from ndparallel.parallel.options import ParallelOptions
 from ndparallel.parallel.sequence import cp_gather, cp_shard
-from ndparallel.router_loss import router_aux_loss
-from ndparallel.step import (
-    build_optimizer,
-    clip_grad_norm_,
-    count_tokens,
-    gather_logits,
-    model_loss,
-    reduce_loss,
-    set_gradient_sync,
-    token_loss,
-)
+from ndparallel.step.batching import IGNORE_INDEX, Batch, prepare_batch, shift_labels
+from ndparallel.step.gradient_sync import set_gradient_sync
+from ndparallel.step.router_loss import router_aux_loss
+from ndparallel.step.token_loss import count_tokens, gather_logits, model_loss, reduce_loss, token_loss
 from ndparallel.weights.pretrained import load_pretrained, save_pretrained
 
 __version__ = "0.1.0"

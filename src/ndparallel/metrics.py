@@ -2,7 +2,7 @@
 
 Throughput: ``tokens`` counts the real (non-padding) input tokens processed over all data ranks.
 MFU counts 6 FLOPs per weight per token and the attention each batch actually computes (per document,
-causal, sliding windows; ``flops.py``) against the device's dense bf16 peak.
+causal, sliding windows; ``step/flops.py``) against the device's dense bf16 peak.
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ from ndparallel.data.hub_files import snapshot_patterns
 from ndparallel.data.spec import DatasetSpec
 from ndparallel.data.templates import template_source
 from ndparallel.data.tokenizer import add_config_tokens, load_tokenizer
-from ndparallel.optim8bit import build_adamw_8bit
+from ndparallel.optim.adamw_8bit import build_adamw_8bit
+from ndparallel.optim.build import build_optimizer
 from ndparallel.safe_io import hub
-from ndparallel.step import build_optimizer
 
 # Waiting for one rank's downloads can take far longer than a collective should: a separate gloo group.
 DOWNLOAD_TIMEOUT = timedelta(hours=12)

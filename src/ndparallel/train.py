@@ -29,14 +29,12 @@ import torch.distributed as dist
 from ndparallel import _compat
 from ndparallel.adapters import qat
 from ndparallel.adapters.lora import LoraSpec, save_peft_adapter
-from ndparallel.batching import prepare_batch
 from ndparallel.checkpoint import training as ckpt
 from ndparallel.checkpoint.checkpointer import Checkpointer
 from ndparallel.config import TrainConfig
 from ndparallel.data.build import build_rows_distributed
 from ndparallel.data.sampler import DataOrder
 from ndparallel.errors import ConfigError
-from ndparallel.flops import AttentionFlops, flops_per_token
 from ndparallel.loss.cross_entropy import IGNORE_INDEX
 from ndparallel.mesh.layout import Layout
 from ndparallel.mesh.topology import Topology, default_device_type, init_distributed
@@ -49,13 +47,13 @@ from ndparallel.oom import (
     oom_message,
     write_snapshot,
 )
+from ndparallel.optim.clipping import clip_grad_norm_
 from ndparallel.parallel.apply import parallelize
 from ndparallel.parallel.float8 import Fp8Spec
 from ndparallel.parallel.options import ParallelOptions
 from ndparallel.parallel.rules import check_model
 from ndparallel.preflight import writable_dir_problem
 from ndparallel.progress import human_seconds
-from ndparallel.router_loss import router_aux_loss
 from ndparallel.run_inputs import (
     base_model_dir,
     build_run_optimizer,
@@ -69,7 +67,11 @@ from ndparallel.run_log import first_step_done, open_metrics
 from ndparallel.safe_io import owned_files
 from ndparallel.schedule import Schedule, schedule_for
 from ndparallel.setup_progress import SetupProgress, run_summary, weights_phase
-from ndparallel.step import clip_grad_norm_, count_tokens, model_loss, set_gradient_sync
+from ndparallel.step.batching import prepare_batch
+from ndparallel.step.flops import AttentionFlops, flops_per_token
+from ndparallel.step.gradient_sync import set_gradient_sync
+from ndparallel.step.router_loss import router_aux_loss
+from ndparallel.step.token_loss import count_tokens, model_loss
 from ndparallel.steptime import PhaseTimer
 from ndparallel.summary import RunClock, print_summary
 from ndparallel.tracking import check_trackers_installed

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from ndparallel.errors import NumericsError
-from ndparallel.flops import AttentionFlops, mfu
 from ndparallel.mesh.topology import Topology
-from ndparallel.step import reduce_loss
+from ndparallel.step.flops import AttentionFlops, mfu
+from ndparallel.step.token_loss import reduce_loss
 from ndparallel.steptime import PhaseTimer
 
 

@@ -23,7 +23,7 @@ import torch
 from ndparallel import _compat
 from ndparallel.kernels.adamw import adamw_from_low_precision_grad_
 from ndparallel.kernels.grad_norm import total_norm
-from ndparallel.optim import _compiled_update, _hyper, adamw_update_
+from ndparallel.optim.flat_adamw import _compiled_update, _hyper, adamw_update_
 
 GROUP = {"lr": 3e-4, "weight_decay": 0.1, "eps": 1e-8, "betas": (0.9, 0.95)}
 

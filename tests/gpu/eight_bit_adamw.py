@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from transformers import LlamaConfig
 
 import ndparallel as ndp
-from ndparallel.optim8bit import build_adamw_8bit
+from ndparallel.optim.adamw_8bit import build_adamw_8bit
 from ndparallel.weights.materialize import materialize
 from ndparallel.weights.meta import meta_model
 

@@ -22,7 +22,7 @@ def train(shard: int):
     from transformers import LlamaConfig
 
     import ndparallel as ndp
-    from ndparallel.step import decay_groups
+    from ndparallel.optim.build import decay_groups
     from ndparallel.weights.materialize import materialize
     from ndparallel.weights.meta import meta_model
 

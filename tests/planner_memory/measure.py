@@ -211,7 +211,7 @@ def _loss(model, inputs: dict, labels, num_tokens, topo, fused_loss: bool) -> to
     """The forward and the loss: the trainer's call (``step.model_loss``) with the fused loss, else the model's
     logits through ``token_loss``; the logits are not returned (what forward keeps is counted without them)."""
     import ndparallel as ndp
-    from ndparallel.step import model_loss
+    from ndparallel.step.token_loss import model_loss
 
     if fused_loss:
         return model_loss(model, inputs, labels, num_tokens=num_tokens, topology=topo)[0]
@@ -376,7 +376,7 @@ def measure_step_peak(
     batch, num_tokens = _batch(shape, topo, micro_batch, seq_len, seed)
 
     def step() -> None:
-        from ndparallel.step import model_loss
+        from ndparallel.step.token_loss import model_loss
 
         # as train.forward_backward: the outputs (the unfused loss's logits) are held until backward returns
         loss, outputs = model_loss(model, batch.model_inputs(), batch.labels, num_tokens=num_tokens, topology=topo)

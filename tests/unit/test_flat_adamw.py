@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from ndparallel import optim
-from ndparallel.optim import FlatAdamW
+from ndparallel.optim import flat_adamw as optim
+from ndparallel.optim.flat_adamw import FlatAdamW
 from ndparallel.parallel.single_rank import apply_single_rank
 
 
@@ -121,7 +121,7 @@ def _clipped_run(model, opt, steps, *, max_norm, defer, twice_at=None, skip_at=N
     """Steps with clipping; ``defer`` hands the coefficient to FlatAdamW's update. At ``twice_at`` the
     gradients are clipped twice (the second norm must be the clipped gradients'); at ``skip_at`` the
     step is skipped after clipping (as nan_policy: skip does), so no scale may leak into the next one."""
-    from ndparallel.step import clip_grad_norm_
+    from ndparallel.optim.clipping import clip_grad_norm_
 
     norms = []
     for step in range(steps):
@@ -156,7 +156,7 @@ def test_clipping_folded_into_the_update_matches_clipping_in_place():
 
 def test_clipping_a_subset_scales_in_place():
     """Only the optimizer's full parameter set defers: clipping some of them must not touch the others."""
-    from ndparallel.step import clip_grad_norm_
+    from ndparallel.optim.clipping import clip_grad_norm_
 
     model = _net()
     opt = FlatAdamW(_groups(model), flat=apply_single_rank(model, param_dtype=None), lr=1e-2)
@@ -206,7 +206,7 @@ def test_no_fp32_gradient_buffer_exists_during_a_bf16_backward():
 
 def _bf16_run(master_grads: bool, *, micro_batches: int, steps: int = 3, max_norm: float = 0.5):
     """Steps of a bf16-compute model with clipping folded in; returns (model, clip norms, .grad after backward)."""
-    from ndparallel.step import clip_grad_norm_
+    from ndparallel.optim.clipping import clip_grad_norm_
 
     model = _net()
     flat = apply_single_rank(model, param_dtype=torch.bfloat16)
@@ -243,7 +243,7 @@ def test_reading_bf16_gradients_where_autograd_left_them_gives_the_same_steps(mi
 def test_waiting_bf16_gradients_are_upcast_for_anyone_else_who_asks():
     """Clipping a subset (or any parameter list that is not the optimizer's) finds the gradients in .grad:
     the waiting ones are upcast first, so nothing is lost or double counted."""
-    from ndparallel.step import clip_grad_norm_
+    from ndparallel.optim.clipping import clip_grad_norm_
 
     model = _net()
     flat = apply_single_rank(model, param_dtype=torch.bfloat16)

@@ -6,10 +6,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ndparallel.batching import prepare_batch
-from ndparallel.flops import AttentionFlops, flops_per_token, layer_windows, mfu, packed_row_pairs, visible_pairs
 from ndparallel.mesh.layout import Layout
 from ndparallel.parallel.sequence import chunk_ids
+from ndparallel.step.batching import prepare_batch
+from ndparallel.step.flops import (
+    AttentionFlops,
+    flops_per_token,
+    layer_windows,
+    mfu,
+    packed_row_pairs,
+    visible_pairs,
+)
 from ndparallel.weights.meta import model_config_for
 
 H200_PEAK = 989e12

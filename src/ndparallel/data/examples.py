@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ndparallel.batching import IGNORE_INDEX
+from ndparallel.step.batching import IGNORE_INDEX
 
 __all__ = ["IGNORE_INDEX", "Example", "ExampleStore", "example_lengths"]
 

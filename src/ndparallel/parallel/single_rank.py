@@ -7,7 +7,7 @@ and copies the result into the fp32 gradients. On one H200 that was ~10% of the 
 This module computes the same numbers with the least memory traffic:
 
 * masters: the model's registered parameters (fp32), views into one flat buffer, so an optimizer can
-  update every parameter of a group in one kernel (``ndparallel.optim.FlatAdamW``);
+  update every parameter of a group in one kernel (``ndparallel.optim.flat_adamw.FlatAdamW``);
 * compute copies: ``param_dtype`` views into a second flat buffer, registered in the modules in place
   of the masters from the model's forward to the end of its backward, then swapped back, so
   ``state_dict()``, ``parameters()``, gradient clipping and checkpoints always see the masters. The

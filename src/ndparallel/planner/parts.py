@@ -65,13 +65,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ndparallel.flops import packed_row_pairs
 from ndparallel.mesh.layout import Layout
 from ndparallel.planner.activations import kv_width_allgather, kv_width_alltoall
 from ndparallel.planner.memory import local_params, lora_params
 from ndparallel.planner.rates import Rates
 from ndparallel.planner.shapes import ModelShape
 from ndparallel.planner.workload import Workload
+from ndparallel.step.flops import packed_row_pairs
 
 KINDS = ("linear", "attention", "pointwise", "loss", "dequantize", "fsdp_copies", "optimizer")
 DEQUANTIZE_BYTES_PER_VALUE = {("nf4", False): 52, ("int8", False): 16, ("nf4", True): 16, ("int8", True): 3.1}
@@ -140,7 +140,7 @@ def linear_s(mb: MicroBatch, rates: Rates) -> float:
 
 def attention_pairs(seq: int, keys: int) -> float:
     """Visible (query, key) pairs of one causal row of ``seq`` tokens made of documents of ``keys`` tokens
-    (the last one shorter when they do not divide the row): the trainer's MFU count (``ndparallel.flops``)."""
+    (the last one shorter when they do not divide the row): the trainer's MFU count (``ndparallel.step.flops``)."""
     return float(packed_row_pairs(seq, keys))
 
 

@@ -8,7 +8,7 @@ Every rank receives the same global batch (B rows of S tokens) and keeps its par
 4. the sequence is split over cp, load-balanced (``parallel/context.py``).
 
 Loss normalisation needs the number of target tokens over all data ranks; ``count_tokens`` in
-``step.py`` sums it over the ``loss`` view.
+``token_loss.py`` sums it over the ``loss`` view.
 """
 
 from __future__ import annotations
@@ -93,30 +93,15 @@ def prepare_batch(
             f"the global batch has {rows} rows, which do not split over dp_replicate x dp_shard = "
             f"{layout.batch_size} data-parallel ranks; use a multiple of {layout.batch_size} rows"
         )
-    padding = None if attention_mask is None else attention_mask == 0
-    if labels is None:
-        labels = input_ids
-    if padding is not None:
-        labels = labels.masked_fill(padding, IGNORE_INDEX)
-    if position_ids is None:
-        seq = torch.arange(input_ids.shape[1], device=input_ids.device)
-        position_ids = (
-            seq.expand_as(input_ids) if padding is None else (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        )
-    targets = shift_labels(labels, position_ids)
-    segments = segment_ids_from(position_ids, padding)
-
+    columns = _whole_rows(input_ids, labels, attention_mask, position_ids)  # input ids, targets, positions, segments
     if not local:
         per_rank = rows // layout.batch_size
         mine = slice(topology.batch_rank * per_rank, (topology.batch_rank + 1) * per_rank)
-        input_ids, targets, position_ids, segments = (t[mine] for t in (input_ids, targets, position_ids, segments))
-
+        columns = [t[mine] for t in columns]
     extra = (-input_ids.shape[1]) % layout.seq_multiple
     if extra:
-        input_ids = _pad(input_ids, extra, pad_token_id)
-        targets = _pad(targets, extra, IGNORE_INDEX)
-        position_ids = _pad(position_ids, extra, 0)
-        segments = _pad(segments, extra, -1)
+        columns = [_pad(t, extra, value) for t, value in zip(columns, (pad_token_id, IGNORE_INDEX, 0, -1))]
+    input_ids, targets, position_ids, segments = columns
 
     # Decide on the host (the trainer's rows are on the CPU): no device sync in the step.
     segments_host = segments.cpu()
@@ -132,6 +117,26 @@ def prepare_batch(
         single_segment=single,
         num_input_tokens=(cp_shard(segments_host, **shard) != -1).sum(),
     )
+
+
+def _whole_rows(
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+) -> list[torch.Tensor]:
+    """[input ids, shifted targets, position ids, segment ids] of the whole rows, defaults filled in."""
+    padding = None if attention_mask is None else attention_mask == 0
+    if labels is None:
+        labels = input_ids
+    if padding is not None:
+        labels = labels.masked_fill(padding, IGNORE_INDEX)
+    if position_ids is None:
+        seq = torch.arange(input_ids.shape[1], device=input_ids.device)
+        position_ids = (
+            seq.expand_as(input_ids) if padding is None else (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        )
+    return [input_ids, shift_labels(labels, position_ids), position_ids, segment_ids_from(position_ids, padding)]
 
 
 def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -7,11 +7,11 @@ master, moments and the bf16 compute copy (30 bytes per parameter). ``torch.opti
 needs 28 bytes per parameter plus a separate cast of the compute copies (6 more) and, without flat
 buffers, one kernel launch per chunk of tensors.
 
-Gradient clipping folds into the same pass: ``ndparallel.clip_grad_norm_(..., optimizer=flat_adamw)``
-only measures the norm and hands the coefficient to the next ``step``, which multiplies each gradient
-by it in registers: the same float32 products an in-place scale would store, without reading and
-writing every gradient once more (8 bytes per parameter: ~6 ms of a 3B step on an H200). The
-gradients themselves stay unscaled until ``zero_grad``.
+Gradient clipping folds into the same pass: the optimizer owns its clipping (``clip_grad_norm_``, which
+``ndparallel.clip_grad_norm_(..., optimizer=flat_adamw)`` hands the call to); it only measures the norm and
+keeps the coefficient for the next ``step``, which multiplies each gradient by it in registers: the same
+float32 products an in-place scale would store, without reading and writing every gradient once more (8 bytes
+per parameter: ~6 ms of a 3B step on an H200). The gradients themselves stay unscaled until ``zero_grad``.
 
 ``master_grads=False`` skips the fp32 gradients altogether: after a step's only micro-batch autograd's
 bf16 gradients wait on the compute copies (``SingleRankParams.defer_upcast``), the clipping norm reads
@@ -38,7 +38,10 @@ import math
 
 import torch
 
+from ndparallel import _compat
 from ndparallel.errors import ConfigError
+from ndparallel.kernels import grad_norm as triton_norm
+from ndparallel.optim.clipping import clip_coefficient, scale_grads_, total_norm_over_meshes
 from ndparallel.parallel.single_rank import SingleRankParams
 
 CHUNK = 2**30
@@ -129,6 +132,33 @@ class FlatAdamW(torch.optim.AdamW):
             return [by_master[id(p)] for p in params]
         self.flat.upcast_waiting()
         return None
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, parameters: list[torch.Tensor], max_norm: float | None, *, norm_type: float = 2.0):
+        """``clipping.clip_grad_norm_`` for this optimizer: when ``parameters`` are exactly its parameters with
+        gradients, the norm is measured and the coefficient waits for the next ``step`` (the ``.grad`` tensors
+        keep their values until ``zero_grad``); otherwise the gradients are scaled in place. Returns the norm
+        before clipping."""
+        waiting = self.waiting_grads_of(parameters)
+        if waiting is not None:  # master_grads=False: the bf16 gradients the update will read
+            grads, deferred = waiting, True
+            total = _bf16_total_norm(grads, norm_type)
+        else:
+            with_grad = [p for p in parameters if p.grad is not None]
+            grads = [p.grad for p in with_grad]
+            deferred = self.covers_exactly(with_grad)
+            total = total_norm_over_meshes(grads, norm_type)
+            if total is None:
+                return torch.zeros(())
+        if deferred and self._grad_scale is not None:  # clipped before: the gradients it will see
+            total = total * self._grad_scale
+        if max_norm is not None:
+            coef = clip_coefficient(total, max_norm)
+            if deferred:
+                self.defer_grad_scale(coef)
+            else:
+                scale_grads_(grads, coef)
+        return total
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._grad_scale = None  # a skipped step (nan_policy: skip) leaves no scale for the next one
@@ -353,3 +383,11 @@ def _hyper(group: dict, step: float, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         host = host.pin_memory()  # a fresh pinned tensor per step: the async copy never reads a reused one
     return host.to(device, non_blocking=True)
+
+
+def _bf16_total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The norm of one rank's bf16 gradients, accumulated in float32 (as of their exact float32 upcast)."""
+    if triton_norm.supported(grads, norm_type):
+        return triton_norm.total_norm(grads, norm_type)
+    norms = torch.stack(_compat.float32_norms(grads, norm_type))
+    return norms.max() if norm_type == float("inf") else torch.linalg.vector_norm(norms, norm_type)

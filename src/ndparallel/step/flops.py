@@ -27,7 +27,7 @@ from ndparallel.parallel.attention.plan import cached_plan
 from ndparallel.parallel.sequence import PAD_SEGMENT, chunk_ids
 
 if TYPE_CHECKING:
-    from ndparallel.batching import Batch
+    from ndparallel.step.batching import Batch
 
 TRAIN_FLOPS_PER_PAIR_PER_DIM = 12
 """Forward 4 (QK^T and PV, 2 each), backward 8, per pair per query dimension (heads x head_dim)."""

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ndparallel.errors import ConfigError
-from ndparallel.step import decay_groups
+from ndparallel.optim.build import decay_groups
 
 
 def build_adamw_8bit(

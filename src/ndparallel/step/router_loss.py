@@ -27,10 +27,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ndparallel.batching import Batch
 from ndparallel.mesh.topology import Topology
 from ndparallel.models.moe import moe_facts
 from ndparallel.parallel.sequence import PAD_SEGMENT, rank_tokens
+from ndparallel.step.batching import Batch
 
 
 def router_aux_loss(outputs, batch: Batch, *, config, topology: Topology, num_micro_batches: int = 1) -> torch.Tensor:
