@@ -122,7 +122,7 @@ def _snapshot(cache: Path, kind: str, repo_id: str) -> Path:
 def family_tokenizer(family: str, *, leave_out: tuple[str, ...] = ()):
     """The byte-level tokenizer with the family's special tokens (eos/bos as the family names them), except
     ``leave_out`` (so that a config's special_tokens must add them)."""
-    from ndparallel.data.tokenizer import byte_tokenizer
+    from ndparallel.data.load_tokenizer import byte_tokenizer
 
     tokenizer = byte_tokenizer()
     tokens = [t for t in FAMILY_TOKENS[family] if t not in leave_out]

@@ -250,8 +250,8 @@ def plain_reference(config: dict, trainable: set[str] | None = None) -> dict:
     from ndparallel.adapters.lora import LoraSpec
     from ndparallel.config import parse_config
     from ndparallel.data.build import build_rows_distributed
+    from ndparallel.data.load_tokenizer import load_tokenizer
     from ndparallel.data.sampler import DataOrder
-    from ndparallel.data.tokenizer import load_tokenizer
     from ndparallel.run_inputs import dataset_specs
 
     cfg = parse_config(config)

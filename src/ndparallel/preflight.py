@@ -100,7 +100,7 @@ def _check_data(cfg: TrainConfig, tokenizer, result: Preflight) -> None:
 def _sample_lengths(name: str, spec, tokenizer, result: Preflight) -> list[int] | None:
     """Token lengths of ``spec``'s sampled examples (None when they could not be had or measured)."""
     from ndparallel.data.sources import sample_records
-    from ndparallel.data.tokenization import tokenize_records
+    from ndparallel.data.tokenize import tokenize_records
     from ndparallel.safe_io import hub
 
     if hub.is_hub_id(spec.path) and not _hub_dataset_cached(spec):

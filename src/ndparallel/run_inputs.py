@@ -13,9 +13,9 @@ import torch
 from ndparallel.config import TrainConfig
 from ndparallel.data.files import resolve_data_path
 from ndparallel.data.hub_files import snapshot_patterns
+from ndparallel.data.load_tokenizer import add_config_tokens, load_tokenizer
 from ndparallel.data.spec import DatasetSpec
 from ndparallel.data.templates import template_source
-from ndparallel.data.tokenizer import add_config_tokens, load_tokenizer
 from ndparallel.optim.adamw_8bit import build_adamw_8bit
 from ndparallel.optim.build import build_optimizer
 from ndparallel.safe_io import hub

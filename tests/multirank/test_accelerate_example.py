@@ -12,7 +12,7 @@ from harness import run_ranks
 from scenarios import make_model, max_rel_diff
 from transformers import AutoModelForCausalLM
 
-from ndparallel.data.tokenizer import byte_tokenizer
+from ndparallel.data.load_tokenizer import byte_tokenizer
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "accelerate_nd_parallel.py"
 

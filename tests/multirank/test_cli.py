@@ -21,7 +21,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 def _fake_8b(tmp: Path) -> Path:
     """A directory with the config (no weights) of an 8B Llama: enough for validate."""
-    from ndparallel.data.tokenizer import byte_tokenizer
+    from ndparallel.data.load_tokenizer import byte_tokenizer
 
     path = tmp / "llama-8b"
     LlamaConfig(

@@ -10,11 +10,11 @@ from pathlib import Path
 from transformers import Qwen3MoeConfig
 
 from ndparallel import cli
+from ndparallel.data.load_tokenizer import byte_tokenizer
 from ndparallel.data.sources import read_records
 from ndparallel.data.spec import DatasetSpec
 from ndparallel.data.templates import template_source
-from ndparallel.data.tokenization import tokenize_records
-from ndparallel.data.tokenizer import byte_tokenizer
+from ndparallel.data.tokenize import tokenize_records
 from ndparallel.loss.cross_entropy import IGNORE_INDEX
 
 BASE = """\

@@ -9,8 +9,8 @@ import pytest
 import ndparallel.data.build as build_module
 from ndparallel import DataError
 from ndparallel.data.build import build_rows, build_rows_distributed
+from ndparallel.data.load_tokenizer import byte_tokenizer
 from ndparallel.data.spec import DatasetSpec
-from ndparallel.data.tokenizer import byte_tokenizer
 
 COLUMNS = ("input_ids", "labels", "position_ids", "attention_mask")
 

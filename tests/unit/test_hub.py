@@ -10,7 +10,7 @@ from ndparallel.config import read_config
 from ndparallel.data.sources import read_records
 from ndparallel.data.spec import DatasetSpec
 from ndparallel.data.templates import TEMPLATES, template_source
-from ndparallel.data.tokenization import tokenize_records
+from ndparallel.data.tokenize import tokenize_records
 from ndparallel.errors import ConfigError, DataError, ModelError, NdParallelError
 from ndparallel.run_inputs import build_run_optimizer, load_run_tokenizer
 from ndparallel.safe_io import hub

@@ -174,8 +174,8 @@ def test_moe_example_validates(tmp_path, capsys):
         vocab_size=151936,
         max_position_embeddings=40960,
     ).save_pretrained(model)
+    from ndparallel.data.load_tokenizer import byte_tokenizer
     from ndparallel.data.templates import template_source
-    from ndparallel.data.tokenizer import byte_tokenizer
 
     tokenizer = byte_tokenizer()  # the repository's tokenizer carries Qwen3's chat template
     tokenizer.chat_template = template_source("qwen3", None, None)

@@ -29,12 +29,12 @@ from ndparallel.data.cache import (
     tokenizer_identity,
 )
 from ndparallel.data.examples import ExampleStore
+from ndparallel.data.load_tokenizer import ensure_pad_token
 from ndparallel.data.packing import pack_examples, pad_examples
 from ndparallel.data.rows import Rows
 from ndparallel.data.sources import read_records
 from ndparallel.data.spec import DatasetSpec
-from ndparallel.data.tokenization import LONG_ROWS_POLICIES, fit_long_rows, tokenize_records
-from ndparallel.data.tokenizer import ensure_pad_token
+from ndparallel.data.tokenize import LONG_ROWS_POLICIES, fit_long_rows, tokenize_records
 from ndparallel.errors import DataError
 
 logger = logging.getLogger(__name__)

@@ -5,14 +5,9 @@ from tokenizers import processors
 
 from ndparallel import DataError
 from ndparallel.data.examples import Example
+from ndparallel.data.load_tokenizer import byte_tokenizer
 from ndparallel.data.sources import ChatRecord, InstructionRecord, TextRecord
-from ndparallel.data.tokenization import (
-    ALPACA_PROMPT,
-    ALPACA_PROMPT_WITH_INPUT,
-    RecordTokenizer,
-    fit_long_rows,
-)
-from ndparallel.data.tokenizer import byte_tokenizer
+from ndparallel.data.tokenize import ALPACA_PROMPT, ALPACA_PROMPT_WITH_INPUT, RecordTokenizer, fit_long_rows
 
 EOS = 256
 IGNORE = -100

@@ -4,7 +4,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from ndparallel import DataError
-from ndparallel.data.tokenizer import byte_tokenizer, load_tokenizer
+from ndparallel.data.load_tokenizer import byte_tokenizer, load_tokenizer
 
 TEXTS = [
     "plain ASCII, with  two spaces\nand a newline\t tab",
