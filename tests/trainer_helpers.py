@@ -63,7 +63,7 @@ def tiny_config(tmp: Path, **overrides) -> dict:
 
 
 def _train(config: dict, probe: bool):
-    from ndparallel.config import parse_config
+    from ndparallel.config.reading import parse_config
     from ndparallel.train import run_training
 
     result = run_training(parse_config(config))
@@ -248,7 +248,7 @@ def plain_reference(config: dict, trainable: set[str] | None = None) -> dict:
     from transformers import AutoModelForCausalLM
 
     from ndparallel.adapters.lora import LoraSpec
-    from ndparallel.config import parse_config
+    from ndparallel.config.reading import parse_config
     from ndparallel.data.build import build_rows_distributed
     from ndparallel.data.load_tokenizer import load_tokenizer
     from ndparallel.data.sampler import DataOrder

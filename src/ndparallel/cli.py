@@ -37,8 +37,8 @@ def _load_raw(config_path: str | None, overrides: list[str], accelerate_config: 
     """The raw config: the YAML (or the built-in default), ``--set`` overrides, then the Accelerate settings
     (``--accelerate-config`` or the YAML's own Accelerate blocks) and ``PARALLELISM_CONFIG_*`` sizes merged in.
     Returns (raw, AccelerateSettings)."""
-    from ndparallel.accelerate_config import merge
-    from ndparallel.config import apply_overrides, load_yaml
+    from ndparallel.config.accelerate import merge
+    from ndparallel.config.reading import apply_overrides, load_yaml
 
     raw = load_yaml(config_path) if config_path else yaml.safe_load(_default_config_text())
     return merge(apply_overrides(raw, overrides or []), accelerate_config)
@@ -63,7 +63,7 @@ def _print_error(message: str) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from ndparallel.config import read_config
+    from ndparallel.config.reading import read_config
 
     first = int(os.environ.get("RANK", "0")) == 0
     try:
@@ -235,7 +235,7 @@ def _launch_nodes(args, nproc: int, worker_args: list[str]) -> list[int]:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from ndparallel.config import field_docs, partial_config, read_config
+    from ndparallel.config.reading import field_docs, partial_config, read_config
     from ndparallel.validate import describe_run, differences, run_errors
 
     if args.help_fields:

@@ -15,7 +15,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ndparallel.config import TrainConfig
+from ndparallel.config.schema import TrainConfig
 from ndparallel.errors import NdParallelError
 
 

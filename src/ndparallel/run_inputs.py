@@ -10,7 +10,7 @@ from functools import partial
 
 import torch
 
-from ndparallel.config import TrainConfig
+from ndparallel.config.schema import TrainConfig
 from ndparallel.data.files import resolve_data_path
 from ndparallel.data.hub_files import snapshot_patterns
 from ndparallel.data.load_tokenizer import add_config_tokens, load_tokenizer

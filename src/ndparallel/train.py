@@ -31,7 +31,7 @@ from ndparallel.adapters import qat
 from ndparallel.adapters.lora import LoraSpec, save_peft_adapter
 from ndparallel.checkpoint import training as ckpt
 from ndparallel.checkpoint.checkpointer import Checkpointer
-from ndparallel.config import TrainConfig
+from ndparallel.config.schema import TrainConfig
 from ndparallel.data.build import build_rows_distributed
 from ndparallel.data.sampler import DataOrder
 from ndparallel.errors import ConfigError

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ndparallel.config import TrainConfig
+from ndparallel.config.schema import TrainConfig
 from ndparallel.data.files import resolve_data_path
 from ndparallel.errors import NdParallelError
 from ndparallel.mesh.layout import Layout

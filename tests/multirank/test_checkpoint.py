@@ -58,7 +58,7 @@ def test_resume_is_bitwise_exact(saved):
 
 
 def _loaded_state(config: dict, checkpoint: str):
-    from ndparallel.config import parse_config
+    from ndparallel.config.reading import parse_config
     from ndparallel.train import setup
 
     run = setup(parse_config({**config, "resume_from_checkpoint": checkpoint}))
@@ -105,7 +105,7 @@ def test_resume_on_another_layout(saved, loaded_on_8, layout, world, parity_reco
 
 
 def _trained_logits(config: dict, checkpoint: str):
-    from ndparallel.config import parse_config
+    from ndparallel.config.reading import parse_config
     from ndparallel.train import setup
 
     run = setup(parse_config({**config, "resume_from_checkpoint": checkpoint}))
@@ -214,7 +214,7 @@ def bad_checkpoints(saved):
 
 def _resume_errors(config: dict, cases: dict) -> dict:
     """On this rank, resume from each case; the error (None: it resumed)."""
-    from ndparallel.config import parse_config
+    from ndparallel.config.reading import parse_config
     from ndparallel.train import setup
 
     errors = {}

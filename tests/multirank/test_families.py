@@ -131,7 +131,7 @@ GEMMA2_TINY = {
 
 
 def _parallel_logits(config: dict, checkpoint: str, probe: torch.Tensor):
-    from ndparallel.config import parse_config
+    from ndparallel.config.reading import parse_config
     from ndparallel.train import setup
 
     run = setup(parse_config({**config, "resume_from_checkpoint": checkpoint}))

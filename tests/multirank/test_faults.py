@@ -87,7 +87,7 @@ def test_killed_rank_ends_the_job_and_resume_reproduces_the_run(tmp_path, parity
 def _save_crash(config: dict, crash_point: str):
     """Train; during the save of the last step die (like SIGKILL) at ``crash_point`` (on the rank publishing)."""
     from ndparallel.checkpoint import store
-    from ndparallel.config import parse_config
+    from ndparallel.config.reading import parse_config
     from ndparallel.train import run_training
 
     real_publish, real_write = store.publish, store.write_atomic
@@ -124,7 +124,7 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, crash_poi
 
 
 def _train_expecting(config: dict):
-    from ndparallel.config import parse_config
+    from ndparallel.config.reading import parse_config
     from ndparallel.train import run_training
 
     try:
@@ -203,7 +203,7 @@ def _rss_mib() -> float:
 def _long_run(config: dict):
     """Run the trainer and sample this process's resident memory every 25 steps."""
     import ndparallel.train as train_module
-    from ndparallel.config import parse_config
+    from ndparallel.config.reading import parse_config
 
     samples = []
     real = train_module.forward_backward

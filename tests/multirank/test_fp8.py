@@ -118,7 +118,7 @@ def test_fp8_with_tensor_parallel_forward_matches_one_rank():
 def test_the_yaml_settings_make_the_spec(tmp_path):
     from trainer_helpers import tiny_config
 
-    from ndparallel.config import parse_config
+    from ndparallel.config.reading import parse_config
     from ndparallel.train import fp8_spec
 
     assert fp8_spec(parse_config(tiny_config(tmp_path))) is None

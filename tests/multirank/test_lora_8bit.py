@@ -18,7 +18,7 @@ from trainer_helpers import (
     train_one_and_many,
 )
 
-from ndparallel.config import parse_config
+from ndparallel.config.reading import parse_config
 from ndparallel.quantized import int8
 
 EIGHT_BIT = {"adapter": "lora", "load_in_8bit": True, **SMALL_LORA}

@@ -58,7 +58,7 @@ def test_lora_trainer_matches_plain_peft(lora_runs, parity_record):
 
 
 def _logits(config: dict, checkpoint: str):
-    from ndparallel.config import parse_config
+    from ndparallel.config.reading import parse_config
     from ndparallel.train import setup
 
     run = setup(

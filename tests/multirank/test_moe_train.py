@@ -79,7 +79,7 @@ def test_resume_without_expert_parallelism(saved, parity_record):
 
 
 def _trained_logits(config: dict, checkpoint: str):
-    from ndparallel.config import parse_config
+    from ndparallel.config.reading import parse_config
     from ndparallel.train import setup
 
     run = setup(parse_config({**config, "resume_from_checkpoint": checkpoint}))
@@ -111,7 +111,7 @@ def test_merged_export_gives_the_trained_logits(saved, tmp_path):
 def _loaded_weights(config: dict):
     from trainer_helpers import full_state
 
-    from ndparallel.config import parse_config
+    from ndparallel.config.reading import parse_config
     from ndparallel.train import setup
 
     run = setup(parse_config(config))

@@ -8,7 +8,7 @@ import pytest
 from scenarios import make_model, max_rel_diff
 from trainer_helpers import assert_runs_match, layout_config, losses, plain_reference, run_train, tiny_config
 
-from ndparallel.config import parse_config
+from ndparallel.config.reading import parse_config
 
 INT8_INT4 = {"activation_dtype": "int8", "weight_dtype": "int4", "group_size": 32}
 # Fake quantization rounds: a ~1e-7 difference between our document attention and the reference's masked

@@ -18,7 +18,7 @@ from trainer_helpers import (
     train_one_and_many,
 )
 
-from ndparallel.config import parse_config
+from ndparallel.config.reading import parse_config
 from ndparallel.errors import ConfigError
 from ndparallel.quantized.linears import quantize_linears
 

@@ -83,7 +83,7 @@ def _process_state() -> tuple:
 
 def _train_and_compare_process_state(config: dict):
     """Train; and the host process's warning filters and log levels are the same after it as before."""
-    from ndparallel.config import parse_config
+    from ndparallel.config.reading import parse_config
     from ndparallel.train import run_training
 
     before = _process_state()
@@ -149,7 +149,7 @@ def test_metrics_time_each_phase(tracked_run):
 def test_missing_tracker_package_is_one_clear_error(tmp_path, monkeypatch):
     import importlib.util
 
-    from ndparallel.config import parse_config
+    from ndparallel.config.reading import parse_config
     from ndparallel.errors import ConfigError
     from ndparallel.tracking import check_trackers_installed
 
@@ -161,7 +161,7 @@ def test_missing_tracker_package_is_one_clear_error(tmp_path, monkeypatch):
 
 def _train_until_oom(config: dict):
     import ndparallel.train as trainer
-    from ndparallel.config import parse_config
+    from ndparallel.config.reading import parse_config
 
     real, calls = trainer.forward_backward, []
 

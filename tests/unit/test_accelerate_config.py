@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from ndparallel.accelerate_config import merge, translate
 from ndparallel.cli import main
-from ndparallel.config import parse_config
+from ndparallel.config.accelerate import merge, translate
+from ndparallel.config.reading import parse_config
 from ndparallel.errors import ConfigError
 
 # What `accelerate config` writes for FSDP2 with TP and HSDP on 8 GPUs (the keys of Accelerate 1.15).

@@ -49,7 +49,7 @@ def test_save_strategy_no_unquoted_is_accepted(tmp_path, capsys):
 def test_evals_per_epoch_zero_means_no_evaluation(tmp_path, capsys):
     code, _, err = run_validate(tmp_path, "val_set_size: 0.25\nevals_per_epoch: 0\nsaves_per_epoch: 0\n", capsys)
     assert code == 0, err
-    from ndparallel.config import load_yaml, parse_config
+    from ndparallel.config.reading import load_yaml, parse_config
 
     cfg = parse_config(load_yaml(tmp_path / "config.yaml"))
     assert cfg.eval_strategy == "no" and cfg.evals_per_epoch is None and cfg.saves_per_epoch is None

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ndparallel.config import apply_overrides, config_errors, field_docs, parse_config
+from ndparallel.config.reading import apply_overrides, config_errors, field_docs, parse_config
 
 BASE = {"model_shape": "tiny", "datasets": [{"path": "data.jsonl", "type": "completion"}]}
 

@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig
 
 from ndparallel import ConfigError
 from ndparallel.adapters.freeze import apply_trainable, compile_patterns, describe_trainable, select_trainable
-from ndparallel.config import parse_config
+from ndparallel.config.reading import parse_config
 
 
 def meta(config):

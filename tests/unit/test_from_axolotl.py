@@ -3,8 +3,8 @@
 
 import pytest
 
-from ndparallel.axolotl_fields import POLICY, rule_for
-from ndparallel.config import read_config
+from ndparallel.config.axolotl_fields import POLICY, rule_for
+from ndparallel.config.reading import read_config
 from ndparallel.schedule import schedule_for
 
 BASE = {"base_model": "org/model", "datasets": [{"path": "data.jsonl", "type": "alpaca"}]}

@@ -6,7 +6,7 @@ import torch
 from hub_cache import add_dataset, add_model, alpaca_records, chat_records, family_tokenizer
 from scenarios import make_model
 
-from ndparallel.config import read_config
+from ndparallel.config.reading import read_config
 from ndparallel.data.sources import read_records
 from ndparallel.data.spec import DatasetSpec
 from ndparallel.data.templates import TEMPLATES, template_source

@@ -3,7 +3,7 @@
 import pytest
 from transformers import LlamaConfig
 
-from ndparallel.config import parse_config
+from ndparallel.config.reading import parse_config
 from ndparallel.mesh.layout import Layout
 from ndparallel.parallel.rules import check_model
 from ndparallel.planner.plan import best_layout

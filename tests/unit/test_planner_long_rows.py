@@ -5,7 +5,7 @@ import pytest
 from transformers import LlamaConfig
 
 from ndparallel import ConfigError
-from ndparallel.config import parse_config
+from ndparallel.config.reading import parse_config
 from ndparallel.mesh.layout import Layout
 from ndparallel.oom import planner_advice
 from ndparallel.planner.activations import (

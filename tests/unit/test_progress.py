@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from ndparallel.config import parse_config
+from ndparallel.config.reading import parse_config
 from ndparallel.mesh.layout import Layout
 from ndparallel.oom import oom_message
 from ndparallel.progress import human_count, human_seconds, progress_fields, timing_line

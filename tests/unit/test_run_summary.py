@@ -3,7 +3,7 @@ the wall time split by where it went; the setup phases say what they do and how 
 
 import time
 
-from ndparallel.config import parse_config
+from ndparallel.config.reading import parse_config
 from ndparallel.mesh.layout import Layout
 from ndparallel.setup_progress import SetupProgress, run_summary
 from ndparallel.summary import RunClock, summary_lines

@@ -310,7 +310,7 @@ def _launch_settings(accelerate: dict, out: AccelerateSettings) -> None:
 
 # Keys of our YAML that are Accelerate blocks.
 # Accelerate's blocks a training YAML may carry. ``fsdp_config``/``fsdp_version`` in the YAML are Axolotl's fields
-# (translated with Axolotl's meanings in from_axolotl.py); an Accelerate file's are translated here.
+# (translated with Axolotl's meanings in config/axolotl.py); an Accelerate file's are translated here.
 YAML_BLOCKS = ("parallelism_config", "mixed_precision")
 
 

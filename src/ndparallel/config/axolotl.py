@@ -12,7 +12,13 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
-from ndparallel.axolotl_fields import OWN_NOT_USED, is_placeholder, known_names, plugin_problem, rule_for
+from ndparallel.config.axolotl_fields import (
+    OWN_NOT_USED,
+    is_placeholder,
+    known_names,
+    plugin_problem,
+    rule_for,
+)
 
 LEFT_EMPTY = "left empty"
 # Axolotl's ring_attn_func -> the CP method that exchanges keys/values the same way.
