@@ -26,7 +26,7 @@ import time
 import torch
 
 import ndparallel as ndp
-from ndparallel.train import forward_backward
+from ndparallel.train.loop import forward_backward
 from ndparallel.weights.materialize import materialize
 from ndparallel.weights.meta import meta_model, model_config_for
 

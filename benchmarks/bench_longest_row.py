@@ -117,7 +117,7 @@ def _ndparallel_step(args, row: str, length: int):
     import ndparallel as ndp
     from ndparallel.adapters.lora import LoraSpec
     from ndparallel.parallel.offload import host_memory_available, offload_layer_count
-    from ndparallel.train import forward_backward
+    from ndparallel.train.loop import forward_backward
     from ndparallel.weights.materialize import initialize_adapters, materialize
     from ndparallel.weights.meta import meta_model, model_config_for
 

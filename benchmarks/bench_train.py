@@ -61,10 +61,10 @@ import torch
 import torch.distributed as dist
 
 import ndparallel as ndp
-from ndparallel.metrics import device_peak_flops
 from ndparallel.models.presets import PRESETS
 from ndparallel.step.flops import AttentionFlops, flops_per_token
-from ndparallel.train import forward_backward
+from ndparallel.train.loop import forward_backward
+from ndparallel.train.metrics import device_peak_flops
 from ndparallel.weights.materialize import materialize
 from ndparallel.weights.meta import meta_model, model_config_for
 

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ndparallel as ndp
-from ndparallel.train import forward_backward
+from ndparallel.train.loop import forward_backward
 from ndparallel.weights.materialize import materialize
 from ndparallel.weights.meta import meta_model, model_config_for
 

@@ -25,9 +25,9 @@ import torch
 
 import ndparallel as ndp
 from ndparallel.adapters.lora import LoraSpec
-from ndparallel.metrics import device_peak_flops
 from ndparallel.step.flops import AttentionFlops, flops_per_token
-from ndparallel.train import forward_backward
+from ndparallel.train.loop import forward_backward
+from ndparallel.train.metrics import device_peak_flops
 from ndparallel.weights.materialize import materialize
 from ndparallel.weights.meta import meta_model, model_config_for
 

@@ -31,7 +31,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import ndparallel as ndp
-from ndparallel.train import forward_backward
+from ndparallel.train.loop import forward_backward
 from ndparallel.weights.materialize import materialize
 from ndparallel.weights.meta import meta_model, model_config_for
 

@@ -64,7 +64,7 @@ def tiny_config(tmp: Path, **overrides) -> dict:
 
 def _train(config: dict, probe: bool):
     from ndparallel.config.reading import parse_config
-    from ndparallel.train import run_training
+    from ndparallel.train.loop import run_training
 
     result = run_training(parse_config(config))
     return {"records": result.records, "steps": result.steps}
@@ -252,7 +252,7 @@ def plain_reference(config: dict, trainable: set[str] | None = None) -> dict:
     from ndparallel.data.build import build_rows_distributed
     from ndparallel.data.load_tokenizer import load_tokenizer
     from ndparallel.data.sampler import DataOrder
-    from ndparallel.run_inputs import dataset_specs
+    from ndparallel.train.run_inputs import dataset_specs
 
     cfg = parse_config(config)
     tokenizer = load_tokenizer(cfg.tokenizer_config or cfg.base_model)

@@ -84,7 +84,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     _report_not_used(accelerate)
     if _under_launcher():
         return _train_worker(cfg)
-    from ndparallel.preflight import before_launch
+    from ndparallel.train.preflight import before_launch
 
     problems = before_launch(cfg)  # what the workers would refuse after starting, said before they start
     for problem in problems:
@@ -99,7 +99,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _train_worker(cfg) -> int:
-    from ndparallel.train import run_training
+    from ndparallel.train.loop import run_training
     from ndparallel_cli import STARTED
 
     rank = int(os.environ.get("RANK", "0"))

@@ -7,12 +7,21 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ndparallel.adapters.freeze import apply_trainable, describe_trainable, select_trainable
+from ndparallel.adapters.qat import apply_qat
 from ndparallel.config.schema import TrainConfig
 from ndparallel.data.files import resolve_data_path
 from ndparallel.errors import NdParallelError
 from ndparallel.mesh.layout import Layout
 from ndparallel.parallel.rules import model_problems
-from ndparallel.preflight import Preflight, output_problems, preflight
+from ndparallel.quantized.nf4 import nf4_available
+from ndparallel.safe_io import hub
+from ndparallel.train.model import offload_layers, run_model_config
+from ndparallel.train.preflight import Preflight, output_problems, preflight
+from ndparallel.train.run_inputs import load_run_tokenizer
+from ndparallel.train.setup import resolve_layout
+from ndparallel.weights.meta import meta_model
+from ndparallel.weights.vocab import fit_vocab
 
 
 @dataclass
@@ -26,10 +35,7 @@ class RunPlan:
 def run_errors(cfg: TrainConfig, *, world_size: int | None) -> tuple[list[str], RunPlan | None]:
     """Problems that would stop ``train`` (model, tokenizer, layout, data, output_dir, optimizer), all of them,
     collected rather than raised; hub ids are looked up in the hub cache (config and tokenizer files are fetched
-    unless HF_HUB_OFFLINE is set, weights are not). The data is sampled, not read whole (``preflight.py``)."""
-    from ndparallel.run_inputs import load_run_tokenizer
-    from ndparallel.train import run_model_config
-
+    unless HF_HUB_OFFLINE is set, weights are not). The data is sampled, not read whole (``train/preflight.py``)."""
     problems: list[str] = []
     model_config = _attempt(problems, lambda: run_model_config(cfg))
     same_repository = (cfg.tokenizer_config or cfg.base_model) == cfg.base_model and cfg.base_model is not None
@@ -55,8 +61,6 @@ def run_errors(cfg: TrainConfig, *, world_size: int | None) -> tuple[list[str], 
     if plan is not None:
         plan.notes += [*checks.notes, checks.not_checked_line()]
     if cfg.load_in_4bit:
-        from ndparallel.quantized.nf4 import nf4_available
-
         _attempt(problems, nf4_available)
     if cfg.eight_bit_optimizer and cfg.device == "cpu":
         problems.append(f"optimizer: {cfg.optimizer} (8-bit AdamW) needs a CUDA GPU; use adamw_torch with device: cpu")
@@ -65,8 +69,6 @@ def run_errors(cfg: TrainConfig, *, world_size: int | None) -> tuple[list[str], 
 
 def _plan(cfg: TrainConfig, world_size: int | None, model_config, problems: list[str]) -> RunPlan | None:
     """The layout train would use for ``world_size`` processes (None when it cannot be had)."""
-    from ndparallel.train import resolve_layout
-
     world = world_size or cfg.fixed_world_size() or 1
     if model_config is None and cfg.dp_shard_size == "auto":
         return None
@@ -86,8 +88,6 @@ def _plan(cfg: TrainConfig, world_size: int | None, model_config, problems: list
 def _model_checks(cfg: TrainConfig, model_config, tokenizer, plan: RunPlan | None, problems: list[str]) -> list[str]:
     """The model against the tokenizer and the layout (when there is one), unfrozen_parameters and qat; the
     notes to show."""
-    from ndparallel.weights.vocab import fit_vocab
-
     notes = []
     if plan is not None and tokenizer is not None:
         tp = plan.layout.tp
@@ -103,8 +103,6 @@ def _model_checks(cfg: TrainConfig, model_config, tokenizer, plan: RunPlan | Non
 
 def _offload_note(cfg: TrainConfig, model_config, plan: RunPlan) -> str | None:
     """activation_offloading against this machine's host memory (checked again when the run starts)."""
-    from ndparallel.train import offload_layers
-
     offloaded = offload_layers(cfg, model_config, plan.layout)
     if not offloaded:
         return None
@@ -117,9 +115,6 @@ def _offload_note(cfg: TrainConfig, model_config, plan: RunPlan) -> str | None:
 def _check_unfrozen(cfg: TrainConfig, model_config) -> str:
     """unfrozen_parameters against the weights' names (the model built on the meta device: no memory); the
     line saying how much of the model trains."""
-    from ndparallel.adapters.freeze import apply_trainable, describe_trainable, select_trainable
-    from ndparallel.weights.meta import meta_model
-
     model = meta_model(model_config)
     apply_trainable(model, select_trainable(model, cfg.unfrozen_parameters))
     return describe_trainable(model)
@@ -127,9 +122,6 @@ def _check_unfrozen(cfg: TrainConfig, model_config) -> str:
 
 def _check_qat(cfg: TrainConfig, model_config) -> str:
     """The qat scheme against the model's layer shapes (group sizes must divide every input width)."""
-    from ndparallel.adapters.qat import apply_qat
-    from ndparallel.weights.meta import meta_model
-
     count = apply_qat(meta_model(model_config), cfg.qat_spec)
     return f"{cfg.qat_spec.describe()}: {count} linear layers"
 
@@ -143,8 +135,6 @@ def _attempt(problems: list[str], make):
 
 
 def _data_problems(cfg: TrainConfig) -> list[str]:
-    from ndparallel.safe_io import hub
-
     problems = []
     entries = [("datasets", d.path, d.revision) for d in cfg.datasets]
     entries += [("pretraining_dataset", d.path, d.revision) for d in cfg.pretraining_dataset or []]
@@ -163,8 +153,6 @@ def _data_problems(cfg: TrainConfig) -> list[str]:
 
 def _hub_dataset_problem(name: str, revision: str | None, setting: str) -> str | None:
     """Why hub dataset ``name`` cannot be read: not cached while offline, or not on the hub."""
-    from ndparallel.safe_io import hub
-
     try:
         hub.dataset_dir(name, revision=revision, download=False, setting=setting)
         return None

@@ -83,7 +83,7 @@ def loss_check(emit) -> None:
 
 
 def offload_check(emit) -> None:
-    from ndparallel.train import forward_backward
+    from ndparallel.train.loop import forward_backward
     from ndparallel.weights.materialize import materialize
     from ndparallel.weights.meta import meta_model, model_config_for
 

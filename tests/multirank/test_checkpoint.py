@@ -59,7 +59,7 @@ def test_resume_is_bitwise_exact(saved):
 
 def _loaded_state(config: dict, checkpoint: str):
     from ndparallel.config.reading import parse_config
-    from ndparallel.train import setup
+    from ndparallel.train.setup import setup
 
     run = setup(parse_config({**config, "resume_from_checkpoint": checkpoint}))
     return {"state": full_state(run.model, run.optimizer), "data": run.order.state_dict(), "step": run.state.step}
@@ -106,7 +106,7 @@ def test_resume_on_another_layout(saved, loaded_on_8, layout, world, parity_reco
 
 def _trained_logits(config: dict, checkpoint: str):
     from ndparallel.config.reading import parse_config
-    from ndparallel.train import setup
+    from ndparallel.train.setup import setup
 
     run = setup(parse_config({**config, "resume_from_checkpoint": checkpoint}))
     batch = ndp.prepare_batch(PROBE, run.topo)
@@ -215,7 +215,7 @@ def bad_checkpoints(saved):
 def _resume_errors(config: dict, cases: dict) -> dict:
     """On this rank, resume from each case; the error (None: it resumed)."""
     from ndparallel.config.reading import parse_config
-    from ndparallel.train import setup
+    from ndparallel.train.setup import setup
 
     errors = {}
     for kind, (output_dir, resume, _) in cases.items():

@@ -132,7 +132,7 @@ GEMMA2_TINY = {
 
 def _parallel_logits(config: dict, checkpoint: str, probe: torch.Tensor):
     from ndparallel.config.reading import parse_config
-    from ndparallel.train import setup
+    from ndparallel.train.setup import setup
 
     run = setup(parse_config({**config, "resume_from_checkpoint": checkpoint}))
     batch = ndp.prepare_batch(probe, run.topo)

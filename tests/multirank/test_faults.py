@@ -88,7 +88,7 @@ def _save_crash(config: dict, crash_point: str):
     """Train; during the save of the last step die (like SIGKILL) at ``crash_point`` (on the rank publishing)."""
     from ndparallel.checkpoint import store
     from ndparallel.config.reading import parse_config
-    from ndparallel.train import run_training
+    from ndparallel.train.loop import run_training
 
     real_publish, real_write = store.publish, store.write_atomic
 
@@ -125,7 +125,7 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, crash_poi
 
 def _train_expecting(config: dict):
     from ndparallel.config.reading import parse_config
-    from ndparallel.train import run_training
+    from ndparallel.train.loop import run_training
 
     try:
         result = run_training(parse_config(config))

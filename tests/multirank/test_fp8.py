@@ -119,7 +119,7 @@ def test_the_yaml_settings_make_the_spec(tmp_path):
     from trainer_helpers import tiny_config
 
     from ndparallel.config.reading import parse_config
-    from ndparallel.train import fp8_spec
+    from ndparallel.train.model import fp8_spec
 
     assert fp8_spec(parse_config(tiny_config(tmp_path))) is None
     spec = fp8_spec(

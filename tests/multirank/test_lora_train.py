@@ -59,7 +59,7 @@ def test_lora_trainer_matches_plain_peft(lora_runs, parity_record):
 
 def _logits(config: dict, checkpoint: str):
     from ndparallel.config.reading import parse_config
-    from ndparallel.train import setup
+    from ndparallel.train.setup import setup
 
     run = setup(
         parse_config({**config, "resume_from_checkpoint": checkpoint, "output_dir": config["output_dir"] + "-x"})

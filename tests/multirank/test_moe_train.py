@@ -80,7 +80,7 @@ def test_resume_without_expert_parallelism(saved, parity_record):
 
 def _trained_logits(config: dict, checkpoint: str):
     from ndparallel.config.reading import parse_config
-    from ndparallel.train import setup
+    from ndparallel.train.setup import setup
 
     run = setup(parse_config({**config, "resume_from_checkpoint": checkpoint}))
     batch = ndp.prepare_batch(PROBE, run.topo)
@@ -112,7 +112,7 @@ def _loaded_weights(config: dict):
     from trainer_helpers import full_state
 
     from ndparallel.config.reading import parse_config
-    from ndparallel.train import setup
+    from ndparallel.train.setup import setup
 
     run = setup(parse_config(config))
     return full_state(run.model)

@@ -154,7 +154,7 @@ def _trained_then_dropped(param_dtype, master_grads: bool) -> dict:
     import torch
 
     import ndparallel as ndp
-    from ndparallel.train import forward_backward
+    from ndparallel.train.loop import forward_backward
     from ndparallel.weights.materialize import materialize
     from ndparallel.weights.meta import meta_model, model_config_for
 

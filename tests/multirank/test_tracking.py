@@ -84,7 +84,7 @@ def _process_state() -> tuple:
 def _train_and_compare_process_state(config: dict):
     """Train; and the host process's warning filters and log levels are the same after it as before."""
     from ndparallel.config.reading import parse_config
-    from ndparallel.train import run_training
+    from ndparallel.train.loop import run_training
 
     before = _process_state()
     result = run_training(parse_config(config))
@@ -151,7 +151,7 @@ def test_missing_tracker_package_is_one_clear_error(tmp_path, monkeypatch):
 
     from ndparallel.config.reading import parse_config
     from ndparallel.errors import ConfigError
-    from ndparallel.tracking import check_trackers_installed
+    from ndparallel.train.tracking import check_trackers_installed
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
@@ -179,5 +179,5 @@ def test_out_of_memory_is_one_line_naming_step_and_layout(tmp_path):
     with pytest.raises(RankFailure) as info:
         run_ranks(2, _train_until_oom, tiny_config(tmp_path, dp_shard_size=2, micro_batch_size=4))
     last = str(info.value).strip().splitlines()[-1]
-    assert last.startswith("ndparallel.oom.DeviceMemoryError: step 3: out of memory on rank ")
+    assert last.startswith("ndparallel.train.oom.DeviceMemoryError: step 3: out of memory on rank ")
     assert "with dp_replicate 1 x dp_shard 2 x cp 1 x tp 1; lower micro_batch_size" in last

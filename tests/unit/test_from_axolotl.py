@@ -5,7 +5,7 @@ import pytest
 
 from ndparallel.config.axolotl_fields import POLICY, rule_for
 from ndparallel.config.reading import read_config
-from ndparallel.schedule import schedule_for
+from ndparallel.train.schedule import schedule_for
 
 BASE = {"base_model": "org/model", "datasets": [{"path": "data.jsonl", "type": "alpaca"}]}
 
@@ -65,7 +65,7 @@ def test_settings_that_change_the_result_are_refused_in_one_line(extra, message)
 
 
 def test_wandb_settings_are_kept_and_used():
-    # W&B is wired (tracking.py, tested offline in tests/multirank/test_tracking.py): nothing is "not used".
+    # W&B is wired (train/tracking.py, tested offline in tests/multirank/test_tracking.py): nothing is "not used".
     reading = read_config({**BASE, "wandb_project": "p", "wandb_watch": "gradients", "wandb_entity": None})
     assert reading.config.wandb_project == "p" and reading.config.wandb_entity is None
     assert reading.config.wandb_watch == "gradients"

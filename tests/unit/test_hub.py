@@ -12,8 +12,8 @@ from ndparallel.data.spec import DatasetSpec
 from ndparallel.data.templates import TEMPLATES, template_source
 from ndparallel.data.tokenize import tokenize_records
 from ndparallel.errors import ConfigError, DataError, ModelError, NdParallelError
-from ndparallel.run_inputs import build_run_optimizer, load_run_tokenizer
 from ndparallel.safe_io import hub
+from ndparallel.train.run_inputs import build_run_optimizer, load_run_tokenizer
 from ndparallel.weights.meta import model_config_for
 from ndparallel.weights.vocab import fit_vocab, grow_rows, padded_vocab
 

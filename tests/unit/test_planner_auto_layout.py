@@ -7,7 +7,7 @@ from ndparallel.config.reading import parse_config
 from ndparallel.mesh.layout import Layout
 from ndparallel.parallel.rules import check_model
 from ndparallel.planner.plan import best_layout
-from ndparallel.train import resolve_layout
+from ndparallel.train.setup import resolve_layout
 
 BASE = {"model_shape": "tiny", "datasets": [{"path": "data.jsonl", "type": "completion"}], "sequence_len": 64}
 TINY = LlamaConfig(

@@ -7,7 +7,6 @@ from transformers import LlamaConfig
 from ndparallel import ConfigError
 from ndparallel.config.reading import parse_config
 from ndparallel.mesh.layout import Layout
-from ndparallel.oom import planner_advice
 from ndparallel.planner.activations import (
     activation_bytes,
     attention_side,
@@ -24,7 +23,8 @@ from ndparallel.planner.plan import best_layout, plan
 from ndparallel.planner.request import layout_request
 from ndparallel.planner.shapes import PRESETS
 from ndparallel.planner.workload import Workload
-from ndparallel.train import resolve_layout
+from ndparallel.train.oom import planner_advice
+from ndparallel.train.setup import resolve_layout
 
 L1B, L8B = PRESETS["llama-1b"], PRESETS["llama-8b"]
 V, GIB = 128256, 2**30

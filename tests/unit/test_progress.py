@@ -6,8 +6,8 @@ import pytest
 
 from ndparallel.config.reading import parse_config
 from ndparallel.mesh.layout import Layout
-from ndparallel.oom import oom_message
-from ndparallel.progress import human_count, human_seconds, progress_fields, timing_line
+from ndparallel.train.oom import oom_message
+from ndparallel.train.progress import human_count, human_seconds, progress_fields, timing_line
 from ndparallel.weights.meta import model_config_for
 
 

@@ -5,8 +5,8 @@ import time
 
 from ndparallel.config.reading import parse_config
 from ndparallel.mesh.layout import Layout
-from ndparallel.setup_progress import SetupProgress, run_summary
-from ndparallel.summary import RunClock, summary_lines
+from ndparallel.train.setup_progress import SetupProgress, run_summary
+from ndparallel.train.summary import RunClock, summary_lines
 
 H200 = 989e12
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ndparallel.errors import ConfigError
+from ndparallel.quantized.linears import is_quantized
 
 _ROW_RANGE = re.compile(r"\[\s*\d*\s*:\s*\d*\s*\]$")
 _ROUTER = re.compile(r"^(?P<layer>.+)\.mlp\.gate\.weight$")
@@ -136,8 +137,6 @@ def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> int:
     read in the compute dtype, so they are kept in it: the same numbers as casting an fp32 copy for every
     forward, at half its memory (an 8B LoRA base: 16 GB instead of 32 GB of fp32 plus 16 GB of casts). Trainable
     weights keep their fp32 masters. A tensor two modules share stays shared. Returns the values converted."""
-    from ndparallel.quantized.linears import is_quantized
-
     converted: dict[int, nn.Parameter] = {}
     values = 0
     for module in model.modules():

@@ -249,7 +249,7 @@ POLICY: list[tuple[str, Rule]] = [
 # ndparallel settings that are accepted (so a config keeps them) but not acted on yet, and why.
 OWN_NOT_USED: dict[str, str] = {}
 """Fields of ours that a config may set but this build does not act on (none now: the wandb_* fields are
-read by tracking.py, and wandb_watch says itself why it logs nothing)."""
+read by train/tracking.py, and wandb_watch says itself why it logs nothing)."""
 
 # Plugins that only swap kernels or add outputs (accepted, not used); any other plugin is refused.
 KERNEL_PLUGINS = ("CutCrossEntropyPlugin", "LigerPlugin", "KernelsPlugin", "LMEvalPlugin", "SwanLabPlugin")

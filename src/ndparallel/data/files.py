@@ -24,9 +24,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ndparallel.data.hub_files import hub_files
 from ndparallel.data.spec import DatasetSpec
 from ndparallel.errors import DataError
 from ndparallel.safe_io import file_names
+from ndparallel.safe_io.hub import is_hub_id
 
 RECORD_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".jsonl.zst", ".jsonl.gz", ".json.gz")
 # Metadata a save_to_disk directory holds next to its Arrow files: never records.
@@ -60,12 +62,8 @@ def resolve_data_path(path: str) -> str:
 
 def resolve_files(spec: DatasetSpec) -> list[Path]:
     """The data files of ``spec`` in reading order; a DataError if there are none."""
-    from ndparallel.safe_io.hub import is_hub_id
-
     pattern = spec.path
     if is_hub_id(pattern):
-        from ndparallel.data.hub_files import hub_files
-
         return hub_files(spec)
     # An existing path is taken literally even if its name contains glob characters ("data[1].jsonl").
     if GLOB_CHARACTERS & set(pattern) and not Path(pattern).expanduser().exists():

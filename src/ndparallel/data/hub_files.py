@@ -17,6 +17,7 @@ import yaml
 from ndparallel.data.spec import DatasetSpec
 from ndparallel.errors import DataError
 from ndparallel.safe_io import bounded_yaml
+from ndparallel.safe_io.hub import dataset_dir
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".jsonl.zst", ".jsonl.gz", ".json.gz")
 SPLIT_WORDS = {
@@ -39,8 +40,6 @@ def snapshot_patterns(spec: DatasetSpec) -> list[str] | None:
 
 def hub_files(spec: DatasetSpec) -> list[Path]:
     """The local files (in the hub cache) of ``spec``'s hub dataset, for its split, in a stable order."""
-    from ndparallel.safe_io.hub import dataset_dir
-
     root = dataset_dir(
         spec.path, revision=spec.revision, patterns=snapshot_patterns(spec), setting=f"datasets path {spec.path}"
     )

@@ -25,6 +25,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from ndparallel.errors import DataError, NdParallelError
+from ndparallel.safe_io.hub import model_dir
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +105,6 @@ def load_tokenizer(
     masked out of attention and loss, so any id works, and reusing eos keeps the vocabulary (and the model's
     embedding size) unchanged.
     """
-    from ndparallel.safe_io.hub import model_dir
-
     if name_or_path is None or str(name_or_path) == BYTE_TOKENIZER_NAME:
         return byte_tokenizer()
     try:

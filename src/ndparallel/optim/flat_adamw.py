@@ -41,6 +41,7 @@ import torch
 from ndparallel import _compat
 from ndparallel.errors import ConfigError
 from ndparallel.kernels import grad_norm as triton_norm
+from ndparallel.kernels.adamw import adamw_from_low_precision_grad_
 from ndparallel.optim.clipping import clip_coefficient, scale_grads_, total_norm_over_meshes
 from ndparallel.parallel.single_rank import SingleRankParams
 
@@ -342,8 +343,6 @@ class _GroupPlan:
     def step_from(self, group: dict, grads: list[torch.Tensor], kernel: bool, scale: torch.Tensor) -> None:
         """The step from per-parameter gradients in the compute dtype (``grads[i]`` is ``params[i]``'s): per
         tensor, upcast in the update (``kernel``: the Triton kernel; else the eager update on ``grad.float()``)."""
-        from ndparallel.kernels.adamw import adamw_from_low_precision_grad_
-
         self.step_count += 1
         hyper = _hyper(group, float(self.step_count), self.master.device)
         flat = (self.master, self.exp_avg, self.exp_avg_sq, self.compute)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ndparallel.parallel import offload
+
 GIB = 2**30
 
 
@@ -18,8 +20,6 @@ def layout_request(cfg: Any, *, host_memory_gib: float | None = None) -> dict[st
     ``host_memory_gib``: the host memory a node has for offloaded activations; None reads what this machine
     has available now (``offload.host_memory_available``, the count ``train.offload_layers`` uses).
     """
-    from ndparallel.parallel.offload import host_memory_available
-
     lora = bool(cfg.adapter)
     return {
         "seq_len": cfg.sequence_len,
@@ -36,5 +36,5 @@ def layout_request(cfg: Any, *, host_memory_gib: float | None = None) -> dict[st
         "tiled_mlp_num_shards": cfg.tiled_mlp_num_shards,
         "activation_offload": bool(cfg.activation_offloading),
         "activation_offload_layers": cfg.activation_offload_layers,
-        "host_memory_gib": host_memory_gib if host_memory_gib is not None else host_memory_available() / GIB,
+        "host_memory_gib": host_memory_gib if host_memory_gib is not None else offload.host_memory_available() / GIB,
     }

@@ -25,8 +25,10 @@ from dataclasses import asdict, dataclass, fields
 from types import SimpleNamespace
 from typing import Any
 
-from ndparallel.errors import ConfigError
+from ndparallel.errors import ConfigError, NdParallelError
 from ndparallel.models import presets
+from ndparallel.models.moe import is_moe_config, moe_shape
+from ndparallel.safe_io.hub import is_hub_id, model_dir
 
 # Linear layers LoRA adapts ("all-linear"): each gets A (r x in) and B (out x r).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -239,8 +241,6 @@ class ModelShape:
 
 def _experts(cfg: Any) -> dict[str, int]:
     """A mixture-of-experts config's planning fields (see the module docstring); {} for a dense model."""
-    from ndparallel.models.moe import is_moe_config, moe_shape
-
     config = SimpleNamespace(**cfg) if isinstance(cfg, dict) else cfg
     if not is_moe_config(config):
         return {}
@@ -310,16 +310,11 @@ def load_model_shape(spec: "str | dict | ModelShape | Any") -> ModelShape:
 
 
 def _is_hub_id(text: str) -> bool:
-    from ndparallel.safe_io.hub import is_hub_id
-
     return is_hub_id(text)
 
 
 def _hub_config(name: str) -> str:
     """config.json of hub model ``name``, as train reads it (the hub cache; fetched when missing and online)."""
-    from ndparallel.errors import NdParallelError
-    from ndparallel.safe_io.hub import model_dir
-
     try:
         return str(model_dir(name, weights=False, setting="--model") / "config.json")
     except NdParallelError as exc:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ndparallel.models.moe import moe_shape
 from ndparallel.parallel.attention.plan import cached_plan
 from ndparallel.parallel.sequence import PAD_SEGMENT, chunk_ids
 
@@ -73,8 +74,6 @@ def query_dim(config: Any) -> int:
 
 def flops_per_token(config: Any) -> float:
     """Dense training FLOPs per token: 6 x (the decoder's matmul weights a token uses + the output head)."""
-    from ndparallel.models.moe import moe_shape
-
     h, layers = config.hidden_size, config.num_hidden_layers
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads

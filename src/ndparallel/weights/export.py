@@ -22,6 +22,7 @@ import torch
 import yaml
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from ndparallel.adapters.lora import LoraSpec, attach_lora, merge_lora_weights, save_peft_adapter
 from ndparallel.checkpoint import store
 from ndparallel.checkpoint.guard import read_index
 from ndparallel.checkpoint.loading import load_tensors, open_checkpoint
@@ -68,8 +69,6 @@ def load_hf_config(path: Path):
 def cpu_model(config, *, dtype: torch.dtype, lora=None):
     """A transformers model of ``config`` on CPU, weights uninitialized (fill them, then ``restore_buffers``);
     with ``lora`` (a ``LoraSpec``) its adapters attached."""
-    from ndparallel.adapters.lora import attach_lora
-
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if lora is not None:
@@ -79,8 +78,6 @@ def cpu_model(config, *, dtype: torch.dtype, lora=None):
 
 def load_full_model(path: Path, *, dtype: torch.dtype, with_adapters: bool = False):
     """The model of checkpoint ``path`` in one process, on CPU. Returns (model, adapter_spec or None)."""
-    from ndparallel.adapters.lora import LoraSpec
-
     try:
         spec = LoraSpec.from_checkpoint(path)
     except (OSError, ValueError, TypeError, AttributeError, RecursionError) as exc:
@@ -153,8 +150,6 @@ def write_hf_directory(
     With ``lora`` (a ``LoraSpec`` whose adapters are attached): a PEFT adapter directory, or with
     ``merge_lora`` the merged model. ``out_dir`` must not exist or be empty: nothing is overwritten.
     """
-    from ndparallel.adapters.lora import merge_lora_weights, save_peft_adapter
-
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(

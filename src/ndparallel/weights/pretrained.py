@@ -31,6 +31,7 @@ from ndparallel.mesh.topology import Topology
 from ndparallel.parallel.apply import parallelize
 from ndparallel.parallel.options import ParallelOptions, as_dtype
 from ndparallel.safe_io import owned_files
+from ndparallel.weights.export import save_for_inference
 from ndparallel.weights.materialize import materialize, restore_buffers
 from ndparallel.weights.meta import meta_model, model_config_for
 
@@ -210,7 +211,6 @@ def _write_hf(
         restore_buffers(skeleton, torch.device("cpu"))
     if lora is not None:
         merge_lora_weights(skeleton, lora)
-    from ndparallel.weights.export import save_for_inference
 
     save_for_inference(skeleton.to(dtype), directory, max_shard_size=max_shard_size)
 

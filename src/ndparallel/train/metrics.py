@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from ndparallel.progress import human_seconds, progress_fields, timing_line
 from ndparallel.safe_io import owned_files
+from ndparallel.train.progress import human_seconds, progress_fields, timing_line
 
 # Dense bf16 peak FLOP/s per device, by a substring of the device name.
 _PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "L4": 121e12}
@@ -49,7 +49,7 @@ class MetricsLogger:
         self.total_steps = total_steps
         self.records: list[dict] = []
         self._bar = None
-        self.trackers = trackers or []  # TensorBoard / W&B (ndparallel.tracking), rank 0 only
+        self.trackers = trackers or []  # TensorBoard / W&B (ndparallel.train.tracking), rank 0 only
         if not enabled:
             return
         self.path = Path(output_dir) / "metrics.jsonl"

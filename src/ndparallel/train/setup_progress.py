@@ -15,7 +15,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 
-from ndparallel.progress import human_seconds
+from ndparallel.train.progress import human_seconds
 
 
 class PhaseResult:

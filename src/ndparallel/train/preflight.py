@@ -9,14 +9,17 @@ a problem further into a file is still found by ``train``; what was not checked 
 
 from __future__ import annotations
 
-import itertools
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ndparallel.config.schema import TrainConfig
+from ndparallel.data.hub_files import snapshot_patterns
+from ndparallel.data.sources import sample_records
+from ndparallel.data.tokenize import tokenize_records
 from ndparallel.errors import NdParallelError
+from ndparallel.safe_io import hub
+from ndparallel.train.output_dir import check_output_dir, writable_dir_problem
+from ndparallel.train.run_inputs import dataset_specs, load_run_tokenizer
 
 
 @dataclass
@@ -41,9 +44,7 @@ def preflight(cfg: TrainConfig, *, tokenizer=None) -> Preflight:
 
 def output_problems(cfg: TrainConfig) -> list[str]:
     """output_dir (and dataset_prepared_path): a directory that can be made and written, and no other run's
-    checkpoints in the way (train's own rule, ``train._check_output_dir``)."""
-    from ndparallel.train import _check_output_dir
-
+    checkpoints in the way (train's own rule, ``output_dir.check_output_dir``)."""
     problems = [
         problem
         for setting, path in (("output_dir", cfg.output_dir), ("dataset_prepared_path", cfg.dataset_prepared_path))
@@ -51,37 +52,13 @@ def output_problems(cfg: TrainConfig) -> list[str]:
     ]
     if not problems:
         try:
-            _check_output_dir(cfg, Path(cfg.output_dir))
+            check_output_dir(cfg, Path(cfg.output_dir))
         except NdParallelError as exc:
             problems.append(str(exc))
     return problems
 
 
-def writable_dir_problem(path: Path, setting: str) -> str | None:
-    """Why directory ``path`` cannot be created or written (probed with a temporary directory), or None."""
-    path = path.expanduser().absolute()
-    existing = next(p for p in itertools.chain([path], path.parents) if os.path.lexists(p))
-    if existing == path and not path.is_dir():
-        return f"{setting} {str(path)!r} is a file, not a directory; choose a directory path for {setting}"
-    if not existing.is_dir():
-        return (
-            f"{setting} {str(path)!r} lies under {str(existing)!r}, which is a regular file; choose another "
-            f"{setting} (a directory path)"
-        )
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".ndparallel-check-", dir=existing))
-    except OSError as exc:
-        where = "in it" if existing == path else f"in {str(existing)!r}, where it would be created"
-        return (
-            f"{setting} {str(path)!r} cannot be written ({exc.strerror} {where}); choose another {setting} or fix "
-            f"that directory's permissions"
-        )
-    return None
-
-
 def _check_data(cfg: TrainConfig, tokenizer, result: Preflight) -> None:
-    from ndparallel.run_inputs import dataset_specs
-
     specs = dataset_specs(cfg, template=getattr(tokenizer, "chat_template", None))
     names = [f"datasets[{i}]" for i in range(len(cfg.datasets))]
     names += [f"pretraining_dataset[{i}]" for i in range(len(cfg.pretraining_dataset or []))]
@@ -99,10 +76,6 @@ def _check_data(cfg: TrainConfig, tokenizer, result: Preflight) -> None:
 
 def _sample_lengths(name: str, spec, tokenizer, result: Preflight) -> list[int] | None:
     """Token lengths of ``spec``'s sampled examples (None when they could not be had or measured)."""
-    from ndparallel.data.sources import sample_records
-    from ndparallel.data.tokenize import tokenize_records
-    from ndparallel.safe_io import hub
-
     if hub.is_hub_id(spec.path) and not _hub_dataset_cached(spec):
         result.not_checked.append(f"{name} {spec.path!r} (a hub dataset not in the cache; train downloads it)")
         return None
@@ -121,8 +94,6 @@ def _sample_lengths(name: str, spec, tokenizer, result: Preflight) -> list[int] 
 
 
 def _hub_dataset_cached(spec) -> bool:
-    from ndparallel.data.hub_files import snapshot_patterns
-    from ndparallel.safe_io import hub
 
     try:
         hub.dataset_dir(spec.path, revision=spec.revision, patterns=snapshot_patterns(spec), download=False)
@@ -165,9 +136,6 @@ def _nothing_fits(cfg: TrainConfig, lengths: list[int]) -> str:
 def before_launch(cfg: TrainConfig) -> list[str]:
     """``train``'s checks before it starts processes: ``preflight`` with the tokenizer when it is at hand
     (a local one, or a hub one already in the cache: nothing is downloaded here)."""
-    from ndparallel.run_inputs import load_run_tokenizer
-    from ndparallel.safe_io import hub
-
     name = cfg.tokenizer_config or cfg.base_model
     tokenizer = None
     try:

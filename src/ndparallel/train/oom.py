@@ -13,6 +13,8 @@ import torch
 from ndparallel import _compat
 from ndparallel.errors import NdParallelError
 from ndparallel.mesh.layout import Layout
+from ndparallel.planner.plan import best_layout
+from ndparallel.planner.request import layout_request
 
 
 class DeviceMemoryError(NdParallelError):
@@ -29,8 +31,6 @@ def layout_text(layout: Layout) -> str:
 def planner_advice(cfg, model_config, layout: Layout, device_memory_gib: float) -> str:
     """What the planner would run instead on these GPUs, or why it cannot say: a layout, and the long-row
     features to turn on when the run as configured fits nowhere (``planner.plan.best_layout``)."""
-    from ndparallel.planner.plan import best_layout
-    from ndparallel.planner.request import layout_request
 
     # the run's settings (request.py), checkpointing left to the planner: the advice may change it
     request = {**layout_request(cfg), "activation_checkpointing": "auto"}

@@ -19,7 +19,7 @@ from ndparallel.errors import NumericsError
 from ndparallel.mesh.topology import Topology
 from ndparallel.step.flops import AttentionFlops, mfu
 from ndparallel.step.token_loss import reduce_loss
-from ndparallel.steptime import PhaseTimer
+from ndparallel.train.phase_timer import PhaseTimer
 
 
 @dataclass

@@ -1,28 +1,25 @@
 """What rank 0 says about a run once it is set up (its opening lines, the first step) and where the metrics go.
 
-The setup phases themselves are ``setup_progress.py``; the closing lines are ``summary.py``.
+The setup phases themselves are ``train/setup_progress.py``; the closing lines are ``train/summary.py``.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from ndparallel.adapters.freeze import describe_trainable
-from ndparallel.metrics import MetricsLogger
 from ndparallel.models.decoder import decoder_parts
-from ndparallel.progress import human_seconds
 from ndparallel.quantized.linears import describe
-from ndparallel.tracking import open_trackers, wandb_wanted
+from ndparallel.train.metrics import MetricsLogger
+from ndparallel.train.progress import human_seconds
+from ndparallel.train.run import TrainingRun
+from ndparallel.train.tracking import open_trackers, wandb_wanted
 
-if TYPE_CHECKING:
-    from ndparallel.train import TrainingRun
 
-
-def open_metrics(run: "TrainingRun") -> MetricsLogger:
+def open_metrics(run: TrainingRun) -> MetricsLogger:
     """Rank 0's progress line, metrics.jsonl and trackers, and the run's opening lines."""
     cfg, topo, state = run.cfg, run.topo, run.state
     output_dir = Path(cfg.output_dir)
@@ -74,7 +71,7 @@ def open_metrics(run: "TrainingRun") -> MetricsLogger:
     return metrics
 
 
-def first_step_done(run: "TrainingRun", metrics: MetricsLogger) -> None:
+def first_step_done(run: TrainingRun, metrics: MetricsLogger) -> None:
     """Wait for the first step once, to say how long it took (compilation and allocator warm-up)."""
     if run.topo.device.type == "cuda":
         torch.cuda.synchronize(run.topo.device)

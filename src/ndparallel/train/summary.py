@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ndparallel.progress import human_count, human_seconds
+from ndparallel.train.progress import human_count, human_seconds
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from ndparallel.data.hub_files import snapshot_patterns
 from ndparallel.data.load_tokenizer import add_config_tokens, load_tokenizer
 from ndparallel.data.spec import DatasetSpec
 from ndparallel.data.templates import template_source
+from ndparallel.mesh.topology import init_distributed
 from ndparallel.optim.adamw_8bit import build_adamw_8bit
 from ndparallel.optim.build import build_optimizer
 from ndparallel.safe_io import hub
@@ -66,8 +67,6 @@ def fetch_run_inputs(cfg: TrainConfig, device_type: str) -> None:
     if not jobs:
         return
     import torch.distributed as dist
-
-    from ndparallel.mesh.topology import init_distributed
 
     init_distributed(device_type=device_type, timeout_s=cfg.process_group_timeout_s)
 
