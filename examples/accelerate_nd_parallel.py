@@ -23,6 +23,7 @@ import torch
 from transformers import AutoTokenizer
 
 import ndparallel as ndp
+from ndparallel.weights.pretrained import model_directory
 
 MODEL_ID = "NousResearch/Hermes-3-Llama-3.1-8B"
 
@@ -100,7 +101,7 @@ def train(args: argparse.Namespace) -> list[float]:
     bf16 = args.bf16 if args.bf16 is not None else topo.device.type == "cuda"
     options = ndp.ParallelOptions(param_dtype="bfloat16" if bf16 else None)
     model = ndp.load_pretrained(args.model_name, topo, options=options)  # TP, CP, FSDP: straight into the layout
-    tokenizer = AutoTokenizer.from_pretrained(ndp.pretrained.model_directory(args.model_name))
+    tokenizer = AutoTokenizer.from_pretrained(model_directory(args.model_name))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     batches = packed_batches(tokenizer, args.data, seq_len=args.sequence_length, rows=args.global_batch_size)
 
