@@ -202,7 +202,7 @@ def _rss_mib() -> float:
 
 def _long_run(config: dict):
     """Run the trainer and sample this process's resident memory every 25 steps."""
-    import ndparallel.train as train_module
+    import ndparallel.train.loop as train_module
     from ndparallel.config.reading import parse_config
 
     samples = []

@@ -160,7 +160,7 @@ def test_missing_tracker_package_is_one_clear_error(tmp_path, monkeypatch):
 
 
 def _train_until_oom(config: dict):
-    import ndparallel.train as trainer
+    import ndparallel.train.loop as trainer
     from ndparallel.config.reading import parse_config
 
     real, calls = trainer.forward_backward, []
