@@ -65,7 +65,23 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         help=f"preset ({presets.choices()}), a local model directory or config.json, or inline "
         f"JSON such as '{{\"hidden_size\": 4096, ...}}'",
     )
-    hw = parser.add_argument_group("machines")
+    _machine_arguments(parser.add_argument_group("machines"))
+    _step_arguments(parser.add_argument_group("training step"))
+    lay = parser.add_argument_group("layouts")
+    lay.add_argument("--layout", type=_layout, help="evaluate only this layout: dp_replicate,dp_shard,cp,tp")
+    lay.add_argument(
+        "--cp-methods",
+        type=_methods,
+        default=CP_METHODS,
+        help="CP methods to consider (default allgather,ring,alltoall)",
+    )
+    parser.add_argument("--top", type=int, default=10, help="rows to print")
+    parser.add_argument("--json", action="store_true", help="print every row as JSON instead of the table")
+    return parser
+
+
+def _machine_arguments(hw) -> None:
+    """The GPUs and the links between them (presets, overrides, a measurement of this machine)."""
     hw.add_argument(
         "--gpu",
         choices=tuple(GPUS),
@@ -89,7 +105,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     )
     hw.add_argument("--headroom", type=float, default=Cluster.headroom, help="usable fraction of memory (0.9)")
     hw.add_argument("--host-memory-gib", type=float, help="host memory per node, GiB (for activation offload)")
-    work = parser.add_argument_group("training step")
+
+
+def _step_arguments(work) -> None:
+    """What one optimizer step trains: rows, batch, precision, checkpointing, adapters, the long-row features."""
     work.add_argument("--seq-len", type=int, required=True, help="tokens per row")
     batch = work.add_mutually_exclusive_group()
     batch.add_argument("--global-batch", type=int, help="rows per optimizer step")
@@ -139,17 +158,6 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         const="int8",
         help="LoRA on an int8 base, as the trainer's load_in_8bit",
     )
-    lay = parser.add_argument_group("layouts")
-    lay.add_argument("--layout", type=_layout, help="evaluate only this layout: dp_replicate,dp_shard,cp,tp")
-    lay.add_argument(
-        "--cp-methods",
-        type=_methods,
-        default=CP_METHODS,
-        help="CP methods to consider (default allgather,ring,alltoall)",
-    )
-    parser.add_argument("--top", type=int, default=10, help="rows to print")
-    parser.add_argument("--json", action="store_true", help="print every row as JSON instead of the table")
-    return parser
 
 
 def cluster_from_args(args: argparse.Namespace, model, workload: Workload) -> Cluster:

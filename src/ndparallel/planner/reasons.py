@@ -85,51 +85,15 @@ def _cp_reason(row: PlanRow, workload: Workload, cluster: Cluster, context: dict
 
 
 def axis_reasons(row: PlanRow, model: ModelShape, cluster: Cluster, workload: Workload, context: dict) -> list[str]:
+    """One line per axis in use: what its traffic costs on the links it crosses."""
     lay: Layout = row.layout
     r, s, c, t = lay.shape
     cross = groups_cross_nodes(lay, cluster.gpus_per_node)
-    multi_node = cluster.nodes > 1
     out = []
     if t > 1:
-        tp = row.comm["tp"]
-        if cross["tp"]:
-            out.append(
-                f"tp {t} spans nodes: its per-layer all-gathers and reduce-scatters ({_gb(tp.bytes)}/step) "
-                f"cross {_link(tp, cluster)}, {tp.seconds:.2f} s exposed"
-            )
-        elif multi_node:
-            half = max(t // 2, 1)  # the same group split over two nodes
-            bandwidth, latency = cluster.link(True, half)
-            across = tp.bytes / bandwidth + tp.collectives * latency
-            out.append(
-                f"tp {t} kept inside a node ({cluster.gpus_per_node} GPUs/node): its per-layer collectives "
-                f"({_gb(tp.bytes)}/step) take {tp.seconds:.2f} s exposed on {_link(tp, cluster)}; split "
-                f"over two nodes they would take {across:.2f} s on {cluster.link_name(True, half)}"
-            )
-        else:
-            out.append(
-                f"tp {t} on {_link(tp, cluster)}: {_gb(tp.bytes)}/step of per-layer collectives, "
-                f"{tp.seconds:.2f} s exposed"
-            )
+        out.append(_tp_reason(row, cluster, cross["tp"]))
     if c > 1:
-        out.append(_cp_reason(row, workload, cluster, context))
-        cp = row.comm["cp"]
-        method = lay.cp_comm_strategy
-        if method == "ring":
-            out.append(
-                f"ring cp sends {_gb(cp.bytes)}/step of K/V blocks over {_link(cp, cluster)}, "
-                f"overlapped with each block's attention ({row.time.exposed_comm_s.get('cp', 0):.2f} s exposed)"
-            )
-        elif method == "allgather":
-            out.append(
-                f"allgather cp: each layer gathers the whole row's K/V ({_gb(cp.bytes)}/step over "
-                f"{_link(cp, cluster)}, {cp.seconds:.2f} s exposed) and keeps it for backward"
-            )
-        else:
-            out.append(
-                f"alltoall cp: 4 all-to-alls per layer each way ({_gb(cp.bytes)}/step, exposed) over "
-                f"{_link(cp, cluster)}"
-            )
+        out += [_cp_reason(row, workload, cluster, context), _cp_method_reason(row, cluster)]
     if r > 1:
         rep = row.comm["dp_replicate"]
         if cross["dp_replicate"]:
@@ -156,6 +120,42 @@ def axis_reasons(row: PlanRow, model: ModelShape, cluster: Cluster, workload: Wo
                 f"{_gb(f.bytes)}/step on {_link(f, cluster)} ({f.seconds:.2f} s, overlapped with compute)"
             )
     return out
+
+
+def _tp_reason(row: PlanRow, cluster: Cluster, crosses_nodes: bool) -> str:
+    """Tensor parallelism's per-layer collectives, and where its group sits."""
+    t, tp = row.layout.tp, row.comm["tp"]
+    if crosses_nodes:
+        return (
+            f"tp {t} spans nodes: its per-layer all-gathers and reduce-scatters ({_gb(tp.bytes)}/step) "
+            f"cross {_link(tp, cluster)}, {tp.seconds:.2f} s exposed"
+        )
+    if cluster.nodes > 1:
+        half = max(t // 2, 1)  # the same group split over two nodes
+        bandwidth, latency = cluster.link(True, half)
+        across = tp.bytes / bandwidth + tp.collectives * latency
+        return (
+            f"tp {t} kept inside a node ({cluster.gpus_per_node} GPUs/node): its per-layer collectives "
+            f"({_gb(tp.bytes)}/step) take {tp.seconds:.2f} s exposed on {_link(tp, cluster)}; split "
+            f"over two nodes they would take {across:.2f} s on {cluster.link_name(True, half)}"
+        )
+    return f"tp {t} on {_link(tp, cluster)}: {_gb(tp.bytes)}/step of per-layer collectives, {tp.seconds:.2f} s exposed"
+
+
+def _cp_method_reason(row: PlanRow, cluster: Cluster) -> str:
+    """What the chosen CP method sends, and how much of it is exposed."""
+    cp, method = row.comm["cp"], row.layout.cp_comm_strategy
+    if method == "ring":
+        return (
+            f"ring cp sends {_gb(cp.bytes)}/step of K/V blocks over {_link(cp, cluster)}, "
+            f"overlapped with each block's attention ({row.time.exposed_comm_s.get('cp', 0):.2f} s exposed)"
+        )
+    if method == "allgather":
+        return (
+            f"allgather cp: each layer gathers the whole row's K/V ({_gb(cp.bytes)}/step over "
+            f"{_link(cp, cluster)}, {cp.seconds:.2f} s exposed) and keeps it for backward"
+        )
+    return f"alltoall cp: 4 all-to-alls per layer each way ({_gb(cp.bytes)}/step, exposed) over {_link(cp, cluster)}"
 
 
 def knob_reasons(
