@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-from cp_simulation import rank_share  # noqa: E402
+from ndparallel.parallel.attention.simulate import rank_share  # noqa: E402
 
 
 def _segments(kind: str, seq: int) -> torch.Tensor:

@@ -9,7 +9,7 @@
 #   ckpt-1b / ckpt-3b  issue 22: training stall per save, sync vs async, exact resume (bench_checkpoint.py)
 #   checks             issue 18: one-rank path exactness; fp8 vs bf16 over 200 steps (gpu_perf_checks.py)
 #   exact              issue 18: the one-rank path exactness check alone (gpu_perf_checks.py --skip-fp8)
-#   adam8              issue 15: 8-bit AdamW on sharded DTensor parameters (tests/gpu/eight_bit_adamw.py)
+#   adam8              issue 15: 8-bit AdamW on sharded DTensor parameters (tests/gpu/gpu_eight_bit_adamw.py)
 #   diag               issue 19: the probe's SDPA backward against the model's (sdpa_backward_diag.py)
 #   3b                 issue 18: 3B seq 8192 x 1, ndparallel vs Accelerate + compile, and fp8 (bench_train.py)
 #   selfcheck-1b/-3b   issue 19: --measure and the H200 preset against measured one-GPU throughput
@@ -50,7 +50,7 @@ BENCH=(python3 benchmarks/bench_train.py --steps 8 --warmup 2 --json "$OUT/bench
 part ckpt-1b 120 python3 benchmarks/bench_checkpoint.py --shape 1b --seq 4096 --saves 2 --out "$OUT"
 part checks 100 python3 benchmarks/gpu_perf_checks.py --out "$OUT"
 part exact 60 python3 benchmarks/gpu_perf_checks.py --out "$OUT" --skip-fp8
-part adam8 40 python3 tests/gpu/eight_bit_adamw.py --out "$OUT"
+part adam8 40 python3 tests/gpu/gpu_eight_bit_adamw.py --out "$OUT"
 part diag 20 python3 benchmarks/sdpa_backward_diag.py --out "$OUT"
 part 3b 150 "${BENCH[@]}" --shape 3b --seq 8192 --micro-batch 1 --rows ndparallel,accelerate-compile,ndparallel-fp8 \
   --profile "$OUT/profiles.txt" --profile-rows ndparallel
@@ -70,7 +70,7 @@ SMOKE=(python3 -m ndparallel.cli train benchmarks/gpu_trainer_smoke.yaml --set m
 part qat 140 bash -c "${SMOKE[*]} --set output_dir=/tmp/ndp-qat --set qat.activation_dtype=int8 \
   --set qat.weight_dtype=int4 && cp /tmp/ndp-qat/metrics.jsonl $OUT/qat_metrics.jsonl && ${SMOKE[*]} \
   --set output_dir=/tmp/ndp-noqat && cp /tmp/ndp-noqat/metrics.jsonl $OUT/noqat_metrics.jsonl"
-part kernel 60 python3 tests/gpu/bf16_grad_adamw.py --out "$OUT"
+part kernel 60 python3 tests/gpu/gpu_bf16_grad_adamw.py --out "$OUT"
 part loss 40 python3 benchmarks/bench_loss.py
 part syncs-1b 90 python3 benchmarks/sync_points.py --shape 1b --seq 4096 --micro-batch 2 --rows ndparallel,fsdp2-compile
 GRADS_ROWS=ndparallel,ndparallel-master-grads,accelerate-compile
@@ -127,7 +127,7 @@ part pick-3b 240 python3 benchmarks/planner_pick_check.py --shape 3b --seq 8192 
 part gemm 240 python3 benchmarks/gemm_shapes.py --json "$OUT/gemm_shapes.jsonl"
 # issue 33 (longest rows): the fused loss, tiled MLP and offload checked on the GPU; short and long rows against
 # the Liger peer; the longest packed row per model (bench_longest_row.py; every attempt in its own process)
-part fused-check 100 python3 tests/gpu/fused_loss_check.py --out "$OUT/fused_loss_check.jsonl"
+part fused-check 100 python3 tests/gpu/gpu_fused_loss.py --out "$OUT/fused_loss_check.jsonl"
 part short-1b-liger 200 "${BENCH[@]}" --shape 1b --seq 4096 --micro-batch 2 \
   --rows ndparallel,ndparallel-unfused,fsdp2-compile-liger
 LONGEST=(python3 benchmarks/bench_longest_row.py --out "$OUT/longest_row.jsonl")

@@ -27,16 +27,16 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import planner_measure_long_rows as long_rows  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from harness import run_ranks  # noqa: E402
-from planner_memory.calibration import (  # noqa: E402
+
+from ndparallel.planner.shapes import PRESETS, ModelShape  # noqa: E402
+from ndparallel.testing.memory_probe import measure_activations, measure_loss_peak  # noqa: E402
+from ndparallel.testing.planner_calibration import (  # noqa: E402
     MEASUREMENTS_PATH,
     compare_to_measurements,
     load_measurements,  # noqa: E402
     predict_memory,
 )
-from planner_memory.measure import measure_activations, measure_loss_peak  # noqa: E402
-
-from ndparallel.planner.shapes import PRESETS, ModelShape  # noqa: E402
+from ndparallel.testing.ranks import run_ranks  # noqa: E402
 from ndparallel.weights.meta import model_config_for  # noqa: E402
 
 TINY = PRESETS["tiny"]

@@ -24,10 +24,9 @@ import dataclasses
 import json
 import os
 
-from harness import run_ranks
-from planner_memory.measure import measure_activations, measure_fused_loss_peak, measure_step_peak
-
 from ndparallel.planner.shapes import PRESETS, ModelShape
+from ndparallel.testing.memory_probe import measure_activations, measure_fused_loss_peak, measure_step_peak
+from ndparallel.testing.ranks import run_ranks
 
 TINY = PRESETS["tiny"]
 GQA = dataclasses.replace(TINY, kv_heads=4, name="tiny-gqa4")

@@ -1,5 +1,4 @@
 import os
-import sys
 
 # One thread: ranks are forked from this process, and an OpenMP pool started before a fork can hang the
 # children; with 8 ranks on 2 cores more threads only contend.
@@ -9,4 +8,3 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
-sys.path.insert(0, os.path.dirname(__file__))

@@ -14,7 +14,7 @@ from typing import Iterator, Sequence
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-# Observing every aten op (the planner's memory measurement, tests/planner_memory/measure.py): a dispatch
+# Observing every aten op (the planner's memory measurement, ndparallel/testing/memory_probe.py): a dispatch
 # mode, and the tensors inside an op's nested outputs. No public equivalent in torch 2.11-2.13.
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (re-exported)
 from torch.utils._pytree import tree_leaves  # noqa: F401  (re-exported)

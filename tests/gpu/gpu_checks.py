@@ -16,11 +16,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from cp_simulation import whole_rows  # noqa: E402
-from scenarios import make_batches, make_model, max_rel_diff, train_parallel, train_reference  # noqa: E402
+from support.scenarios import make_batches, make_model, max_rel_diff, train_parallel, train_reference  # noqa: E402
 
 import ndparallel as ndp  # noqa: E402
 from ndparallel import _compat  # noqa: E402
+from ndparallel.parallel.attention.simulate import whole_rows  # noqa: E402
 from ndparallel.parallel.sequence import segment_ids_from  # noqa: E402
 
 FAILURES: list[str] = []

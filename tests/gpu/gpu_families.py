@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from gpu_checks import FAILURES, _layouts_for, report  # noqa: E402
-from scenarios import make_batches, make_model, max_rel_diff, model_config, train_parallel, train_reference  # noqa: E402
+from support.scenarios import make_batches, make_model, max_rel_diff, model_config, train_parallel, train_reference  # noqa: E402
 
 import ndparallel as ndp  # noqa: E402
 from ndparallel.models.families import model_attention_reason  # noqa: E402

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_ranks
-from scenarios import make_model, max_rel_diff
+from support.scenarios import make_model, max_rel_diff
 from transformers import AutoModelForCausalLM
 
 from ndparallel.data.load_tokenizer import byte_tokenizer
+from ndparallel.testing.ranks import run_ranks
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "accelerate_nd_parallel.py"
 

@@ -8,10 +8,10 @@ import warnings
 import accelerate.parallelism_config as acc_pc
 import torch
 import torch.distributed as dist
-from harness import run_ranks
 
 import ndparallel as ndp
 from ndparallel.mesh.layout import AXES, VIEWS
+from ndparallel.testing.ranks import run_ranks
 
 # Sizes that together cover every axis and every flattened view, on 8 ranks. One comment per row.
 LAYOUTS = [

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from harness import run_ranks
 
 from ndparallel.parallel.comm import all_to_all
+from ndparallel.testing.ranks import run_ranks
 
 WORLD = 3
 

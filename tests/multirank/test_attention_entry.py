@@ -5,12 +5,12 @@ model gave with transformers' own SDPA attention."""
 from __future__ import annotations
 
 import torch
-from harness import run_ranks
-from scenarios import make_model, reference_mask
+from support.scenarios import make_model, reference_mask
 from transformers import masking_utils
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 import ndparallel as ndp
+from ndparallel.testing.ranks import run_ranks
 
 
 def _check_entry() -> dict:

@@ -14,11 +14,11 @@ from pathlib import Path
 import pyarrow
 import pytest
 import yaml
-from harness import run_ranks
-from hub_cache import add_dataset, add_model, alpaca_records, chat_records, family_tokenizer
-from scenarios import make_model
+from support.hub_cache import add_dataset, add_model, alpaca_records, chat_records, family_tokenizer
+from support.scenarios import make_model
 
 from ndparallel.cli import main
+from ndparallel.testing.ranks import run_ranks
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "axolotl" / "examples"
 
@@ -147,7 +147,7 @@ CONFIGS = sorted(str(p.relative_to(FIXTURES)) for p in FIXTURES.rglob("*.y*ml"))
 def example_hub(tmp_path_factory):
     """The hub cache every validating example needs: published config.json shapes (no weights), the family's
     tokenizer, and small datasets laid out as on the hub."""
-    from hub_cache import PUBLISHED
+    from support.hub_cache import PUBLISHED
 
     root = tmp_path_factory.mktemp("examples-hf")
     cache = root / "hub"

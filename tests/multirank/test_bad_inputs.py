@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from harness import run_ranks
-from scenarios import make_model
-from trainer_helpers import tiny_config
+from support.scenarios import make_model
+from support.trainer_helpers import tiny_config
 from transformers import GPT2Config
 
 from ndparallel.cli import main
+from ndparallel.testing.ranks import run_ranks
 
 _MOE = {
     "model_type": "qwen3_moe",

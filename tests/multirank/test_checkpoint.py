@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import shutil
 
-import malicious
 import pytest
 import torch
-from harness import run_ranks
-from scenarios import max_rel_diff
-from trainer_helpers import full_state, layout_config, losses, run_train, tiny_config
+from support import malicious
+from support.scenarios import max_rel_diff
+from support.trainer_helpers import full_state, layout_config, losses, run_train, tiny_config
 from transformers import AutoModelForCausalLM
 
 import ndparallel as ndp
 from ndparallel.errors import CheckpointError
+from ndparallel.testing.ranks import run_ranks
 
 PROBE = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(3))
 

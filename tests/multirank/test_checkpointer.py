@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import run_ranks
-from scenarios import EPS, LR, WEIGHT_DECAY, _labels, make_batches, make_model, max_rel_diff, reference_mask
+from support.scenarios import EPS, LR, WEIGHT_DECAY, _labels, make_batches, make_model, max_rel_diff, reference_mask
 
 import ndparallel as ndp
+from ndparallel.testing.ranks import run_ranks
 
 STEPS, SAVE_AT = 4, 2
 BATCHES = make_batches(steps=STEPS, micro=1, rows=4, seq=32, packed=True)

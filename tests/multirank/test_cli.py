@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from scenarios import max_rel_diff
-from trainer_helpers import layout_config, losses, run_train, tiny_config
+from support.scenarios import max_rel_diff
+from support.trainer_helpers import layout_config, losses, run_train, tiny_config
 from transformers import LlamaConfig
 
 from ndparallel.cli import main

@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_ranks
 
 import ndparallel as ndp
 from ndparallel.parallel.attention.cp_methods import context_attention
 from ndparallel.parallel.context import build_attention_context
 from ndparallel.parallel.sequence import segment_ids_from
+from ndparallel.testing.ranks import run_ranks
 
 B, H, S, D = 2, 8, 64, 16
 DATA_KINDS = ("causal", "padded", "packed", "gqa", "window", "sinks")

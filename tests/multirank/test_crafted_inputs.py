@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from trainer_helpers import cli_train, error_lines, run_train, tiny_config, write_corpus
+from support.trainer_helpers import cli_train, error_lines, run_train, tiny_config, write_corpus
 
 from ndparallel.cli import main
 

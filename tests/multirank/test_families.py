@@ -33,14 +33,14 @@ import functools
 
 import pytest
 import torch
-from harness import run_ranks
-from scenarios import assert_parity, make_batches, make_model, train_parallel, train_reference, world_size
-from trainer_helpers import layout_config, run_train, tiny_config
+from support.scenarios import assert_parity, make_batches, make_model, train_parallel, train_reference, world_size
+from support.trainer_helpers import layout_config, run_train, tiny_config
 from transformers import AutoModelForCausalLM
 
 import ndparallel as ndp
 from ndparallel.adapters.lora import LoraSpec
 from ndparallel.cli import main
+from ndparallel.testing.ranks import run_ranks
 
 STEPS = 5
 EPS = 1e-4

@@ -14,11 +14,11 @@ import psutil
 import pytest
 import torch
 import yaml
-from harness import RankFailure, run_ranks
-from scenarios import max_rel_diff
-from trainer_helpers import layout_config, losses, run_train, tiny_config
+from support.scenarios import max_rel_diff
+from support.trainer_helpers import layout_config, losses, run_train, tiny_config
 
 from ndparallel.errors import NumericsError
+from ndparallel.testing.ranks import RankFailure, run_ranks
 
 
 def _metrics(path: Path) -> dict[int, dict]:

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import run_ranks
-from scenarios import make_batches, make_model, max_rel_diff, train_parallel
+from support.scenarios import make_batches, make_model, max_rel_diff, train_parallel
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import ndparallel as ndp
 from ndparallel.errors import ConfigError
 from ndparallel.models.decoder import decoder_parts
 from ndparallel.parallel.float8 import Fp8Spec, check_fp8_supported, fp8_linear_names
+from ndparallel.testing.ranks import run_ranks
 
 EMULATED = Fp8Spec(emulate=True, min_features=32, keep_bf16_layers=())
 
@@ -116,7 +116,7 @@ def test_fp8_with_tensor_parallel_forward_matches_one_rank():
 
 
 def test_the_yaml_settings_make_the_spec(tmp_path):
-    from trainer_helpers import tiny_config
+    from support.trainer_helpers import tiny_config
 
     from ndparallel.config.reading import parse_config
     from ndparallel.train.model import fp8_spec

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import RankFailure, run_ranks
-from scenarios import make_model
+from support.scenarios import make_model
 from torch.distributed.tensor import DTensor
 
 import ndparallel as ndp
+from ndparallel.testing.ranks import RankFailure, run_ranks
 
 
 def _rows_held_after_forward(layout: dict, reshard) -> tuple[int, list[int]]:

@@ -9,11 +9,11 @@ import functools
 
 import pytest
 import torch
-from harness import run_ranks
-from scenarios import assert_parity, make_batches, make_model, train_parallel, train_reference
+from support.scenarios import assert_parity, make_batches, make_model, train_parallel, train_reference
 from torch.distributed.tensor import DTensor
 
 import ndparallel as ndp
+from ndparallel.testing.ranks import run_ranks
 
 HSDP = dict(dp_replicate_size=2, dp_shard_size=2)
 

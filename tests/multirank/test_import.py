@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import run_ranks
-from scenarios import make_model, world_size
+from support.scenarios import make_model, world_size
 from transformers import AutoModelForCausalLM
 
 import ndparallel as ndp
+from ndparallel.testing.ranks import run_ranks
 from ndparallel.weights.materialize import materialize
 from ndparallel.weights.meta import meta_model, model_config_for
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 import yaml
-from trainer_helpers import layout_config, tiny_config
+from support.trainer_helpers import layout_config, tiny_config
 
 
 def _job(launcher: subprocess.Popen) -> list[psutil.Process]:

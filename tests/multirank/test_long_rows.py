@@ -9,12 +9,12 @@ import functools
 
 import pytest
 import torch
-from harness import run_ranks
-from scenarios import assert_parity, make_batches, make_model, train_parallel, train_reference, world_size
-from trainer_helpers import assert_runs_match, layout_config, plain_reference, run_train, tiny_config
+from support.scenarios import assert_parity, make_batches, make_model, train_parallel, train_reference, world_size
+from support.trainer_helpers import assert_runs_match, layout_config, plain_reference, run_train, tiny_config
 
 import ndparallel as ndp
 from ndparallel.parallel.tiled_mlp import tile_count
+from ndparallel.testing.ranks import run_ranks
 
 FULL = {"activation_checkpointing": "full"}
 TILED = {**FULL, "tiled_mlp": True, "tiled_mlp_num_shards": 3}

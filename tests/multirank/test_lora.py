@@ -9,8 +9,7 @@ import functools
 
 import pytest
 import torch
-from harness import run_ranks
-from scenarios import (
+from support.scenarios import (
     assert_parity,
     make_batches,
     make_model,
@@ -21,6 +20,7 @@ from scenarios import (
 )
 
 from ndparallel.adapters.lora import LoraSpec
+from ndparallel.testing.ranks import run_ranks
 
 STEPS = 5
 SPEC_QV = LoraSpec(r=4, alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"], seed=3)

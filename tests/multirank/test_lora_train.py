@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import run_ranks
-from scenarios import make_model, max_rel_diff
-from trainer_helpers import assert_runs_match, layout_config, losses, plain_reference, run_train, tiny_config
+from support.scenarios import make_model, max_rel_diff
+from support.trainer_helpers import assert_runs_match, layout_config, losses, plain_reference, run_train, tiny_config
 from transformers import AutoModelForCausalLM
 
 import ndparallel as ndp
+from ndparallel.testing.ranks import run_ranks
 
 PROBE = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(4))
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import run_ranks
-from moe_scenarios import make_moe_model, train_parallel_moe, train_reference_moe
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
-from scenarios import VOCAB, make_batches, max_rel_diff, world_size
+from support.moe_scenarios import make_moe_model, train_parallel_moe, train_reference_moe
+from support.scenarios import VOCAB, make_batches, max_rel_diff, world_size
 
 from ndparallel.adapters.lora import LoraSpec, init_lora_tensor
+from ndparallel.testing.ranks import run_ranks
 
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 SPEC = LoraSpec(r=2, alpha=4.0, target_modules=["q_proj", "v_proj"], target_parameters=EXPERTS, seed=5)

@@ -11,9 +11,10 @@ from __future__ import annotations
 import functools
 
 import pytest
-from harness import run_ranks
-from moe_scenarios import make_moe_model, train_parallel_moe, train_reference_moe
-from scenarios import assert_parity, make_batches, world_size
+from support.moe_scenarios import make_moe_model, train_parallel_moe, train_reference_moe
+from support.scenarios import assert_parity, make_batches, world_size
+
+from ndparallel.testing.ranks import run_ranks
 
 STEPS = 5
 

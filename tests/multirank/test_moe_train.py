@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import run_ranks
-from scenarios import max_rel_diff
-from trainer_helpers import losses, run_train, tiny_config
+from support.scenarios import max_rel_diff
+from support.trainer_helpers import losses, run_train, tiny_config
 from transformers import AutoModelForCausalLM
 
 import ndparallel as ndp
+from ndparallel.testing.ranks import run_ranks
 
 MOE = {
     "model_type": "qwen3_moe",
@@ -109,7 +109,7 @@ def test_merged_export_gives_the_trained_logits(saved, tmp_path):
 
 
 def _loaded_weights(config: dict):
-    from trainer_helpers import full_state
+    from support.trainer_helpers import full_state
 
     from ndparallel.config.reading import parse_config
     from ndparallel.train.setup import setup
@@ -122,7 +122,7 @@ def _loaded_weights(config: dict):
 def test_hub_checkpoint_loads_into_expert_parallel_layout(tmp_path, family):
     """A Hub-layout directory (one tensor per expert, Mixtral's block_sparse_moe names, DeepSeek's routing bias)
     loads into a dp_shard 2 x ep 2 run with every weight as transformers loads it."""
-    from moe_scenarios import make_moe_model
+    from support.moe_scenarios import make_moe_model
 
     model = make_moe_model(family, vocab_size=320)  # the byte tokenizer's 262 tokens fit
     for module in model.modules():  # a routing bias that is not its initial zeros

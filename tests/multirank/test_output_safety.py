@@ -8,7 +8,7 @@ import os
 import time
 from pathlib import Path
 
-from trainer_helpers import cli_train, error_lines, tiny_config
+from support.trainer_helpers import cli_train, error_lines, tiny_config
 
 from ndparallel.safe_io.owned_files import MANIFEST
 

@@ -13,8 +13,17 @@ from __future__ import annotations
 import functools
 
 import pytest
-from harness import run_ranks
-from scenarios import assert_parity, make_batches, make_model, max_rel_diff, train_parallel, train_reference, world_size
+from support.scenarios import (
+    assert_parity,
+    make_batches,
+    make_model,
+    max_rel_diff,
+    train_parallel,
+    train_reference,
+    world_size,
+)
+
+from ndparallel.testing.ranks import run_ranks
 
 STEPS = 5
 

@@ -1,20 +1,21 @@
 """The planner's activation model against a fresh measurement of this implementation (multi-rank, CPU).
 
-``measurements.json`` was produced by ``benchmarks/planner_measure.py``; here a few of its cases are
-measured again so a change to what the implementation saves for backward, or to the loss's peak, shows
-up as a failure (then rerun the benchmark and update the activation or loss formulas).
+``benchmarks/results/planner_memory_measurements.json`` was produced by ``benchmarks/planner/planner_measure.py``;
+here a few of its cases are measured again so a change to what the implementation saves for backward, or to
+the loss's peak, shows up as a failure (then rerun the benchmark and update the activation or loss formulas).
 """
 
 from __future__ import annotations
 
 import pytest
-from harness import run_ranks
-from planner_memory.calibration import TOLERANCE, compare_to_measurements, load_measurements
-from planner_memory.measure import measure_activations, measure_loss_peak
+from support.paths import PLANNER_MEASUREMENTS
 
 from ndparallel.planner.shapes import ModelShape
+from ndparallel.testing.memory_probe import measure_activations, measure_loss_peak
+from ndparallel.testing.planner_calibration import TOLERANCE, compare_to_measurements, load_measurements
+from ndparallel.testing.ranks import run_ranks
 
-STORED = {row["case"]: row for row in load_measurements()}
+STORED = {row["case"]: row for row in load_measurements(PLANNER_MEASUREMENTS)}
 
 
 @pytest.mark.parametrize(

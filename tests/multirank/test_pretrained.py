@@ -7,11 +7,20 @@ import shutil
 
 import pytest
 import torch
-from harness import run_ranks
-from scenarios import EPS, LR, WEIGHT_DECAY, assert_parity, make_batches, make_model, train_reference, world_size
+from support.scenarios import (
+    EPS,
+    LR,
+    WEIGHT_DECAY,
+    assert_parity,
+    make_batches,
+    make_model,
+    train_reference,
+    world_size,
+)
 from transformers import AutoModelForCausalLM
 
 import ndparallel as ndp
+from ndparallel.testing.ranks import run_ranks
 
 BATCHES = make_batches(steps=2, micro=1, rows=4, seq=32, pad=True)
 PROBE = torch.randint(1, 256, (4, 32), generator=torch.Generator().manual_seed(5))

@@ -5,8 +5,8 @@ own QAT prepare step; fake_quant_after_n_steps; refused where torchao cannot sim
 from __future__ import annotations
 
 import pytest
-from scenarios import make_model, max_rel_diff
-from trainer_helpers import assert_runs_match, layout_config, losses, plain_reference, run_train, tiny_config
+from support.scenarios import make_model, max_rel_diff
+from support.trainer_helpers import assert_runs_match, layout_config, losses, plain_reference, run_train, tiny_config
 
 from ndparallel.config.reading import parse_config
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scenarios import make_model, max_rel_diff
-from trainer_helpers import (
+from support.scenarios import make_model, max_rel_diff
+from support.trainer_helpers import (
     SMALL_LORA,
     assert_runs_match,
     layout_config,

@@ -9,8 +9,9 @@ backward must find the compute copies), against ``single_rank_fsdp=True`` (the F
 from __future__ import annotations
 
 import pytest
-from harness import run_ranks
-from scenarios import make_batches, max_rel_diff, max_weight_diff, train_parallel
+from support.scenarios import make_batches, max_rel_diff, max_weight_diff, train_parallel
+
+from ndparallel.testing.ranks import run_ranks
 
 
 def _train(single_rank_fsdp: bool) -> dict:

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import RankFailure, run_ranks
-from trainer_helpers import tiny_config
+from support.trainer_helpers import tiny_config
+
+from ndparallel.testing.ranks import RankFailure, run_ranks
 
 TIMING = ("data_s", "fwd_bwd_s", "optimizer_s", "checkpoint_stall_s", "step_time_s")
 

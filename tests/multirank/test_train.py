@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from scenarios import make_model, max_rel_diff
-from trainer_helpers import layout_config, losses, plain_reference, run_train, tiny_config
+from support.scenarios import make_model, max_rel_diff
+from support.trainer_helpers import layout_config, losses, plain_reference, run_train, tiny_config
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scenarios import make_model, max_rel_diff
-from trainer_helpers import assert_runs_match, layout_config, losses, plain_reference, run_train, tiny_config
+from support.scenarios import make_model, max_rel_diff
+from support.trainer_helpers import assert_runs_match, layout_config, losses, plain_reference, run_train, tiny_config
 from transformers import AutoModelForCausalLM
 
 from ndparallel.cli import main
@@ -66,7 +66,7 @@ def test_unfrozen_parameters_train_like_plain_pytorch(tmp_path, parity_record):
 def test_published_expert_names_train_the_stacked_experts_under_expert_parallelism(tmp_path, parity_record):
     """Mixtral named as its checkpoints name it (block_sparse_moe): layer 1's router and experts train, split
     over dp_shard 2 x ep 2, like one rank; everything else stays as loaded."""
-    from moe_scenarios import make_moe_model
+    from support.moe_scenarios import make_moe_model
 
     make_moe_model("mixtral", vocab_size=320).save_pretrained(tmp_path / "model")
     config = tiny_config(

@@ -21,7 +21,7 @@ import torch
 
 from ndparallel.kernels import cdiv
 
-BLOCK = 1024  # with 4 warps: the fastest of 7 block x warp choices on the H200 (tests/gpu/bf16_grad_adamw.py)
+BLOCK = 1024  # with 4 warps: the fastest of 7 block x warp choices on the H200 (tests/gpu/gpu_bf16_grad_adamw.py)
 NUM_WARPS = 4
 
 

@@ -18,7 +18,7 @@ Modules, in the order a plan is made:
     workload.py     Workload (sequence, batch, precision, checkpointing, LoRA, compile, fp8, packing, sync, and the
                     long-row features: fused loss, tiled MLP, activation offload)
     candidates.py   every valid layout of a world size; per-layout knobs
-    activations.py  activation bytes as this implementation keeps them (measured: tests/planner_memory)
+    activations.py  activation bytes as this implementation keeps them (measured: testing/memory_probe.py)
     backward.py     what a layer's backward holds, stage by stage, and where in the backward it peaks
     memory.py       itemized per-GPU peak memory (and, offloading, the host's)
     comm.py         bytes per step per axis; parts.py: each kind of work in seconds; perf.py: the step

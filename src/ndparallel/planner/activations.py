@@ -1,7 +1,7 @@
 """Bytes of activations one GPU keeps for backward, as this implementation saves them.
 
 Every coefficient below was read off what autograd (and activation checkpointing) actually keeps on one
-rank, counted storage by storage for tiny models with ``tests/planner_memory/measure.py`` (world 1 and TP/CP
+rank, counted storage by storage for tiny models with ``testing/memory_probe.py`` (world 1 and TP/CP
 layouts); ``benchmarks/planner_validation.md`` has the measured-vs-predicted table. Notation: b rows per
 micro-batch, s = seq/cp tokens held by the rank, S = seq, t = tp, e = bytes per compute element
 (2 for bf16, 4 for fp32), h hidden, q = heads*head_dim, kv = kv_heads*head_dim, n = heads, i
@@ -57,7 +57,7 @@ fused loss (``Workload.fused_loss``, the trainer's default: ``loss/fused.py``; c
     elsewhere 12*c*w in bf16, 8*c*w in fp32, as the chunked loss's) and, bf16 on CUDA, the float32 product
     of the weight-gradient GEMM before it is added, 4*w*h (``torch.addmm(..., out_dtype=float32)`` makes one); 18 bytes
     per token (the local and the clamped label, two masks) and 20 per chunk row. H200, the 1B's head at
-    8,192 tokens: 3.49 GiB above its inputs, as counted (``tests/gpu/fused_loss_check.py``). The CPU keeps
+    8,192 tokens: 3.49 GiB above its inputs, as counted (``tests/gpu/gpu_fused_loss.py``). The CPU keeps
     each chunk's bf16 product instead, e*w*h (the CPU measurements count it: ``device='cpu'``).
     lm_head's backward (``fused_head_backward``): the float32 gradient and autograd's cast of it to the
     weight's dtype at once, (4 + e)*w*h (fp32: 4*w*h, no cast).
