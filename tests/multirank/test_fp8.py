@@ -3,7 +3,7 @@ training that tracks bf16 on one rank and under FSDP (weights all-gathered in fl
 
 Emulation rounds inputs, weights and gradients to float8 exactly as on the GPU and multiplies in high
 precision, so these runs check the wiring and the numerics of the casts, not FP8 speed. The GPU check
-(200 steps against bf16 on an H200) is benchmarks/gpu_perf_checks.py. Tensor parallelism with FP8 is
+(200 steps against bf16 on an H200) is benchmarks/diagnostics/gpu_perf_checks.py. Tensor parallelism with FP8 is
 checked in forward only: gloo has no float8 collectives for the backward's float8 all-gather (NCCL has).
 """
 

@@ -41,7 +41,7 @@ def _grads_after_first_micro_batch(mode: str) -> tuple[int, int]:
     """(parameters with a sharded gradient, parameters) after the first of two micro-batches, FSDP over 4.
 
     (Under HSDP FSDP keeps the reduce-scattered, sharded sum in a buffer of its own until the all-reduce;
-    benchmarks/bench_grad_accumulation.py shows that memory.)"""
+    benchmarks/components/bench_grad_accumulation.py shows that memory.)"""
     topo = ndp.Topology.build(ndp.ParallelismConfig(dp_shard_size=4))
     model = make_model("llama")
     ndp.parallelize(model, topo, options=ndp.ParallelOptions(param_dtype=None))

@@ -26,7 +26,7 @@ def test_bench_train_compares_the_paths_on_cpu():
     # default, costs an interpreter start each).
     out = _run(
         [
-            "benchmarks/bench_train.py",
+            "benchmarks/peers/bench_train.py",
             "--shape",
             "tiny",
             "--seq",
@@ -51,7 +51,7 @@ def test_bench_train_compares_the_paths_on_cpu():
 def test_bench_cp_reports_each_method():
     out = _run(
         [
-            "benchmarks/bench_cp.py",
+            "benchmarks/long_context/bench_cp.py",
             "--seqs",
             "128",
             "--cps",
@@ -96,7 +96,7 @@ def test_example_trains_on_a_layout():
 def test_bench_moe_compares_expert_implementations(tmp_path):
     out = _run(
         [
-            "benchmarks/bench_moe.py",
+            "benchmarks/components/bench_moe.py",
             "--tiny",
             "--device",
             "cpu",

@@ -5,7 +5,7 @@ arguments (sizes, backends, handlers as objects or dicts), the same ``PARALLELIS
 variables for unset arguments, the same properties (``dp_dim_names``, ``fsdp_enabled``-style switches,
 ``total_size`` ...) and the same mesh methods, whose mesh answers to Accelerate's flattened names
 (``dp``, ``dp_shard_cp``, ``dp_cp``). The deliberate differences are listed in one table in
-``docs/from-accelerate.md`` and tested in ``tests/unit/test_accelerate_parallelism_config.py``; in short:
+``docs/from-accelerate.md`` and tested in ``tests/unit/mesh/test_accelerate_parallelism_config.py``; in short:
 ``dp_shard_size`` defaults to -1 (fill the ranks the other sizes leave) once any size is given (none: plain
 replicas over the world, as Accelerate), TP or CP with plain replicas
 (``dp_shard_size=1``) is allowed, the mesh keeps every dim even at size 1, ``cp_comm_strategy`` also

@@ -2,7 +2,7 @@
 
 Every coefficient below was read off what autograd (and activation checkpointing) actually keeps on one
 rank, counted storage by storage for tiny models with ``testing/memory_probe.py`` (world 1 and TP/CP
-layouts); ``benchmarks/planner_validation.md`` has the measured-vs-predicted table. Notation: b rows per
+layouts); ``benchmarks/results/planner_validation.md`` has the measured-vs-predicted table. Notation: b rows per
 micro-batch, s = seq/cp tokens held by the rank, S = seq, t = tp, e = bytes per compute element
 (2 for bf16, 4 for fp32), h hidden, q = heads*head_dim, kv = kv_heads*head_dim, n = heads, i
 intermediate, V vocab. Per token of the rank (multiply by b*s):
@@ -82,7 +82,7 @@ need (the min-cut partitioner recomputes cheap elementwise results, and saves on
 Measured on the H200 (compiled, one GPU, torch 2.11): without the MLP and selective terms the model was
 e*i (none, 15-16 KB per token and layer: 1B at 4k x 2 and 32k x 1-2, 3B at 8k) and ~0.94 e*h (selective,
 1B at 32k) above every compiled peak; full checkpointing (no such term) was within 0.5%. With them:
-``benchmarks/planner_validation.md``.
+``benchmarks/results/planner_validation.md``.
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ end of backward, and with ``Workload.master_grads`` the fp32 ones are made while
 ``allocated`` (everything but the overhead) is what ``torch.cuda.max_memory_allocated`` measures; on the
 H200 it is within 0.01% of every measured world-1 eager case (1B and 3B on FSDP over one rank, three
 checkpointing modes, sequences of 2k to 128k tokens; a Llama-2-7B layer shape on the flat path) and 0.3% of
-the LoRA ones, see ``benchmarks/planner_validation.md``; with torch.compile
+the LoRA ones, see ``benchmarks/results/planner_validation.md``; with torch.compile
 (``Workload.compile``) within 5% (activations.py says what compile changes). With the fused loss (1B,
 compiled, 4096 x 2 and 131,072 tokens) within 0.01%; with the tiled MLP and offload 1.4-2.1% high (backward.py).
 """
@@ -494,7 +494,7 @@ def _flat_path_rows(
     bf16 one is added in as autograd finishes it. The logits are still held at the end of backward (the
     trainer keeps them until ``loss.backward()`` returns). H200, a Llama-2-7B layer shape with 8 and 16
     layers, full checkpointing, ``master_grads``: 36.08 / 66.24 GiB measured; FSDP's moments gave 31.80 /
-    54.17, these 36.08 / 66.24 (``benchmarks/planner_validation.md``)."""
+    54.17, these 36.08 / 66.24 (``benchmarks/results/planner_validation.md``)."""
     bf16, fp32 = e * trainable, 4 * trainable
     earlier = fp32 if accumulating else 0.0
     grads_end = fp32 if accumulating else bf16 + (fp32 if workload.master_grads else 0.0)

@@ -71,7 +71,7 @@ def _sync(device: torch.device) -> None:
 
 def _seconds(fn: Callable[[], object], device: torch.device, reps: int = 3, warmup: int = 3) -> float:
     # Several warm-up calls: on the H200 the first few cuDNN attention backward calls of a new shape ran at
-    # half speed after one warm-up call (benchmarks/sdpa_backward_diag.py: 2.03 ms, later 0.98 ms).
+    # half speed after one warm-up call (benchmarks/diagnostics/sdpa_backward_diag.py: 2.03 ms, later 0.98 ms).
     for _ in range(warmup):
         fn()
     _sync(device)

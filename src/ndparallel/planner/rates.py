@@ -2,7 +2,7 @@
 
 A rate is a GPU's peak (``gpus.GpuSpec``, datasheet) times the fraction of it the kernels reach
 (``Efficiency``). The default fractions were measured on our H200 (torch 2.11, cuBLAS and cuDNN through
-PyTorch); ``benchmarks/planner_fit_h200.py`` derives them from ``benchmarks/results/`` and prints the
+PyTorch); ``benchmarks/planner/planner_fit_h200.py`` derives them from ``benchmarks/results/`` and prints the
 values written below. ``ndparallel plan --measure`` times the same kernels on the user's GPU instead
 (``probe.py``) and yields an ``Efficiency`` of its own.
 
@@ -80,10 +80,10 @@ class Efficiency:
 
 
 # Measured on one H200 (torch 2.11.0+cu130, transformers 5.17; benchmarks/results/, fitted by
-# benchmarks/planner_fit_h200.py: 33 whole-step rows, rms log error 0.049). matmul and SDPA's attention
+# benchmarks/planner/planner_fit_h200.py: 33 whole-step rows, rms log error 0.049). matmul and SDPA's attention
 # (head_dim 64 and 128) come from the kernel times of the profiled 1B and 3B steps; the kernel of packed rows
 # and CP blocks (FlashAttention 2) from ``plan --measure`` run on the H200 for the 1B (head_dim 64) and the 8B
-# (head_dim 128; the same kernel timed alone at 8k and 32k rows agrees: benchmarks/attention_backends.py);
+# (head_dim 128; the same kernel timed alone at 8k and 32k rows agrees: benchmarks/long_context/attention_backends.py);
 # stream from the fused-AdamW kernel; the rest from whole-step throughputs of the 1B and 3B shapes (eager and
 # compiled, three checkpointing modes, 2k-196k tokens, packed documents of 512 and 4096).
 H200_EFFICIENCY = Efficiency(
@@ -95,7 +95,7 @@ H200_EFFICIENCY = Efficiency(
     stream=0.73,
     pointwise_eager=0.471,
     compiled_pointwise=0.507,
-    source="H200 measurements (benchmarks/planner_fit_h200.py)",
+    source="H200 measurements (benchmarks/planner/planner_fit_h200.py)",
 )
 
 

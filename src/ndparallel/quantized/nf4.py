@@ -66,7 +66,7 @@ def nf4_parts(weight: torch.Tensor) -> list[torch.Tensor]:
 
 def dequantize(parts: list[torch.Tensor], block_size: int, scaler_block_size: int, shape: list[int]) -> torch.Tensor:
     """An NF4 weight from its parts (``nf4_parts``), as ``NF4Tensor.get_original_weight`` computes it (the
-    same operations in the same dtype, so the same bits: ``tests/unit/test_quantized_compile.py``)."""
+    same operations in the same dtype, so the same bits: ``tests/unit/quantized/test_quantized_compile.py``)."""
     quantized_data, quantized_scalers, quantization_factor, scaler_mean, nf4 = parts
     first = nf4[(quantized_data >> 4).to(torch.long)]  # two 4-bit codes per byte
     second = nf4[(quantized_data & 0b1111).to(torch.long)]

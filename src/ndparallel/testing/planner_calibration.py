@@ -34,7 +34,7 @@ trainer names them: ``fused_loss`` (default true, the trainer's default: every r
 loss existed says false), ``tiled_mlp`` (``tiled_mlp_num_shards``), ``activation_offload_layers``. GPU rows
 also say where they come from: ``device``, ``torch``, ``transformers``, ``date``, ``source`` (the results
 file). The H200 rows (1B and 3B shapes, world 1) come from ``benchmarks/results/`` through
-``benchmarks/planner_measure.py``; the unit tests hold every row to ``TOLERANCE``.
+``benchmarks/planner/planner_measure.py``; the unit tests hold every row to ``TOLERANCE``.
 """
 
 from __future__ import annotations

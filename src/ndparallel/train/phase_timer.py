@@ -5,7 +5,7 @@ phases are timed on the device with CUDA events (no host sync inside the step: t
 logging step, when the host waits for the device anyway); the data phase is host work, timed on the
 host. On CPU every phase is host time (the ops run synchronously). FSDP's communication that compute had
 to wait for is inside ``fwd_bwd`` (it runs on other CUDA streams and cannot be split off without the
-profiler: ``benchmarks/profile_step.py``).
+profiler: ``benchmarks/peers/profile_step.py``).
 """
 
 from __future__ import annotations

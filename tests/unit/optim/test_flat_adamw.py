@@ -2,7 +2,7 @@
 
 No process group: ``apply_single_rank`` works on any module. fp32 on CPU; the eager update is the
 same sequence of operations the compiled CUDA kernel fuses (checked on the GPU by
-benchmarks/gpu_perf_checks.py).
+benchmarks/diagnostics/gpu_perf_checks.py).
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """The planner's attention charge for one context-parallel rank against the H200's measurement of that rank.
 
-Measured by ``benchmarks/bench_cp_rank_share.py`` (``benchmarks/results/h200_cp_rank_share.jsonl``): cp rank
+Measured by ``benchmarks/long_context/bench_cp_rank_share.py`` (``benchmarks/results/h200_cp_rank_share.jsonl``):
+cp rank
 0's planned attention calls for one layer of Llama-3-8B's heads, forward + backward, bf16, one row of one
 document, communication replaced by local tensors. The planner charges ``parts.attention_s`` for one layer
 plus the method's own memory traffic (``parts.cp_bytes``). Packed rows are left out: there the attention is
 short and the simulation's whole-row fp32 accumulators, which the real methods do not have, weigh
-(``benchmarks/planner_cp_share_check.py`` prints every row).
+(``benchmarks/planner/planner_cp_share_check.py`` prints every row).
 """
 
 import pytest

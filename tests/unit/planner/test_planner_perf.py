@@ -125,7 +125,7 @@ def _h200_rows():
 
 
 # Eager selective checkpointing of 2048-token rows runs PyTorch's checkpoint policy (a Python dispatch mode)
-# over many short kernels: host-bound, which the model does not count (benchmarks/RESULTS.md). The 1B's
+# over many short kernels: host-bound, which the model does not count (benchmarks/results/RESULTS.md). The 1B's
 # predictions are 22% (2048-token rows) and 12% (4096) too fast, the excess shrinking as kernels grow; the
 # 3B's selective row (longer kernels) is within 1%.
 HOST_BOUND = {

@@ -2,11 +2,12 @@
 
 One H200, 2026-12-02, the one-rank flat path with ``build_optimizer``'s default fp32 gradients:
 
-- ``benchmarks/bench_long_rows.py`` (``results/h200_long_rows_modes.jsonl``): the 1B shape, one row per step
+- ``benchmarks/long_context/bench_long_rows.py`` (``results/h200_long_rows_modes.jsonl``): the 1B shape, one row
+per step
   packed with 4,096- or 512-token documents or holding one document, without checkpointing and with selective
-  checkpointing, eager. ``benchmarks/planner_fit_h200.py`` fitted its fractions on long rows with full
+  checkpointing, eager. ``benchmarks/planner/planner_fit_h200.py`` fitted its fractions on long rows with full
   checkpointing only. Predicted -6.1% to +2.3% when added.
-- ``benchmarks/gpu_memory_sweep.py`` (``results/h200_memory_sweep_lora_8b_long.jsonl``): the 8B shape with
+- ``benchmarks/planner/gpu_memory_sweep.py`` (``results/h200_memory_sweep_lora_8b_long.jsonl``): the 8B shape with
   LoRA r16 on all seven linears at 8k-32k tokens, three checkpointing modes eager and selective compiled; the
   fit has no 8B row. Predicted +1.2% to +2.8% eager, -7.6% compiled.
 
