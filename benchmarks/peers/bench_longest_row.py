@@ -6,7 +6,7 @@
     python benchmarks/peers/bench_longest_row.py --model 1b --rows peer-liger --lengths 131072,262144 --out r.jsonl
 
 Rows (each (row, length) in a process of its own, so an out-of-memory leaves nothing behind):
-* ``ndparallel``: the trainer's step (``train.forward_backward``, clip, AdamW) on one packed row of 4,096-token
+* ``ndparallel``: the trainer's step (``train/loop.forward_backward``, clip, AdamW) on one packed row of 4,096-token
   documents, full activation checkpointing, the fused loss, the MLP over sequence tiles, the layer inputs of
   as many layers as host memory holds offloaded, per-layer compile (``--eager`` to turn it off);
 * ``ndparallel-tiled``: the same without offload (what offloading costs in time, and saves);

@@ -92,7 +92,7 @@ def adamw_from_low_precision_grad_(
     block: int = BLOCK,
     num_warps: int = NUM_WARPS,
 ) -> None:
-    """``optim.adamw_update_`` of elements [offset, offset + grad.numel()) of the flat, contiguous ``param``,
+    """``flat_adamw.adamw_update_`` of elements [offset, offset + grad.numel()) of the flat, contiguous ``param``,
     ``exp_avg``, ``exp_avg_sq`` (and ``compute``) from the contiguous ``grad`` (upcast in the kernel).
 
     The flat buffers and an element offset rather than views of them: a launch per tensor is host work (a

@@ -6,7 +6,7 @@ FSDP2's root unit and the one-rank path's compute copies live in the hooks of th
 swapped (once, in ``parallelize``) for a ``LossHead`` holding the same parameters under the same names.
 Inside ``head.capture()`` its forward records its input and returns zero-width logits (B, S, 0), on
 which the family's own logit scaling or soft-capping costs nothing; the caller then computes the loss
-from the recorded input and ``head.weight`` (``step.model_loss``) and adds the zero-width logits' sum
+from the recorded input and ``head.weight`` (``step/token_loss.model_loss``) and adds the zero-width logits' sum
 (exactly 0) so that the model's output is part of the loss's graph, as hooks on it expect. Outside it,
 it is a plain linear layer (evaluation by a user's own code, generation, export all see the usual logits).
 

@@ -75,7 +75,7 @@ class ParallelOptions:
     one scale per row) for the decoder blocks' linear weights; needs ``lora``. None: unquantized."""
     fused_loss: bool = True
     """Give lm_head's input to the fused linear + cross-entropy loss (``loss/fused.py``) instead of computing
-    the (tokens x vocabulary) logits, when the loss goes through ``step.model_loss`` (the trainer's does).
+    the (tokens x vocabulary) logits, when the loss goes through ``step/token_loss.model_loss`` (the trainer's does).
     The head stays a plain linear layer for any other caller (``loss/head.py``)."""
     single_rank_fsdp: bool = False
     """Wrap with FSDP2 even when the world is one rank. By default one rank keeps its parameters in flat

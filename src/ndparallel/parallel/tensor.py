@@ -15,7 +15,7 @@ reduce-scatter back to ``Shard(1)``. Shapes, with B batch, S sequence, H hidden,
 The embedding output stays a DTensor because transformers derives position ids and masks from
 ``inputs_embeds.shape[1]``, which must be the global length. The vocabulary need not divide by t: the
 embedding and lm_head rows split like ``torch.chunk`` (ceil(V/t) rows per rank, fewer on the last), and
-the loss finds each rank's first row (``loss.vocab_offset``).
+the loss finds each rank's first row (``loss/cross_entropy.vocab_offset``).
 
 Other styles (``models/families.py`` says which module gets which):
 

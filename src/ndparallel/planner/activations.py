@@ -312,7 +312,7 @@ def loss_peak(m: ModelShape, layout: Layout, seq: int, b: int, e: int, compiled:
 
 
 def fused_chunk_rows(m: ModelShape, layout: Layout, e: int, device: str = "cuda") -> int:
-    """Rows per chunk of the fused loss (``fused_loss.chunk_rows_for``): about ``CHUNK_BYTES`` of logits, a
+    """Rows per chunk of the fused loss (``loss/fused.chunk_rows_for``): about ``CHUNK_BYTES`` of logits, a
     multiple of 256 rows, at least 256."""
     rows = CHUNK_BYTES.get(device, CHUNK_BYTES["cpu"]) // max(1, (m.vocab // layout.tp) * e)
     return max(256, rows // 256 * 256)

@@ -457,7 +457,7 @@ def offload_layers_for(
 
 def offloaded_layer_bytes(model: ModelShape, layout: Layout, workload: Workload, micro_batch: int = 1) -> int:
     """One offloaded layer's input on one rank: b x ceil(ceil(S/cp)/tp) tokens x h, compute dtype
-    (``train.offload_layers``)."""
+    (``train/model.offload_layers``)."""
     tokens = micro_batch * -(-(-(-workload.seq_len // layout.cp)) // layout.tp)
     return tokens * model.hidden * workload.compute_bytes
 

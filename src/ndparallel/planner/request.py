@@ -1,5 +1,5 @@
 """A training config as the planner's request: the one place the trainer's settings become ``best_layout``'s
-arguments (``train.resolve_layout`` for ``dp_shard_size: auto``, ``oom.planner_advice`` after an
+arguments (``train/setup.resolve_layout`` for ``dp_shard_size: auto``, ``train/oom.planner_advice`` after an
 out-of-memory; issue #36: they used to build them apart, and the advice's copy dropped compile and
 gradient_sync).
 """
@@ -18,7 +18,7 @@ def layout_request(cfg: Any, *, host_memory_gib: float | None = None) -> dict[st
     ``TrainConfig``: the run as it is configured, long-row features included.
 
     ``host_memory_gib``: the host memory a node has for offloaded activations; None reads what this machine
-    has available now (``offload.host_memory_available``, the count ``train.offload_layers`` uses).
+    has available now (``offload.host_memory_available``, the count ``train/model.offload_layers`` uses).
     """
     lora = bool(cfg.adapter)
     return {

@@ -33,8 +33,13 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
+import ndparallel as ndp
 from ndparallel._compat import TorchDispatchMode, tree_leaves
+from ndparallel.adapters.lora import LoraSpec
+from ndparallel.loss.cross_entropy import cross_entropy_sum
+from ndparallel.loss.fused import linear_cross_entropy_sum
 from ndparallel.planner.shapes import ModelShape
+from ndparallel.step.token_loss import model_loss
 
 
 def _plain(t: torch.Tensor) -> list[torch.Tensor]:
@@ -107,7 +112,7 @@ def measure_activations(
     ``layout`` holds ParallelismConfig keyword arguments; ``lora_rank`` adds LoRA adapters of that rank to
     all seven linears of every layer (base weights frozen), as the trainer does; ``fused_loss``,
     ``tiled_mlp`` (``num_tiles`` tiles) and ``offload_layers`` are the ``ParallelOptions`` of the same
-    names (the loss then goes through ``step.model_loss``, the trainer's call). Returns ``retained``,
+    names (the loss then goes through ``step/token_loss.model_loss``, the trainer's call). Returns ``retained``,
     ``layer_saved`` (mode 'none'), ``regions`` (retained bytes by the region that created them), ``host``
     (offloaded inputs) and the layout used.
     """
@@ -184,9 +189,6 @@ def _parallelized(shape: ModelShape, layout: dict[str, Any], seed: int, lora_ran
     """(topology, model): a randomly initialized model of ``shape`` through ``ndparallel.parallelize``."""
     from transformers import AutoModelForCausalLM
 
-    import ndparallel as ndp
-    from ndparallel.adapters.lora import LoraSpec
-
     topo = ndp.Topology.build(ndp.ParallelismConfig(**layout))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(
@@ -199,8 +201,6 @@ def _parallelized(shape: ModelShape, layout: dict[str, Any], seed: int, lora_ran
 
 def _batch(shape: ModelShape, topo, micro_batch: int, seq_len: int, seed: int):
     """(this rank's batch, the step's token count) of random ids."""
-    import ndparallel as ndp
-
     rows = micro_batch * topo.layout.batch_size
     ids = torch.randint(1, shape.vocab, (rows, seq_len), generator=torch.Generator().manual_seed(seed + 1))
     batch = ndp.prepare_batch(ids, topo)
@@ -208,11 +208,8 @@ def _batch(shape: ModelShape, topo, micro_batch: int, seq_len: int, seed: int):
 
 
 def _loss(model, inputs: dict, labels, num_tokens, topo, fused_loss: bool) -> torch.Tensor:
-    """The forward and the loss: the trainer's call (``step.model_loss``) with the fused loss, else the model's
-    logits through ``token_loss``; the logits are not returned (what forward keeps is counted without them)."""
-    import ndparallel as ndp
-    from ndparallel.step.token_loss import model_loss
-
+    """The forward and the loss: the trainer's call (``step/token_loss.model_loss``) with the fused loss, else the
+    model's logits through ``token_loss``; the logits are not returned (what forward keeps is counted without them)."""
     if fused_loss:
         return model_loss(model, inputs, labels, num_tokens=num_tokens, topology=topo)[0]
     logits = model(**inputs).logits
@@ -278,13 +275,11 @@ def measure_loss_peak(
 
     The logits are (tokens, vocab / world) in the compute dtype, made inside the measured block by a
     linear head from a narrow (``hidden``-wide) input, like lm_head's, and referenced until backward ends,
-    as ``train.forward_backward`` does; with more than one rank the vocabulary-parallel loss runs over the
+    as ``train/loop.forward_backward`` does; with more than one rank the vocabulary-parallel loss runs over the
     world group (as tp). The head's own gradients are (tokens + vocab/world) x hidden, small beside the
     logits, so the peak is the loss's.
     """
     import torch.distributed as dist
-
-    from ndparallel.loss.cross_entropy import cross_entropy_sum
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -307,15 +302,13 @@ def measure_loss_peak(
 def measure_fused_loss_peak(
     *, vocab: int, tokens: int, precision: str = "bf16", hidden: int = 64, chunk_rows: int = 256, seed: int = 0
 ) -> dict[str, Any]:
-    """Peak bytes of ``fused_loss.linear_cross_entropy_sum`` through forward and backward, eager, one rank.
+    """Peak bytes of ``loss/fused.linear_cross_entropy_sum`` through forward and backward, eager, one rank.
 
     The head's input x (tokens x hidden) and weight (vocab x hidden) exist before (not counted) and need
     gradients, as lm_head's in training; the loss runs its chunks of ``chunk_rows`` rows. What is counted: the
     gradients it makes in forward (x's, and W's summed in float32), each chunk's logits and temporaries, the
     per-token label tensors and, in backward, autograd's cast of W's float32 gradient to W's dtype.
     """
-    from ndparallel.loss.fused import linear_cross_entropy_sum
-
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=g).to(dtype).requires_grad_()
@@ -368,7 +361,7 @@ def measure_step_peak(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Peak bytes of the storages a training step's forward and backward create, one rank (the one-rank flat
-    path, eager), as ``train.forward_backward`` runs them: activations, the loss's tensors, every backward
+    path, eager), as ``train/loop.forward_backward`` runs them: activations, the loss's tensors, every backward
     buffer and the bf16 gradients autograd leaves on the compute copies. Parameters, compute copies and the
     inputs exist before (a first step is run so the flat buffers are made) and are not counted."""
     options = _options(precision, activation_checkpointing, fused_loss, tiled_mlp, num_tiles, offload_layers)
@@ -376,8 +369,6 @@ def measure_step_peak(
     batch, num_tokens = _batch(shape, topo, micro_batch, seq_len, seed)
 
     def step() -> None:
-        from ndparallel.step.token_loss import model_loss
-
         # as train.forward_backward: the outputs (the unfused loss's logits) are held until backward returns
         loss, outputs = model_loss(model, batch.model_inputs(), batch.labels, num_tokens=num_tokens, topology=topo)
         loss.backward()

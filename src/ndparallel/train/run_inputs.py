@@ -1,4 +1,4 @@
-"""What a ``TrainConfig`` names, made ready for ``train.setup``: hub files fetched once per node, the
+"""What a ``TrainConfig`` names, made ready for ``train/setup.setup``: hub files fetched once per node, the
 tokenizer with the config's tokens and chat template, the dataset specs, and the optimizer.
 """
 
