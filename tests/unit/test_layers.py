@@ -86,7 +86,7 @@ def test_no_import_runs_up():
     assert not upward, "imports that run up:\n" + "\n".join(upward)
 
 
-def test_package_inits_hold_a_docstring_that_says_the_layer():
+def test_package_inits_hold_a_docstring_and_no_import():
     """A package's ``__init__`` says what it holds and what it may import, and imports nothing itself (a
     re-export there would tie every module of the package to every other)."""
     problems = []

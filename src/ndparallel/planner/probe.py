@@ -8,7 +8,7 @@ What is timed, for the model's shapes at the planned tokens per micro-batch (cap
     matmul_fp8    the largest layer linear as a float8 product with per-tensor scales (with --fp8)
     attention     causal SDPA forward and forward+backward at the model's heads and head_dim, at two row
                   lengths (the longer one and a quarter of it) -> the long-row rates and half_rows
-    block kernel  the kernel packed rows and context-parallel blocks call (``varlen_attention``:
+    block kernel  the kernel packed rows and context-parallel blocks call (``parallel/attention/varlen.py``:
                   FlashAttention's variable-length kernel on CUDA), the same way -> Efficiency.block_attention
     stream        fused AdamW over 64M fp32 parameters (28 bytes each) -> Efficiency.stream
     pointwise     one eager decoder layer of the model, forward and backward, minus its timed matmuls and
@@ -165,7 +165,7 @@ def time_sdpa(
 def time_blocks(
     model: ModelShape, rows: int, tokens: int, device: torch.device, dtype: torch.dtype
 ) -> tuple[float, float, float]:
-    """The same for the kernel that packed rows and context-parallel blocks call (``varlen_attention``:
+    """The same for the kernel that packed rows and context-parallel blocks call (``parallel/attention/varlen.py``:
     FlashAttention's variable-length kernel on CUDA, the padded dense path elsewhere): one causal document
     per row of ``rows`` tokens, grouped key/value heads as they are, through the engine's own call."""
     batch = max(1, tokens // rows)
