@@ -136,7 +136,9 @@ part long-1b-1m 150 "${LONGEST[@]}" --model 1b --lengths 1048576
 part lora-8b-512k 240 bash -c "${LONGEST[*]} --model 8b --lora --lengths 524288; grep -q '\"tokens\": 524288, \"ok\": true' \
   $OUT/longest_row.jsonl || ${LONGEST[*]} --model 8b --lora --lengths 393216"
 part longest-1b 150 "${LONGEST[@]}" --model 1b --lengths 2097152
-part offload-cost 40 "${LONGEST[@]}" --model 1b --rows ndparallel-tiled --lengths 131072
+part longest-1b15 150 "${LONGEST[@]}" --model 1b --lengths 1572864
+# offload-cost: the same row without and with offload, in one call, both compiled inside the checkpoint wrapper
+part offload-cost 120 "${LONGEST[@]}" --model 1b --rows ndparallel-tiled,ndparallel --lengths 131072 --steps 3
 part short-1b-selective 60 "${BENCH[@]}" --shape 1b --seq 4096 --micro-batch 2 --rows ndparallel --ac selective
 part longest-3b 100 "${LONGEST[@]}" --model 3b --lengths 524288
 part peer-long 240 "${LONGEST[@]}" --model 1b --rows peer-liger --lengths 262144,524288 --steps 1
