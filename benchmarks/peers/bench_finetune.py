@@ -70,8 +70,9 @@ import finetune_data
 from finetune_common import ALL_ROWS, DEFAULT_ROWS, OURS_ROWS, kind_of, shape_config, step_flops, versions
 from finetune_report import print_summary, row_line
 
+import ndparallel
+
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -95,6 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=560.0, help="start no row after this; stop one running")
     p.add_argument("--min-row-s", type=float, default=45.0, help="start no row with less time than this left")
     args = p.parse_args(argv)
+    args.work = args.work.resolve()  # the rows run in it (their cwd) and read absolute paths
     args.seqs = [int(s) for s in args.seq.split(",")]
     args.row_names = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = [r for r in args.row_names if r not in ALL_ROWS]
@@ -110,11 +112,14 @@ def child_env() -> dict[str, str]:
 
     env = default_env({k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")})
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", UNSLOTH_DISABLE_STATISTICS="1")
+    # The ndparallel this process imported, whatever the rows' working directory (a relative PYTHONPATH).
+    source = Path(ndparallel.__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join([str(source), env.get("PYTHONPATH", "")])
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
 
 
-def run_child(spec: dict, run_dir: Path, *, timeout_s: float) -> tuple[dict, float]:
+def run_child(spec: dict, run_dir: Path, *, cwd: Path, timeout_s: float) -> tuple[dict, float]:
     """Run ``finetune_rows.py`` on ``spec`` in its own process group; (its result, launch time). A child still
     running after ``timeout_s`` is killed with its process group (compile workers included)."""
     spec_path = run_dir / "spec.json"
@@ -124,7 +129,7 @@ def run_child(spec: dict, run_dir: Path, *, timeout_s: float) -> tuple[dict, flo
     with open(run_dir / "log.txt", "w", encoding="utf-8") as log:
         proc = subprocess.Popen(
             [sys.executable, str(HERE / "finetune_rows.py"), str(spec_path)],
-            cwd=REPO,
+            cwd=cwd,  # --work: Unsloth writes its compiled cache (kept between rows, as torch's) in the cwd
             env=child_env(),
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -164,7 +169,7 @@ def ensure_model(args, *, timeout_s: float) -> Path:
     run_dir.mkdir(parents=True)
     spec = dict(row="build-model", shape=args.shape, model_dir=str(model_dir), seed=args.seed, dtype=dtype)
     started = time.perf_counter()
-    outcome, _ = run_child({**spec, "device": args.device}, run_dir, timeout_s=timeout_s)
+    outcome, _ = run_child({**spec, "device": args.device}, run_dir, cwd=args.work, timeout_s=timeout_s)
     if outcome["status"] != "ok":
         raise SystemExit(f"building the {args.shape} checkpoint failed: {outcome.get('why')} (log {run_dir})")
     print(f"built the {args.shape} checkpoint in {time.perf_counter() - started:.0f} s: {model_dir}", flush=True)
@@ -227,7 +232,7 @@ def run_rows(args, model_dir: Path, seq: int, started: float, out: list[dict]) -
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
         spec = row_spec(args, row, seq=seq, model_dir=model_dir, data=data, run_dir=run_dir)
-        outcome, launched = run_child(spec, run_dir, timeout_s=left)
+        outcome, launched = run_child(spec, run_dir, cwd=args.work, timeout_s=left)
         shutil.rmtree(run_dir / "out", ignore_errors=True)  # ours' output dir: its checkpoints are large
         record = measure(args, row, outcome, seq=seq, launched=launched)
         record["log"] = str(run_dir / "log.txt")

@@ -74,9 +74,10 @@ def _against_peer(record: dict, kind: RowKind, rows: dict[str, dict]) -> str:
 
 
 def _loss_check(record: dict, kind: RowKind, rows: dict[str, dict]) -> str:
-    reference = next((rows[o] for o in kind.ours if _ran(rows.get(o))), None)
+    # The kind's ours row; without one, its first row that ran.
+    reference = next((rows[o] for o in (*kind.ours, *kind.peers) if _ran(rows.get(o))), None)
     if reference is None or reference is record:
-        return "loss reference of its kind"
+        return "the loss reference of its kind"
     found = loss_deviation(record, reference)
     if found is None:
         return "no common steps"
