@@ -2,12 +2,13 @@
 on the same weights, token rows, adapters and optimizer (issue 35).
 
     # one H200, rows of 4,096 tokens, every row (a 10-minute call holds ~5 of them: split with --rows; a
-    # later call with the same --json and --work adds its rows to the summary)
-    python benchmarks/peers/bench_finetune.py --shape 8b --seq 4096 --ac none --json $OUT/finetune.jsonl \\
-        --rows ours-lora,unsloth-lora,hf-peft-liger-compile,ours-qlora,unsloth-qlora
-    python benchmarks/peers/bench_finetune.py --shape 8b --seq 4096 --ac none --json $OUT/finetune.jsonl \\
-        --rows peft-bnb4,torchao-nf4-peft,ours-lora8,peft-bnb8,ours-full-adam8
-    python benchmarks/peers/bench_finetune.py --shape qwen3-8b --seq 8192 --ac full --json $OUT/finetune.jsonl
+    # later call with the same --json and --work, on the same machine, adds its rows to the summary)
+    W=/tmp/ndp-bench-finetune
+    python benchmarks/peers/bench_finetune.py --shape 8b --seq 4096 --ac none --json $W/finetune.jsonl \\
+        --logs $OUT --rows ours-lora,unsloth-lora,hf-peft-liger-compile,ours-qlora,unsloth-qlora; cp $W/*.jsonl $OUT
+    python benchmarks/peers/bench_finetune.py --shape 8b --seq 4096 --ac none --json $W/finetune.jsonl \\
+        --logs $OUT --rows peft-bnb4,torchao-nf4-peft,ours-lora8,peft-bnb8,ours-full-adam8; cp $W/*.jsonl $OUT
+    python benchmarks/peers/bench_finetune.py --shape qwen3-8b --seq 8192 --ac full --json $W/finetune.jsonl
     # CPU (the test): the rows that run without a GPU, fp32, eager
     python benchmarks/peers/bench_finetune.py --shape tiny --seq 128 --steps 3 --warmup 1 --device cpu \\
         --no-compile --rows ours-lora,hf-peft,ours-qlora,torchao-nf4-peft --work /tmp/ft --json /tmp/ft/rows.jsonl
@@ -67,6 +68,7 @@ import time
 from pathlib import Path
 
 import finetune_data
+import yaml
 from finetune_common import ALL_ROWS, DEFAULT_ROWS, OURS_ROWS, kind_of, shape_config, step_flops, versions
 from finetune_report import print_summary, row_line
 
@@ -93,6 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--work", type=Path, default=Path("/tmp/ndp-bench-finetune"), help="weights, data, runs")
     p.add_argument("--json", type=Path, help="append one JSON line per row; its earlier rows join the summary")
+    p.add_argument("--logs", type=Path, help="copy each row's log here (e.g. $OUT on the GPU machine)")
     p.add_argument("--budget-s", type=float, default=560.0, help="start no row after this; stop one running")
     p.add_argument("--min-row-s", type=float, default=45.0, help="start no row with less time than this left")
     args = p.parse_args(argv)
@@ -184,6 +187,7 @@ def row_spec(args, row: str, *, seq: int, model_dir: Path, data, run_dir: Path) 
         spec["config"] = finetune_data.ours_config(
             args, row, seq=seq, model_dir=model_dir, data=data, output_dir=run_dir / "out"
         )
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(spec["config"], sort_keys=False), encoding="utf-8")
     return spec
 
 
@@ -236,6 +240,9 @@ def run_rows(args, model_dir: Path, seq: int, started: float, out: list[dict]) -
         shutil.rmtree(run_dir / "out", ignore_errors=True)  # ours' output dir: its checkpoints are large
         record = measure(args, row, outcome, seq=seq, launched=launched)
         record["log"] = str(run_dir / "log.txt")
+        if args.logs:
+            args.logs.mkdir(parents=True, exist_ok=True)
+            shutil.copy(run_dir / "log.txt", args.logs / f"{args.shape}-{row}-seq{seq}.log")
         if row in OURS_ROWS and record["status"] == "ok":
             record["trainer_read_the_same_rows"] = finetune_data.trainer_used_cache(data)
         print(row_line(record), flush=True)
