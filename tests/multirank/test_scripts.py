@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -119,3 +120,29 @@ def test_bench_moe_compares_expert_implementations(tmp_path):
         ["step", "eager"],
     ], out
     assert (tmp_path / "bench_moe.json").is_file()
+
+
+@pytest.mark.slow
+def test_bench_finetune_rows_train_the_same_problem(tmp_path):
+    # Same weights, token rows in the same order, adapters' start and optimizer for every row: on a CPU in fp32
+    # ours and its peer give the same loss at every step (LoRA on the base against HF + peft; QLoRA against
+    # torchao's NF4 + peft). A row whose package or device is missing is recorded as skipped.
+    rows = ["ours-lora", "hf-peft", "ours-qlora", "torchao-nf4-peft", "peft-bnb8"]
+    jsonl = tmp_path / "rows.jsonl"
+    out = _run(
+        ["benchmarks/peers/bench_finetune.py", "--shape", "tiny", "--seq", "128", "--steps", "3", "--warmup", "1"]
+        + ["--device", "cpu", "--no-compile", "--rows", ",".join(rows), "--work", str(tmp_path), "--json", str(jsonl)]
+    )
+    records = {r["row"]: r for r in map(json.loads, jsonl.read_text().splitlines())}
+    assert sorted(records) == sorted(rows), out
+    assert records["peft-bnb8"]["status"] == "skipped", records["peft-bnb8"]
+    for ours, peer in (("ours-lora", "hf-peft"), ("ours-qlora", "torchao-nf4-peft")):
+        a, b = records[ours], records[peer]
+        assert a["status"] == b["status"] == "ok", (a, b)
+        assert a["trainer_read_the_same_rows"], a
+        assert len(a["losses"]) == len(b["losses"]) == 3, (a, b)
+        assert abs(a["losses"][0] - b["losses"][0]) <= 1e-4, (a["losses"], b["losses"])
+        assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) <= 1e-3, (a["losses"], b["losses"])
+    # The NF4 base is another model: the comparison can tell models apart.
+    assert abs(records["ours-qlora"]["losses"][0] - records["ours-lora"]["losses"][0]) > 1e-5
+    assert "vs ours-lora: max |dloss|" in out and "vs ours-qlora: max |dloss|" in out, out

@@ -1,0 +1,107 @@
+"""What ``bench_finetune.py`` prints: one line per row as it ends, and the summary: per row length, every row
+(this call's and, from ``--json``, earlier calls' with the same shape, micro-batch, steps and device: the
+latest of each), each ours row against the best peer of its kind, each row's loss against its kind's ours
+row."""
+
+from __future__ import annotations
+
+from finetune_common import KINDS, OURS_ROWS, RowKind, read_jsonl
+
+TARGET_SPEEDUP = 1.2
+"""Issue 35: every 8B row >= 1.2x its best peer's tokens/s at <= its peak memory."""
+
+
+def _peak(record: dict) -> float | None:
+    """Peak allocated GPU memory (GiB); on a CPU the process's peak resident set."""
+    return record.get("peak_allocated_gib", record.get("peak_rss_gib"))
+
+
+def row_line(record: dict) -> str:
+    name = f"{record['row']:<24} seq {record['seq']:>6}"
+    if record["status"] != "ok":
+        return f"{name} {record['status']}: {record.get('why', '')}"
+    if "tokens_per_s" not in record:
+        return f"{name} ran no step"
+    mfu = f"{100 * record['mfu']:.1f}%" if record.get("mfu") else "-"
+    reserved = record.get("peak_reserved_gib")
+    memory = f"peak {_peak(record):.1f} GiB" + (f" (reserved {reserved:.1f})" if reserved is not None else "")
+    first = f"{record['first_step_s']:.0f} s" if record.get("first_step_s") is not None else "-"
+    losses = record["losses"]
+    return (
+        f"{name} {record['tokens_per_s']:>10,.0f} tok/s  MFU {mfu:>6}  {memory}  first step {first}  "
+        f"loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+    )
+
+
+def loss_deviation(record: dict, reference: dict) -> tuple[float, float] | None:
+    """(max |loss - reference loss| over the steps both ran, |diff| at the last of them)."""
+    a, b = record.get("losses") or [], reference.get("losses") or []
+    n = min(len(a), len(b))
+    if n == 0:
+        return None
+    diffs = [abs(x - y) for x, y in zip(a[:n], b[:n])]
+    return max(diffs), diffs[-1]
+
+
+def _latest(args, records: list[dict]) -> dict[tuple[int, str], dict]:
+    """(seq, row) -> the latest record of this shape / micro-batch / steps / device."""
+    history = read_jsonl(args.json) if args.json else records
+    key = (args.shape, args.micro_batch, args.steps, args.device)
+    latest = {}
+    for record in history:
+        if (record["shape"], record["micro_batch"], record["steps"], record["device"]) == key:
+            latest[(record["seq"], record["row"])] = record
+    return latest
+
+
+def _ran(record: dict | None) -> bool:
+    return record is not None and record["status"] == "ok" and "tokens_per_s" in record
+
+
+def _against_peer(record: dict, kind: RowKind, rows: dict[str, dict]) -> str:
+    peers = [rows[p] for p in kind.peers if _ran(rows.get(p))]
+    if not peers:
+        return "no peer row" if kind.peers else "no peer of this kind"
+    best = max(peers, key=lambda r: r["tokens_per_s"])
+    ratio = record["tokens_per_s"] / best["tokens_per_s"]
+    ours_peak, peer_peak = _peak(record), _peak(best)
+    fits = ours_peak is not None and peer_peak is not None and ours_peak <= peer_peak
+    verdict = "met" if ratio >= TARGET_SPEEDUP and fits else "NOT met"
+    return (
+        f"{ratio:.2f}x {best['row']} (best {kind.name} peer), peak {ours_peak:.1f} vs {peer_peak:.1f} GiB "
+        f"({'<=' if fits else '>'}): target {TARGET_SPEEDUP}x at <= memory {verdict}"
+    )
+
+
+def _loss_check(record: dict, kind: RowKind, rows: dict[str, dict]) -> str:
+    # The kind's ours row; without one, its first row that ran.
+    reference = next((rows[o] for o in (*kind.ours, *kind.peers) if _ran(rows.get(o))), None)
+    if reference is None or reference is record:
+        return "the loss reference of its kind"
+    found = loss_deviation(record, reference)
+    if found is None:
+        return "no common steps"
+    worst, last = found
+    verdict = "within" if last <= kind.loss_bound else "OUTSIDE"
+    return f"vs {reference['row']}: max |dloss| {worst:.4f}, at the last step {last:.4f} ({verdict} {kind.loss_bound})"
+
+
+def print_summary(args, records: list[dict]) -> None:
+    latest = _latest(args, records)
+    for seq in sorted({s for s, _ in latest}):
+        rows = {row: r for (s, row), r in latest.items() if s == seq}
+        print(f"\n=== {args.shape}, rows of {seq} tokens x {args.micro_batch}, {args.steps} steps ({args.device}) ===")
+        for kind in KINDS:
+            names = [n for n in (*kind.ours, *kind.peers) if n in rows]
+            if not names:
+                continue
+            print(f"-- {kind.name}: {kind.why}")
+            for name in names:
+                record = rows[name]
+                earlier = "" if record.get("call") == args.call else f"  [earlier call {record['when']}]"
+                print("  " + row_line(record) + earlier)
+                if not _ran(record):
+                    continue
+                print(f"      loss: {_loss_check(record, kind, rows)}")
+                if name in OURS_ROWS:
+                    print(f"      speed: {_against_peer(record, kind, rows)}")
