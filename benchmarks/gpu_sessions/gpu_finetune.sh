@@ -20,7 +20,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTORCH_CUDA_ALLOC_CONF=
 W=/tmp/ndp-bench-finetune
 BENCH=(python3 benchmarks/peers/bench_finetune.py --shape "${SHAPE:-8b}" --seq "${SEQ:-4096}" --work $W
   --json $W/finetune.jsonl --logs "$OUT" --steps "${STEPS:-50}")
-"${BENCH[@]}" --ac "${AC:-none}" --rows "$ROWS" --budget-s "${BUDGET:-540}"
-if [[ -n ${AC_ROWS:-} ]]; then "${BENCH[@]}" --ac "${AC2:-full}" --rows "$AC_ROWS" --budget-s $(( ${BUDGET:-540} - SECONDS )); fi
+"${BENCH[@]}" --ac "${AC:-none}" ${EXTRA:-} --rows "$ROWS" --budget-s "${BUDGET:-540}"
+if [[ -n ${AC_ROWS:-} ]]; then "${BENCH[@]}" --ac "${AC2:-full}" ${EXTRA2:-} --rows "$AC_ROWS" --budget-s $(( ${BUDGET:-540} - SECONDS )); fi
 cp $W/finetune.jsonl "$OUT/" 2>/dev/null
 echo "[$(date +%T)] done in $SECONDS s"

@@ -87,6 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma list of: {', '.join(ALL_ROWS)}")
     p.add_argument("--ac", choices=("none", "selective", "full"), default="none", help="ours' checkpointing")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="ours: each block")
+    p.add_argument("--offload", action="store_true", help="ours, with --ac full: layer inputs in host memory")
     p.add_argument("--peer-ac", choices=("recipe", "none"), default="recipe", help="peers' checkpointing")
     p.add_argument("--peer-compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--lora-rank", type=int, default=16)
@@ -197,7 +198,7 @@ def measure(args, row: str, outcome: dict, *, seq: int, launched: float) -> dict
     record = dict(bench="finetune", row=row, kind=kind.name, shape=args.shape, seq=seq, micro_batch=args.micro_batch)
     record.update(steps=args.steps, warmup=args.warmup, device=args.device, status=outcome["status"])
     if row in OURS_ROWS:
-        record.update(ac=args.ac, compile=args.compile)
+        record.update(ac=args.ac, offload=args.offload, compile=args.compile)
     else:
         record.update(peer_ac=args.peer_ac, peer_compile=args.peer_compile)
     record.update(call=args.call, when=datetime.datetime.now().isoformat(timespec="seconds"), versions=versions())

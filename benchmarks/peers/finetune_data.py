@@ -49,6 +49,7 @@ def ours_config(args, row: str, *, seq: int, model_dir: Path, data: Data, output
         "max_grad_norm": CLIP_NORM,
         "torch_compile": args.compile,
         "activation_checkpointing": args.ac,
+        "activation_offloading": args.ac == "full" and args.offload,
         "seed": args.seed,
         "logging_steps": 1,
         "save_steps": 100 * (args.steps + 1),

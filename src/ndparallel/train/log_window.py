@@ -113,8 +113,9 @@ class LogWindow:
         FLOPs (the caller takes them out of the record for the run's totals)."""
         topo, steps = self.topo, max(1, self.steps)
         loss = reduce_loss(self.loss, topo).item() / steps
-        totals = torch.stack([self.tokens.double(), torch.tensor(self.attention_flops, dtype=torch.float64)])
-        totals = totals.to(self.topo.device)
+        # the attention FLOPs are counted on the host: the tensor is made where the token count lives
+        attention = torch.tensor(self.attention_flops, dtype=torch.float64, device=self.tokens.device)
+        totals = torch.stack([self.tokens.double(), attention]).to(self.topo.device)
         dist.all_reduce(totals, group=topo.loss.get_group())  # one collective for both
         tokens, attention_flops = totals.tolist()
         phases = self.timer.take()
