@@ -17,7 +17,7 @@ def _peak(record: dict) -> float | None:
 
 
 def row_line(record: dict) -> str:
-    name = f"{record['row']:<24} seq {record['seq']:>6}"
+    name = f"{variant(record):<34} seq {record['seq']:>6}"
     if record["status"] != "ok":
         return f"{name} {record['status']}: {record.get('why', '')}"
     if "tokens_per_s" not in record:
@@ -43,14 +43,21 @@ def loss_deviation(record: dict, reference: dict) -> tuple[float, float] | None:
     return max(diffs), diffs[-1]
 
 
+def variant(record: dict) -> str:
+    """The row's name, and for ours its checkpointing and offload (one ours row runs in several modes)."""
+    if record["row"] not in OURS_ROWS or "ac" not in record:
+        return record["row"]
+    return f"{record['row']} [ac {record['ac']}{', offload' if record.get('offload') else ''}]"
+
+
 def _latest(args, records: list[dict]) -> dict[tuple[int, str], dict]:
-    """(seq, row) -> the latest record of this shape / micro-batch / steps / device."""
+    """(seq, variant) -> the latest record of this shape / micro-batch / steps / device."""
     history = read_jsonl(args.json) if args.json else records
     key = (args.shape, args.micro_batch, args.steps, args.device)
     latest = {}
     for record in history:
         if (record["shape"], record["micro_batch"], record["steps"], record["device"]) == key:
-            latest[(record["seq"], record["row"])] = record
+            latest[(record["seq"], variant(record))] = record
     return latest
 
 
@@ -74,8 +81,8 @@ def _against_peer(record: dict, kind: RowKind, rows: dict[str, dict]) -> str:
 
 
 def _loss_check(record: dict, kind: RowKind, rows: dict[str, dict]) -> str:
-    # The kind's ours row; without one, its first row that ran.
-    reference = next((rows[o] for o in (*kind.ours, *kind.peers) if _ran(rows.get(o))), None)
+    # The kind's ours row (the first of its modes); without one, its first row that ran.
+    reference = next((r for r in _kind_rows(kind, rows) if _ran(r)), None)
     if reference is None or reference is record:
         return "the loss reference of its kind"
     found = loss_deviation(record, reference)
@@ -83,7 +90,16 @@ def _loss_check(record: dict, kind: RowKind, rows: dict[str, dict]) -> str:
         return "no common steps"
     worst, last = found
     verdict = "within" if last <= kind.loss_bound else "OUTSIDE"
-    return f"vs {reference['row']}: max |dloss| {worst:.4f}, at the last step {last:.4f} ({verdict} {kind.loss_bound})"
+    against = f"vs {variant(reference)}: max |dloss| {worst:.4f}"
+    return f"{against}, at the last step {last:.4f} ({verdict} {kind.loss_bound})"
+
+
+def _kind_rows(kind: RowKind, rows: dict[str, dict]) -> list[dict]:
+    """The kind's records, ours first (each of its modes), then the peers, in the kind's order."""
+    order = {name: i for i, name in enumerate((*kind.ours, *kind.peers))}
+    found = [r for r in rows.values() if r["row"] in order]
+    modes = {"none": 0, "selective": 1, "full": 2}
+    return sorted(found, key=lambda r: (order[r["row"]], modes.get(r.get("ac"), 0), bool(r.get("offload"))))
 
 
 def print_summary(args, records: list[dict]) -> None:
@@ -92,16 +108,15 @@ def print_summary(args, records: list[dict]) -> None:
         rows = {row: r for (s, row), r in latest.items() if s == seq}
         print(f"\n=== {args.shape}, rows of {seq} tokens x {args.micro_batch}, {args.steps} steps ({args.device}) ===")
         for kind in KINDS:
-            names = [n for n in (*kind.ours, *kind.peers) if n in rows]
-            if not names:
+            kind_rows = _kind_rows(kind, rows)
+            if not kind_rows:
                 continue
             print(f"-- {kind.name}: {kind.why}")
-            for name in names:
-                record = rows[name]
+            for record in kind_rows:
                 earlier = "" if record.get("call") == args.call else f"  [earlier call {record['when']}]"
                 print("  " + row_line(record) + earlier)
                 if not _ran(record):
                     continue
                 print(f"      loss: {_loss_check(record, kind, rows)}")
-                if name in OURS_ROWS:
+                if record["row"] in OURS_ROWS:
                     print(f"      speed: {_against_peer(record, kind, rows)}")
