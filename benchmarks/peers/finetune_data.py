@@ -94,23 +94,12 @@ def write_stream(path: Path, chars: int) -> None:
 def trainer_rows(cfg):
     """The training rows exactly as ``ndparallel train`` builds them for ``cfg`` (one process)."""
     from ndparallel.data.build import build_rows
-    from ndparallel.train.run_inputs import dataset_specs, load_run_tokenizer, token_budget
+    from ndparallel.train.run_inputs import load_run_tokenizer, row_arguments
 
     tokenizer, _ = load_run_tokenizer(cfg)
-    train, _ = build_rows(
-        dataset_specs(cfg, template=tokenizer.chat_template),
-        tokenizer,
-        seq_len=cfg.sequence_len,
-        packing=cfg.sample_packing or bool(cfg.pretraining_dataset),
-        cache_dir=cfg.dataset_prepared_path,
-        long_rows=cfg.long_rows_policy,
-        eval_fraction=cfg.val_set_size,
-        seed=cfg.seed,
-        min_len=cfg.min_sample_len,
-        eval_packing=cfg.eval_packing,
-        deduplicate=cfg.dataset_exact_deduplication,
-        token_budget=token_budget(cfg, cfg.micro_batch_size * cfg.gradient_accumulation_steps),
-    )
+    global_rows = cfg.micro_batch_size * cfg.gradient_accumulation_steps  # one process
+    specs, arguments = row_arguments(cfg, tokenizer, global_rows=global_rows, output_dir=Path(cfg.output_dir))
+    train, _ = build_rows(specs, tokenizer, **arguments)
     return train
 
 

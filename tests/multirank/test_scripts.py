@@ -145,4 +145,4 @@ def test_bench_finetune_rows_train_the_same_problem(tmp_path):
         assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) <= 1e-3, (a["losses"], b["losses"])
     # The NF4 base is another model: the comparison can tell models apart.
     assert abs(records["ours-qlora"]["losses"][0] - records["ours-lora"]["losses"][0]) > 1e-5
-    assert "vs ours-lora: max |dloss|" in out and "vs ours-qlora: max |dloss|" in out, out
+    assert "vs ours-lora [ac none]: max |dloss|" in out and "vs ours-qlora [ac none]: max |dloss|" in out, out

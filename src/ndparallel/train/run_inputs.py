@@ -181,6 +181,25 @@ def token_budget(cfg: TrainConfig, global_rows: int) -> int | None:
     return int(cfg.max_steps * global_rows * cfg.sequence_len * 1.1) + cfg.sequence_len
 
 
+def row_arguments(cfg: TrainConfig, tokenizer, *, global_rows: int, output_dir) -> tuple[list[DatasetSpec], dict]:
+    """The datasets and the keyword arguments of ``data.build.build_rows`` for this config: the one place
+    where the config's data settings become the rows' (the trainer and the benchmarks that must read the
+    trainer's rows use it)."""
+    specs = dataset_specs(cfg, template=tokenizer.chat_template)
+    return specs, dict(
+        seq_len=cfg.sequence_len,
+        packing=cfg.sample_packing or bool(cfg.pretraining_dataset),
+        cache_dir=cfg.dataset_prepared_path or str(output_dir / "prepared"),
+        long_rows=cfg.long_rows_policy,
+        eval_fraction=cfg.val_set_size,
+        seed=cfg.seed,
+        min_len=cfg.min_sample_len,
+        eval_packing=cfg.eval_packing,
+        deduplicate=cfg.dataset_exact_deduplication,
+        token_budget=token_budget(cfg, global_rows),
+    )
+
+
 def build_run_optimizer(model: torch.nn.Module, cfg: TrainConfig, device_type: str) -> torch.optim.Optimizer:
     """AdamW as the config says; the 8-bit variants are torchao's AdamW8bit (``optim8bit``)."""
     betas, eps = (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_epsilon

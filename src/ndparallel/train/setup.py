@@ -27,11 +27,10 @@ from ndparallel.train.output_dir import check_output_dir, writable_dir_problem
 from ndparallel.train.run import TrainingRun
 from ndparallel.train.run_inputs import (
     build_run_optimizer,
-    dataset_specs,
     fetch_run_inputs,
     hub_fetches,
     load_run_tokenizer,
-    token_budget,
+    row_arguments,
 )
 from ndparallel.train.schedule import schedule_for
 from ndparallel.train.setup_progress import SetupProgress, run_summary
@@ -159,19 +158,11 @@ def _check(cfg: TrainConfig, world: int, output_dir: Path):
 def _load_rows(cfg: TrainConfig, tokenizer, layout, topo: Topology, output_dir: Path):
     """(train rows, eval rows): tokenized and packed once by the main rank, read by every rank."""
     global_rows = cfg.micro_batch_size * layout.batch_size * cfg.gradient_accumulation_steps
+    specs, arguments = row_arguments(cfg, tokenizer, global_rows=global_rows, output_dir=output_dir)
     return build_rows_distributed(
-        dataset_specs(cfg, template=tokenizer.chat_template),
+        specs,
         tokenizer,
-        seq_len=cfg.sequence_len,
-        packing=cfg.sample_packing or bool(cfg.pretraining_dataset),
-        cache_dir=cfg.dataset_prepared_path or str(output_dir / "prepared"),
-        long_rows=cfg.long_rows_policy,
-        eval_fraction=cfg.val_set_size,
-        seed=cfg.seed,
-        min_len=cfg.min_sample_len,
-        eval_packing=cfg.eval_packing,
-        deduplicate=cfg.dataset_exact_deduplication,
-        token_budget=token_budget(cfg, global_rows),
+        **arguments,
         is_main=topo.is_main,
         barrier=dist.barrier,
         show_progress=topo.is_main,
