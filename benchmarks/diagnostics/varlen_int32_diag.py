@@ -1,0 +1,87 @@
+"""Does FlashAttention's variable-length kernel (the one packed rows run on CUDA) still compute right when a
+row's query tensor holds more than 2^31 elements?
+
+    PYTHONPATH=src python3 benchmarks/diagnostics/varlen_int32_diag.py --out $OUT     # one GPU, ~1 min
+
+Why: the 1B (32 heads x 64) trained a 1,048,576-token packed row (2^31 query elements exactly) but died with a
+C++ error, not out of memory, at 1,572,864 (3.2e9). FlashAttention 2 computes some offsets in 32-bit integers
+(its maintainers say so for tensors past 2-4 GB), and PyTorch's varlen kernel is FlashAttention 2. This runs
+ndparallel's varlen forward and backward (``_compat.varlen_attention_forward/backward``) alone at the 1B's head
+shape over rows of 4,096-token documents of growing total length, each in a process of its own (a CUDA error
+poisons the process), and compares the first and the last document's output and gradients with SDPA on that
+document alone. One JSON line per length: ok, the worst relative error, or the exception's line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+H, KV, D, DOC = 32, 8, 64, 4096
+
+
+def _reference(q, k, v, grad, doc: slice):
+    """Output and (dq, dk, dv) of one document through SDPA, in float32."""
+    leaves = [t[doc].float().transpose(0, 1).detach().requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+    out.backward(grad[doc].float().transpose(0, 1))
+    return out.transpose(0, 1), [t.grad.transpose(0, 1) for t in leaves]
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def check(tokens: int) -> dict:
+    from ndparallel import _compat
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    q = torch.randn(tokens, H, D, device=dev, dtype=torch.bfloat16)
+    k, v = (torch.randn(tokens, KV, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    grad = torch.randn_like(q)
+    cu = torch.arange(0, tokens + 1, DOC, device=dev, dtype=torch.int32)
+    common = dict(causal=True, window_left=-1, scale=D**-0.5)
+    out, lse = _compat.varlen_attention_forward(q, k, v, cu, cu, DOC, DOC, **common)
+    grads = _compat.varlen_attention_backward(grad, q, k, v, out, lse, cu, cu, DOC, DOC, **common)
+    torch.cuda.synchronize()
+    worst = 0.0
+    for doc in (slice(0, DOC), slice(tokens - DOC, tokens)):
+        ref_out, ref_grads = _reference(q, k, v, grad, doc)
+        worst = max(worst, _relative(out[doc], ref_out))
+        worst = max(worst, *(_relative(g[doc], r) for g, r in zip(grads, ref_grads)))
+    return {"tokens": tokens, "q_elements": tokens * H * D, "ok": worst < 2e-2, "worst_relative_error": worst}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lengths", default="1048576,1114112,1572864,2097152")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--one", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        print(json.dumps(check(args.one)))
+        return
+    for tokens in (int(n) for n in args.lengths.split(",")):
+        proc = subprocess.run([sys.executable, __file__, "--one", str(tokens)], capture_output=True, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode == 0 and lines:
+            result = json.loads(lines[-1])
+        else:
+            raised = [line for line in proc.stderr.splitlines() if "Error" in line.split(":")[0]]
+            result = {"tokens": tokens, "ok": False, "error": (raised or ["(no message)"])[-1][:400]}
+        print(json.dumps(result), flush=True)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            with open(args.out / "varlen_int32_diag.jsonl", "a") as f:
+                f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
