@@ -6,7 +6,9 @@ row's query tensor holds more than 2^31 elements?
 Why: the 1B (32 heads x 64) trained a 1,048,576-token packed row (2^31 query elements exactly) but died with a
 C++ error, not out of memory, at 1,572,864 (3.2e9). FlashAttention 2 computes some offsets in 32-bit integers
 (its maintainers say so for tensors past 2-4 GB), and PyTorch's varlen kernel is FlashAttention 2. This runs
-ndparallel's varlen forward and backward (``_compat.varlen_attention_forward/backward``) alone at the 1B's head
+the varlen forward and backward two ways, ``kernel`` (one raw call, ``_compat.varlen_attention_forward/backward``)
+and ``ndparallel`` (the planned call through ``varlen.call_forward/backward``, which splits calls above
+``varlen.MAX_KERNEL_ELEMENTS`` into kernel calls over groups of documents), at the 1B's head
 shape over rows of 4,096-token documents of growing total length, each in a process of its own (a CUDA error
 poisons the process), and compares the first and the last document's output and gradients with SDPA on that
 document alone. One JSON line per length: ok, the worst relative error, or the exception's line.
@@ -38,49 +40,68 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b).norm() / b.norm().clamp(min=1e-30))
 
 
-def check(tokens: int) -> dict:
+def check(tokens: int, path: str) -> dict:
     from ndparallel import _compat
 
     torch.manual_seed(0)
-    dev = torch.device("cuda")
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: the ndparallel path only
     q = torch.randn(tokens, H, D, device=dev, dtype=torch.bfloat16)
     k, v = (torch.randn(tokens, KV, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
     grad = torch.randn_like(q)
-    cu = torch.arange(0, tokens + 1, DOC, device=dev, dtype=torch.int32)
-    common = dict(causal=True, window_left=-1, scale=D**-0.5)
-    out, lse = _compat.varlen_attention_forward(q, k, v, cu, cu, DOC, DOC, **common)
-    grads = _compat.varlen_attention_backward(grad, q, k, v, out, lse, cu, cu, DOC, DOC, **common)
-    torch.cuda.synchronize()
+    if path == "kernel":  # one kernel call over the whole row
+        cu = torch.arange(0, tokens + 1, DOC, device=dev, dtype=torch.int32)
+        common = dict(causal=True, window_left=-1, scale=D**-0.5)
+        out, lse = _compat.varlen_attention_forward(q, k, v, cu, cu, DOC, DOC, **common)
+        grads = _compat.varlen_attention_backward(grad, q, k, v, out, lse, cu, cu, DOC, DOC, **common)
+    else:  # ndparallel's planned call (split into kernel calls of at most varlen.MAX_KERNEL_ELEMENTS)
+        from ndparallel.parallel.attention import plan, varlen
+
+        segments = (torch.arange(tokens) // DOC)[None]
+        side = plan.Side(0, tokens, tokens, 0)
+        pieces = plan.block_pieces(plan.find_documents(segments), side, side, None)
+        (call,) = plan.make_calls(pieces, causal=True, num_keys=tokens, device=dev)
+        out, lse = varlen.call_forward(q, k, v, call, D**-0.5)
+        grads = varlen.call_backward(grad, q, k, v, out, lse, call, D**-0.5)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
     worst = 0.0
     for doc in (slice(0, DOC), slice(tokens - DOC, tokens)):
         ref_out, ref_grads = _reference(q, k, v, grad, doc)
         worst = max(worst, _relative(out[doc], ref_out))
         worst = max(worst, *(_relative(g[doc], r) for g, r in zip(grads, ref_grads)))
-    return {"tokens": tokens, "q_elements": tokens * H * D, "ok": worst < 2e-2, "worst_relative_error": worst}
+    result = {"path": path, "tokens": tokens, "q_elements": tokens * H * D, "ok": worst < 2e-2}
+    return result | {"worst_relative_error": worst}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", default="1048576,1114112,1572864,2097152")
     p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--one", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--paths", default="kernel,ndparallel", help="kernel: one raw call; ndparallel: call_forward")
+    p.add_argument("--one", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
-        print(json.dumps(check(args.one)))
+        print(json.dumps(check(int(args.one[0]), args.one[1])))
         return
     for tokens in (int(n) for n in args.lengths.split(",")):
-        proc = subprocess.run([sys.executable, __file__, "--one", str(tokens)], capture_output=True, text=True)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-        if proc.returncode == 0 and lines:
-            result = json.loads(lines[-1])
-        else:
-            raised = [line for line in proc.stderr.splitlines() if "Error" in line.split(":")[0]]
-            result = {"tokens": tokens, "ok": False, "error": (raised or ["(no message)"])[-1][:400]}
-        print(json.dumps(result), flush=True)
-        if args.out:
-            args.out.mkdir(parents=True, exist_ok=True)
-            with open(args.out / "varlen_int32_diag.jsonl", "a") as f:
-                f.write(json.dumps(result) + "\n")
+        for path in args.paths.split(","):
+            _one(tokens, path, args.out)
+
+
+def _one(tokens: int, path: str, out: Path | None) -> None:
+    """One (length, path) in a process of its own: a CUDA error poisons the process that meets it."""
+    proc = subprocess.run([sys.executable, __file__, "--one", str(tokens), path], capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode == 0 and lines:
+        result = json.loads(lines[-1])
+    else:
+        raised = [line for line in proc.stderr.splitlines() if "Error" in line.split(":")[0]]
+        result = {"path": path, "tokens": tokens, "ok": False, "error": (raised or ["(no message)"])[-1][:400]}
+    print(json.dumps(result), flush=True)
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "varlen_int32_diag.jsonl", "a") as f:
+            f.write(json.dumps(result) + "\n")
 
 
 if __name__ == "__main__":

@@ -60,11 +60,14 @@ def test_what_composes_says_nothing():
 
 def test_parallelize_raises_the_rule_before_touching_the_model():
     model = meta_model(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4))
-    topo = ndp.Topology.build(ndp.ParallelismConfig(), device_type="cpu")
-    options = ndp.ParallelOptions(unfrozen_parameters=("^lm_head.weight$",))
-    with pytest.raises(ndp.ConfigError, match="unfrozen_parameters with adapter: lora is not supported"):
-        ndp.parallelize(model, topo, options=options, lora=LoraSpec(r=2, target_modules=["q_proj"]))
-    assert all(p.device == torch.device("meta") for p in model.parameters())
+    topo = ndp.Topology.build(ndp.ParallelismConfig(), device_type="cpu")  # a one-rank group in this process
+    try:
+        options = ndp.ParallelOptions(unfrozen_parameters=("^lm_head.weight$",))
+        with pytest.raises(ndp.ConfigError, match="unfrozen_parameters with adapter: lora is not supported"):
+            ndp.parallelize(model, topo, options=options, lora=LoraSpec(r=2, target_modules=["q_proj"]))
+        assert all(p.device == torch.device("meta") for p in model.parameters())
+    finally:  # a group left behind is inherited by the forked ranks of later tests ("initialize ... twice")
+        torch.distributed.destroy_process_group()
 
 
 def test_a_model_that_does_not_split_is_refused_with_every_problem():

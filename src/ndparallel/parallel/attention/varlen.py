@@ -15,6 +15,8 @@ dtype; lse (Tq, H) float32 (natural log). Rows of the call are exactly the rows 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ndparallel import _compat
@@ -25,48 +27,104 @@ def select_rows(x: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
     return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
 
 
+MAX_KERNEL_ELEMENTS = 2**31
+"""The most elements of a query or key tensor one FlashAttention varlen call is given. FlashAttention 2 (which
+PyTorch's varlen kernel is) computes some offsets in 32-bit integers: a 1B row of 1,572,864 tokens (3.2e9
+query elements) failed on the H200 where 1,048,576 (2^31) trained. Larger calls run as several kernel calls
+over groups of whole sequences, each given its own slices of q, k and v (sequences are independent, so the
+results are the same). A single sequence above the limit is not split."""
+
+
+@dataclass(frozen=True)
+class _Group:
+    """A run of the call's sequences: its query rows [q0, q1), key rows [k0, k1) and cumulative lengths."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+
+
+def _kernel_groups(call: VarlenCall, q: torch.Tensor, k: torch.Tensor) -> list[_Group]:
+    """The call's sequences in groups whose q and k slices stay within ``MAX_KERNEL_ELEMENTS`` (host
+    work, once per call: cached)."""
+    per_q, per_k = q[0].numel(), k[0].numel()
+    if call.num_q * per_q <= MAX_KERNEL_ELEMENTS and call.num_keys * per_k <= MAX_KERNEL_ELEMENTS:
+        return []
+    if "kernel_groups" not in call.cache:
+        call.cache["kernel_groups"] = _split_sequences(call, per_q, per_k)
+    return call.cache["kernel_groups"]
+
+
+def _split_sequences(call: VarlenCall, per_q: int, per_k: int) -> list[_Group]:
+    cu_q, cu_k = call.cu_q.tolist(), call.cu_k.tolist()
+    bounds, start = [0], 0  # indices into cu: a group is the sequences between two bounds
+    for i in range(2, len(cu_q)):
+        fits = (cu_q[i] - cu_q[start]) * per_q <= MAX_KERNEL_ELEMENTS
+        fits &= (cu_k[i] - cu_k[start]) * per_k <= MAX_KERNEL_ELEMENTS
+        if not fits and i - 1 > start:  # sequences start .. i-2 form a group; i-1 starts the next
+            bounds.append(i - 1)
+            start = i - 1
+    bounds.append(len(cu_q) - 1)
+    # A group of filler sequences only (no queries) adds nothing: its keys are unread, their gradients zero.
+    spans = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if cu_q[b] > cu_q[a]]
+    return [_group(cu_q, cu_k, a, b, call.cu_q.device) for a, b in spans]
+
+
+def _group(cu_q: list[int], cu_k: list[int], a: int, b: int, device: torch.device) -> _Group:
+    def rebased(cu: list[int]) -> torch.Tensor:
+        return torch.tensor([x - cu[a] for x in cu[a : b + 1]], dtype=torch.int32).to(device)
+
+    return _Group(cu_q[a], cu_q[b], cu_k[a], cu_k[b], rebased(cu_q), rebased(cu_k))
+
+
 def call_forward(q, k, v, call: VarlenCall, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the call's query rows; ``q`` holds exactly those rows."""
-    if _compat.flash_varlen_supported(q):
-        out, lse = _compat.varlen_attention_forward(
-            q,
-            k,
-            v,
-            call.cu_q,
-            call.cu_k,
-            call.max_q,
-            call.max_k,
-            causal=call.causal,
-            window_left=call.window_left,
-            scale=scale,
-        )
+    if not _compat.flash_varlen_supported(q):
+        return _dense_forward(q, k, v, call, scale)
+    groups = _kernel_groups(call, q, k)
+    if not groups:
+        out, lse = _flash_forward(q, k, v, call.cu_q, call.cu_k, call, scale)
         return out, lse.t()
-    return _dense_forward(q, k, v, call, scale)
+    parts = [
+        _flash_forward(q[g.q0 : g.q1], k[g.k0 : g.k1], v[g.k0 : g.k1], g.cu_q, g.cu_k, call, scale) for g in groups
+    ]
+    return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts], dim=1).t()
+
+
+def _flash_forward(q, k, v, cu_q, cu_k, call: VarlenCall, scale: float):
+    kernel_args = dict(causal=call.causal, window_left=call.window_left, scale=scale)
+    return _compat.varlen_attention_forward(q, k, v, cu_q, cu_k, call.max_q, call.max_k, **kernel_args)
 
 
 def call_backward(grad_out, q, k, v, out, lse, call: VarlenCall, scale: float):
     """(dq, dk, dv) given the MERGED ``out`` and ``lse`` of the call's rows; dk/dv over all key rows."""
-    if _compat.flash_varlen_supported(q):
-        dq, dk, dv = _compat.varlen_attention_backward(
-            grad_out.contiguous(),
-            q,
-            k,
-            v,
-            out.contiguous(),
-            lse.t().contiguous(),
-            call.cu_q,
-            call.cu_k,
-            call.max_q,
-            call.max_k,
-            causal=call.causal,
-            window_left=call.window_left,
-            scale=scale,
-        )
-        if call.unread_keys is not None:  # the kernel need not write the rows of filler sequences
-            dk.index_fill_(0, call.unread_keys, 0.0)
-            dv.index_fill_(0, call.unread_keys, 0.0)
-        return dq, dk, dv
-    return _dense_backward(grad_out, q, k, v, out, lse, call, scale)
+    if not _compat.flash_varlen_supported(q):
+        return _dense_backward(grad_out, q, k, v, out, lse, call, scale)
+    grad_out, out, lse = grad_out.contiguous(), out.contiguous(), lse.t().contiguous()
+    groups = _kernel_groups(call, q, k)
+    if not groups:
+        dq, dk, dv = _flash_backward(grad_out, q, k, v, out, lse, call.cu_q, call.cu_k, call, scale)
+    else:
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for g in groups:
+            qs, ks = slice(g.q0, g.q1), slice(g.k0, g.k1)
+            dq[qs], dk[ks], dv[ks] = _flash_backward(
+                grad_out[qs], q[qs], k[ks], v[ks], out[qs], lse[:, qs].contiguous(), g.cu_q, g.cu_k, call, scale
+            )
+    if call.unread_keys is not None:  # the kernel need not write the rows of filler sequences
+        dk.index_fill_(0, call.unread_keys, 0.0)
+        dv.index_fill_(0, call.unread_keys, 0.0)
+    return dq, dk, dv
+
+
+def _flash_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, call: VarlenCall, scale: float):
+    kernel_args = dict(causal=call.causal, window_left=call.window_left, scale=scale)
+    return _compat.varlen_attention_backward(
+        grad_out, q, k, v, out, lse, cu_q, cu_k, call.max_q, call.max_k, **kernel_args
+    )
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,145 @@
+"""A FlashAttention varlen call too large for the kernel's 32-bit offsets runs as several kernel calls over
+groups of whole sequences (``varlen.MAX_KERNEL_ELEMENTS``): the same outputs, log-sum-exps and gradients as
+one call, every kernel call within the limit. On CPU the kernel is a reference written here (plain torch,
+float32, checked against the dense path); the limit is lowered so that small plans split."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ndparallel import _compat
+from ndparallel.parallel.attention import plan as ap
+from ndparallel.parallel.attention import varlen
+from ndparallel.parallel.sequence import segment_ids_from
+
+H, KV, D = 4, 2, 8
+SCALE = D**-0.5
+
+
+def _sequences(q, k, v, cu_q, cu_k, causal: bool):
+    """Reference varlen attention: each sequence alone, causal aligned bottom-right; (out, lse (H, Tq))."""
+    out = torch.zeros_like(q)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=q.dtype)
+    for i in range(len(cu_q) - 1):
+        qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+        lq, lk = qs.stop - qs.start, ks.stop - ks.start
+        if lq == 0:
+            continue
+        keys = k[ks].repeat_interleave(H // KV, dim=1)
+        values = v[ks].repeat_interleave(H // KV, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[qs], keys) * SCALE
+        if causal:
+            visible = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
+            scores = scores.masked_fill(~visible, float("-inf"))
+        lse[:, qs] = torch.logsumexp(scores, dim=-1)
+        out[qs] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), values)
+    return out, lse
+
+
+class _FakeKernel:
+    """Stands in for FlashAttention on CPU and records the largest q / k tensor it was given."""
+
+    def __init__(self):
+        self.largest = (0, 0)
+        self.calls = 0
+
+    def _seen(self, q, k):
+        self.calls += 1
+        self.largest = (max(self.largest[0], q.numel()), max(self.largest[1], k.numel()))
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, *, causal, window_left, scale):
+        self._seen(q, k)
+        return _sequences(q, k, v, cu_q.tolist(), cu_k.tolist(), causal)
+
+    def backward(self, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, causal, window_left, scale):
+        self._seen(q, k)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        again, _ = _sequences(*leaves, cu_q.tolist(), cu_k.tolist(), causal)
+        return torch.autograd.grad(again, leaves, grad_out)
+
+
+def _segments(seed: int, batch: int = 2, seq: int = 96) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.empty(batch, seq, dtype=torch.long)
+    for row in range(batch):
+        start = 0
+        while start < seq:
+            n = int(torch.randint(3, 60, (1,), generator=g))  # some documents cross a chunk
+            pos[row, start : start + n] = torch.arange(min(n, seq - start))
+            start += n
+    return segment_ids_from(pos, torch.zeros(batch, seq, dtype=torch.bool))
+
+
+def _with_pieces(q_side: ap.Side, k_side: ap.Side, batch: int):
+    """Rows (the first seed that works) in which the block has several pieces, and the pieces."""
+    for seed in range(100):
+        segments = _segments(seed, batch=batch)
+        pieces = ap.block_pieces(ap.find_documents(segments), q_side, k_side, None)
+        if pieces.q_len.numel() >= 2:
+            return segments, pieces
+    raise AssertionError("no rows give this block two pieces")
+
+
+BLOCKS = {  # (query side, key side) of rows of 96 (see test_attention_plan.py)
+    "whole-row": (ap.Side(0, 96, 96, 0), ap.Side(0, 96, 96, 0)),
+    "prefix": (ap.Side(72, 96, 48, 24), ap.Side(0, 96, 96, 0)),
+    "earlier-chunk": (ap.Side(72, 96, 48, 24), ap.Side(24, 48, 48, 0)),  # filler sequences, unread keys
+}
+
+
+def _run(q_all, k, v, grad_all, call):
+    q = varlen.select_rows(q_all, call.q_rows)
+    out, lse = varlen.call_forward(q, k, v, call, SCALE)
+    grads = varlen.call_backward(varlen.select_rows(grad_all, call.q_rows), q, k, v, out, lse, call, SCALE)
+    return out, lse, *grads
+
+
+@pytest.mark.parametrize("block", sorted(BLOCKS))
+@pytest.mark.parametrize("limit_rows", [1, 7, 30])
+def test_split_calls_give_what_one_call_gives(block, limit_rows, monkeypatch):
+    q_side, k_side = BLOCKS[block]
+    segments, pieces = _with_pieces(q_side, k_side, batch=4)
+    batch = segments.shape[0]
+    g = torch.Generator().manual_seed(0)
+    q_all = torch.randn(batch * q_side.stride, H, D, generator=g, dtype=torch.float32)
+    k, v = (torch.randn(batch * k_side.stride, KV, D, generator=g, dtype=torch.float32) for _ in range(2))
+    grad_all = torch.randn(q_all.shape, generator=g, dtype=torch.float32)
+    causal, num_keys = k_side.hi == q_side.hi, k.shape[0]
+
+    def calls():
+        return ap.make_calls(pieces, causal=causal, num_keys=num_keys, device=torch.device("cpu"))
+
+    dense = [_run(q_all, k, v, grad_all, call) for call in calls()]  # the padded-batch kernels: a check of the fake
+    kernel = _FakeKernel()
+    monkeypatch.setattr(_compat, "flash_varlen_supported", lambda q: True)
+    monkeypatch.setattr(_compat, "varlen_attention_forward", kernel.forward)
+    monkeypatch.setattr(_compat, "varlen_attention_backward", kernel.backward)
+    whole = [_run(q_all, k, v, grad_all, call) for call in calls()]
+    one_call_each, kernel.largest = kernel.calls, (0, 0)
+    monkeypatch.setattr(varlen, "MAX_KERNEL_ELEMENTS", limit_rows * H * D)
+    split_calls = calls()
+    split = [_run(q_all, k, v, grad_all, call) for call in split_calls]
+
+    assert kernel.calls > one_call_each, "the lowered limit must split the calls"
+    longest = int(pieces.q_len.max())  # one sequence above the limit is not split
+    assert kernel.largest[0] <= max(limit_rows, longest) * H * D
+    for reference, one, several in zip(dense, whole, split):
+        for a, b, c in zip(reference, one, several):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)  # the fake kernel is right
+            torch.testing.assert_close(c, b, rtol=1e-6, atol=1e-7)  # splitting changes nothing
+
+
+def test_a_call_within_the_limit_is_one_kernel_call(monkeypatch):
+    segments = _segments(seed=3)
+    q_side, k_side = BLOCKS["whole-row"]
+    pieces = ap.block_pieces(ap.find_documents(segments), q_side, k_side, None)
+    (call,) = ap.make_calls(pieces, causal=True, num_keys=2 * 96, device=torch.device("cpu"))
+    kernel = _FakeKernel()
+    monkeypatch.setattr(_compat, "flash_varlen_supported", lambda q: True)
+    monkeypatch.setattr(_compat, "varlen_attention_forward", kernel.forward)
+    monkeypatch.setattr(_compat, "varlen_attention_backward", kernel.backward)
+    q = torch.randn(2 * 96, H, D, dtype=torch.float32)
+    k, v = torch.randn(2, 2 * 96, KV, D, dtype=torch.float32)
+    varlen.call_forward(q, k, v, call, SCALE)
+    assert kernel.calls == 1 and "kernel_groups" not in call.cache
