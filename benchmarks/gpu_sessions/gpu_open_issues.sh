@@ -138,7 +138,7 @@ part lora-8b-512k 240 bash -c "${LONGEST[*]} --model 8b --lora --lengths 524288;
 part longest-1b 150 "${LONGEST[@]}" --model 1b --lengths 2097152
 part longest-1b15 150 "${LONGEST[@]}" --model 1b --lengths 1572864
 # varlen-2g: is the 1.5M failure FlashAttention's varlen kernel past 2^31 query elements? (the kernel alone)
-part varlen-2g 90 python3 benchmarks/diagnostics/varlen_int32_diag.py --out "$OUT"
+part varlen-2g 240 python3 benchmarks/diagnostics/varlen_int32_diag.py --out "$OUT"
 # offload-cost: the same row without and with offload, in one call, both compiled inside the checkpoint wrapper
 part offload-cost 120 "${LONGEST[@]}" --model 1b --rows ndparallel-tiled,ndparallel --lengths 131072 --steps 3
 part short-1b-selective 60 "${BENCH[@]}" --shape 1b --seq 4096 --micro-batch 2 --rows ndparallel --ac selective

@@ -30,9 +30,11 @@ def select_rows(x: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
 MAX_KERNEL_ELEMENTS = 2**31
 """The most elements of a query or key tensor one FlashAttention varlen call is given. FlashAttention 2 (which
 PyTorch's varlen kernel is) computes some offsets in 32-bit integers: a 1B row of 1,572,864 tokens (3.2e9
-query elements) failed on the H200 where 1,048,576 (2^31) trained. Larger calls run as several kernel calls
-over groups of whole sequences, each given its own slices of q, k and v (sequences are independent, so the
-results are the same). A single sequence above the limit is not split."""
+query elements) failed on the H200 where 1,048,576 (2^31) trained. Larger calls run as several kernel calls,
+each given its own slices of q, k and v: groups of whole sequences (sequences are independent: the same
+results), and a causal sequence that alone is too large in chunks of its queries, each against the keys up to
+its last query (every query sees the keys it saw; the chunks' key gradients are summed in float32). A
+non-causal sequence (a context-parallel rectangle) above the limit is not split."""
 
 
 @dataclass(frozen=True)
@@ -70,12 +72,35 @@ def _split_sequences(call: VarlenCall, per_q: int, per_k: int) -> list[_Group]:
     bounds.append(len(cu_q) - 1)
     # A group of filler sequences only (no queries) adds nothing: its keys are unread, their gradients zero.
     spans = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if cu_q[b] > cu_q[a]]
-    return [_group(cu_q, cu_k, a, b, call.cu_q.device) for a, b in spans]
+    groups = []
+    for a, b in spans:
+        too_many = (cu_q[b] - cu_q[a]) * per_q > MAX_KERNEL_ELEMENTS
+        if b == a + 1 and too_many and call.causal:
+            groups += _query_chunks(cu_q[a], cu_q[b], cu_k[a], cu_k[b], max(1, MAX_KERNEL_ELEMENTS // per_q), call)
+        else:
+            groups.append(_group(cu_q, cu_k, a, b, call.cu_q.device))
+    return groups
+
+
+def _query_chunks(q0: int, q1: int, k0: int, k1: int, rows: int, call: VarlenCall) -> list[_Group]:
+    """One causal sequence (queries [q0, q1), keys [k0, k1), aligned bottom-right) as chunks of ``rows``
+    queries, each against the keys up to its last query: a query keeps its distance to the diagonal."""
+    shift = (k1 - k0) - (q1 - q0)  # keys before the first query's diagonal
+    chunks = []
+    for a in range(0, q1 - q0, rows):
+        b = min(a + rows, q1 - q0)
+        cu = [[0, b - a], [0, shift + b]]
+        chunks.append(_Group(q0 + a, q0 + b, k0, k0 + shift + b, *(_cumulative(c, call.cu_q.device) for c in cu)))
+    return chunks
+
+
+def _cumulative(lengths: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(lengths, dtype=torch.int32).to(device)
 
 
 def _group(cu_q: list[int], cu_k: list[int], a: int, b: int, device: torch.device) -> _Group:
     def rebased(cu: list[int]) -> torch.Tensor:
-        return torch.tensor([x - cu[a] for x in cu[a : b + 1]], dtype=torch.int32).to(device)
+        return _cumulative([x - cu[a] for x in cu[a : b + 1]], device)
 
     return _Group(cu_q[a], cu_q[b], cu_k[a], cu_k[b], rebased(cu_q), rebased(cu_k))
 
@@ -108,12 +133,19 @@ def call_backward(grad_out, q, k, v, out, lse, call: VarlenCall, scale: float):
     if not groups:
         dq, dk, dv = _flash_backward(grad_out, q, k, v, out, lse, call.cu_q, call.cu_k, call, scale)
     else:
-        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        # chunks of one sequence share keys: their key gradients are summed, in float32
+        shared = any(later.k0 < earlier.k1 for earlier, later in zip(groups, groups[1:]))
+        sums = torch.float32 if shared else k.dtype
+        dq = torch.empty_like(q)
+        dk, dv = (torch.zeros(k.shape, dtype=sums, device=k.device) for _ in range(2))
         for g in groups:
             qs, ks = slice(g.q0, g.q1), slice(g.k0, g.k1)
-            dq[qs], dk[ks], dv[ks] = _flash_backward(
+            dq[qs], g_dk, g_dv = _flash_backward(
                 grad_out[qs], q[qs], k[ks], v[ks], out[qs], lse[:, qs].contiguous(), g.cu_q, g.cu_k, call, scale
             )
+            dk[ks] += g_dk
+            dv[ks] += g_dv
+        dk, dv = dk.to(k.dtype), dv.to(v.dtype)
     if call.unread_keys is not None:  # the kernel need not write the rows of filler sequences
         dk.index_fill_(0, call.unread_keys, 0.0)
         dv.index_fill_(0, call.unread_keys, 0.0)
