@@ -3,6 +3,7 @@
 #
 #   ROWS="ours-lora,unsloth-lora,hf-peft-liger-compile" AC=none SEQ=4096 bash benchmarks/gpu_sessions/gpu_finetune.sh
 #   AC_ROWS="ours-lora" AC=none AC2=full ...   # also runs AC_ROWS again with ours' checkpointing AC2
+#   EXTRA="--offload" / EXTRA2="--offload 1"     # ours' layer inputs in host memory (all that fit / the first one)
 #
 # Carry .whl/ (pydantic, torchao, liger-kernel) and .whl_unsloth/ (Unsloth and its dependencies, bitsandbytes
 # trimmed to its CUDA 13 libraries: see .whl_unsloth/INSTALL.md). They are installed into the machine's Python

@@ -87,7 +87,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma list of: {', '.join(ALL_ROWS)}")
     p.add_argument("--ac", choices=("none", "selective", "full"), default="none", help="ours' checkpointing")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="ours: each block")
-    p.add_argument("--offload", action="store_true", help="ours, with --ac full: layer inputs in host memory")
+    p.add_argument(
+        "--offload",
+        nargs="?",
+        type=int,
+        const=-1,
+        default=None,
+        help="ours, with --ac full: layer inputs in host memory (as many layers as it holds, or the first N)",
+    )
     p.add_argument("--peer-ac", choices=("recipe", "none"), default="recipe", help="peers' checkpointing")
     p.add_argument("--peer-compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--lora-rank", type=int, default=16)

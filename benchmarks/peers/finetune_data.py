@@ -49,7 +49,7 @@ def ours_config(args, row: str, *, seq: int, model_dir: Path, data: Data, output
         "max_grad_norm": CLIP_NORM,
         "torch_compile": args.compile,
         "activation_checkpointing": args.ac,
-        "activation_offloading": args.ac == "full" and args.offload,
+        "activation_offloading": args.ac == "full" and args.offload is not None,
         "seed": args.seed,
         "logging_steps": 1,
         "save_steps": 100 * (args.steps + 1),
@@ -59,6 +59,8 @@ def ours_config(args, row: str, *, seq: int, model_dir: Path, data: Data, output
         "overwrite_output_dir": True,
         "device": args.device,
     }
+    if args.ac == "full" and args.offload is not None and args.offload > 0:
+        config["activation_offload_layers"] = args.offload  # the first N layers (1: compiled as offload compiles)
     settings = dict(OURS_ROWS[row])
     if settings.get("adapter"):
         config.update(lora_r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0, lora_target_linear=True)

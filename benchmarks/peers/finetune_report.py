@@ -47,7 +47,11 @@ def variant(record: dict) -> str:
     """The row's name, and for ours its checkpointing and offload (one ours row runs in several modes)."""
     if record["row"] not in OURS_ROWS or "ac" not in record:
         return record["row"]
-    return f"{record['row']} [ac {record['ac']}{', offload' if record.get('offload') else ''}]"
+    offload = record.get("offload")
+    if offload is None or offload is False:
+        return f"{record['row']} [ac {record['ac']}]"
+    layers = f" {offload}" if type(offload) is int and offload > 0 else ""  # True / -1: as many as host memory holds
+    return f"{record['row']} [ac {record['ac']}, offload{layers}]"
 
 
 def _latest(args, records: list[dict]) -> dict[tuple[int, str], dict]:
