@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from ndparallel.testing.child_errors import failure_line
+
 ROWS = {
     "lora": ["adapter=lora"],
     "qlora": ["adapter=qlora", "load_in_4bit=true"],
@@ -55,7 +57,7 @@ def run_row(name: str, compile_: bool, args, out: Path) -> dict:
     metrics = output_dir / "metrics.jsonl"
     if proc.returncode != 0 or not metrics.is_file():
         shutil.rmtree(output_dir, ignore_errors=True)
-        row["error"] = (proc.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
+        row["error"] = failure_line(proc.stderr)
         return row
     records = [json.loads(line) for line in metrics.read_text().splitlines() if '"loss"' in line]
     shutil.rmtree(output_dir, ignore_errors=True)  # its checkpoints: the machine's disk holds few of them

@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ndparallel.testing.child_errors import failure_line
+
 H, KV, D, DOC = 32, 8, 64, 4096
 
 
@@ -129,8 +131,7 @@ def _one(tokens: int, path: str, out: Path | None) -> None:
     if proc.returncode == 0 and lines:
         result = json.loads(lines[-1])
     else:
-        raised = [line for line in proc.stderr.splitlines() if "Error" in line.split(":")[0]]
-        result = {"path": path, "tokens": tokens, "ok": False, "error": (raised or ["(no message)"])[-1][:400]}
+        result = {"path": path, "tokens": tokens, "ok": False, "error": failure_line(proc.stderr)}
     print(json.dumps(result), flush=True)
     if out:
         out.mkdir(parents=True, exist_ok=True)

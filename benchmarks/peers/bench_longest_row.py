@@ -31,13 +31,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
 
+from ndparallel.testing.child_errors import failure_line
+
 DOC = 4096
-_EXCEPTION_LINE = re.compile(r"^(\w+\.)*\w*(Error|Exception)(: |$)")
 
 
 def _attempt(args, row: str, length: int) -> dict:
@@ -56,18 +56,10 @@ def _attempt(args, row: str, length: int) -> dict:
         result = json.loads(lines[-1])
     else:
         oom = "OutOfMemory" in proc.stderr or "out of memory" in proc.stderr
-        result = {"row": row, "tokens": length, "ok": False, "oom": oom, "error": _failure_line(proc.stderr)}
+        result = {"row": row, "tokens": length, "ok": False, "oom": oom, "error": failure_line(proc.stderr)}
         result["stderr_tail"] = proc.stderr[-3000:]  # the C++ stack of a CUDA error says which kernel
     result["wall_s"] = round(time.perf_counter() - start, 1)
     return result
-
-
-def _failure_line(stderr: str) -> str:
-    """The exception's own line ("RuntimeError: CUDA error: ..."), not a frame of the C++ stack printed
-    after it (whose lines also name ``c10::Error``)."""
-    lines = stderr.strip().splitlines()
-    raised = [line for line in lines if _EXCEPTION_LINE.match(line)]
-    return (raised or [line for line in lines if "error:" in line] or lines or ["(no output)"])[-1][-400:]
 
 
 def _search(args, row: str, emit) -> None:

@@ -35,6 +35,7 @@ from ndparallel.planner.gpus import GPUS  # noqa: E402
 from ndparallel.planner.hardware import GIB, Cluster  # noqa: E402
 from ndparallel.planner.shapes import load_model_shape  # noqa: E402
 from ndparallel.planner.workload import Workload  # noqa: E402
+from ndparallel.testing.child_errors import failure_line  # noqa: E402
 
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "peers", "bench_train.py")
 WITHIN = 0.10
@@ -86,8 +87,7 @@ def measure(args, row) -> dict:
         with open(out) as f:
             result = json.loads(f.readline())["results"][0]
     except (OSError, ValueError, IndexError, KeyError):
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        result = {"error": f"rc {proc.returncode}: {tail[0][:300]}"}
+        result = {"error": f"rc {proc.returncode}: {failure_line(proc.stderr or proc.stdout)}"}
     finally:
         if os.path.exists(out):
             os.unlink(out)
