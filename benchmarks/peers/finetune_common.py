@@ -151,8 +151,8 @@ def lora_params(config, rank: int) -> int:
 
 def step_flops(config, *, kind: str, rows: int, seq: int, lora_rank: int) -> float:
     """Model FLOPs of one optimizer step over ``rows`` rows of ``seq`` tokens (each row one document), the one
-    formula every row's MFU uses. T = rows x seq tokens; N = the matmul weights a token passes through (the
-    decoder's linears and the output head: ``ndparallel.step.flops.flops_per_token`` / 6).
+    formula every row's MFU uses, the trainer's (``ndparallel.step.flops.flops_per_token``). T = rows x seq
+    tokens; N = the matmul weights a token passes through (the decoder's linears and the output head).
 
     - full fine-tune: 6 N T (forward 2, input gradients 2, weight gradients 2) + attention;
     - LoRA / QLoRA / int8 base (frozen): forward 2 N T + input gradients 2 N T (a frozen weight gets no weight
@@ -164,12 +164,10 @@ def step_flops(config, *, kind: str, rows: int, seq: int, lora_rank: int) -> flo
     dequantization of a 4/8-bit base. (Layer 0 needs no input gradient either; the convention counts it.)"""
     from ndparallel.step.flops import AttentionFlops, flops_per_token
 
-    tokens = rows * seq
-    base = flops_per_token(config) / 6.0
-    attention = rows * AttentionFlops(config).of_row(seq)
-    if kind == "full":
-        return 6.0 * base * tokens + attention
-    return 4.0 * base * tokens + 6.0 * lora_params(config, lora_rank) * tokens + attention
+    frozen = kind != "full"
+    adapters = lora_params(config, lora_rank) if frozen else 0
+    per_token = flops_per_token(config, frozen_base=frozen, adapter_params=adapters)
+    return rows * seq * per_token + rows * AttentionFlops(config).of_row(seq)
 
 
 def ours_adapter_key(peft_name: str) -> str | None:

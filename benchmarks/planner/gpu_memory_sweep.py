@@ -24,7 +24,7 @@ import time
 import torch
 
 import ndparallel as ndp
-from ndparallel.adapters.lora import LoraSpec
+from ndparallel.adapters.lora import LoraSpec, adapter_weight_count
 from ndparallel.step.flops import AttentionFlops, flops_per_token
 from ndparallel.train.loop import forward_backward
 from ndparallel.train.metrics import device_peak_flops
@@ -37,6 +37,11 @@ DEFAULT_CASES = [
     "1b:4096:2:none:lora",
     "1b:4096:2:selective:lora",
 ]
+
+
+def _flops_per_token(config, model, frozen_base: bool) -> float:
+    """The trainer's count: a LoRA step's frozen base does no weight-gradient GEMMs."""
+    return flops_per_token(config, frozen_base=frozen_base, adapter_params=adapter_weight_count(model))
 
 
 def run_case(case: str, topo, steps: int, compile_: bool, overrides: dict | None = None) -> dict:
@@ -97,7 +102,7 @@ def run_case(case: str, topo, steps: int, compile_: bool, overrides: dict | None
             step_s=step_s,
             tokens_per_s=tps,
             mfu=tps
-            * (flops_per_token(config) + AttentionFlops(config).of_row(seq) / seq)
+            * (_flops_per_token(config, model, lora is not None) + AttentionFlops(config).of_row(seq) / seq)
             / device_peak_flops(topo.device),
         )
     except torch.OutOfMemoryError:

@@ -248,6 +248,12 @@ def init_lora_tensor(key: str, shape: tuple, seed: int, device: torch.device) ->
     return None
 
 
+def adapter_weight_count(model: nn.Module) -> int:
+    """Trainable LoRA weights in ``model``, linear and expert adapters (a sharded parameter counts its whole
+    tensor): what the step's FLOP count charges the adapters for (``step.flops.flops_per_token``)."""
+    return sum(p.numel() for name, p in model.named_parameters() if p.requires_grad and "lora_" in name)
+
+
 def adapter_state(model: nn.Module, spec: LoraSpec) -> dict[str, torch.Tensor]:
     """Full (gathered) adapter and modules_to_save tensors under PEFT's names. A collective under DTensor."""
     out = {}

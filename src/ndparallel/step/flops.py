@@ -72,8 +72,16 @@ def query_dim(config: Any) -> int:
     return heads * head_dim
 
 
-def flops_per_token(config: Any) -> float:
-    """Dense training FLOPs per token: 6 x (the decoder's matmul weights a token uses + the output head)."""
+def flops_per_token(config: Any, *, frozen_base: bool = False, adapter_params: int = 0) -> float:
+    """Training FLOPs per token (model FLOPs: recomputation not counted) over the N matmul weights a token uses
+    (the decoder's linears and the output head): 6 N (forward 2, input gradients 2, weight gradients 2). With a
+    ``frozen_base`` (LoRA, QLoRA) those weights get no weight-gradient GEMM: 4 N, plus 6 per trainable adapter
+    weight (``adapter_params``: LoRA's A and B, r x (in + out) per adapted linear). Base weights unfrozen beside
+    adapters (``lora_modules_to_save``) are counted as frozen: the figure errs low, never high."""
+    return (4.0 if frozen_base else 6.0) * _matmul_weights_per_token(config) + 6.0 * adapter_params
+
+
+def _matmul_weights_per_token(config: Any) -> float:
     h, layers = config.hidden_size, config.num_hidden_layers
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
@@ -81,7 +89,7 @@ def flops_per_token(config: Any) -> float:
     attn = h * heads * head_dim * 2 + h * kv * head_dim * 2
     moe = moe_shape(config)  # a MoE model: the experts a token passes through, not all of them
     mlp = moe.active_mlp_params_per_layer if moe is not None else 3 * h * config.intermediate_size
-    return 6.0 * (layers * (attn + mlp) + h * config.vocab_size)
+    return layers * (attn + mlp) + h * config.vocab_size
 
 
 class AttentionFlops:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ndparallel import _compat
 from ndparallel.adapters import qat
+from ndparallel.adapters.lora import adapter_weight_count
 from ndparallel.checkpoint import training as ckpt
 from ndparallel.config.schema import TrainConfig
 from ndparallel.mesh.topology import Topology
@@ -111,7 +112,9 @@ def _train_loop(run: TrainingRun, metrics: MetricsLogger) -> None:
     window = LogWindow(
         topo,
         nan_policy=cfg.nan_policy,
-        flops_per_token=flops_per_token(run.model_config),
+        flops_per_token=flops_per_token(
+            run.model_config, frozen_base=run.lora is not None, adapter_params=adapter_weight_count(run.model)
+        ),
         peak_flops=device_peak_flops(topo.device),
         attention=AttentionFlops(run.model_config),
     )
