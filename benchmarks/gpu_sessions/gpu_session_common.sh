@@ -25,5 +25,6 @@ part() {  # part NAME MIN_SECONDS COMMAND...
   if (( $(left) < need )); then echo "[skip] $name: $(left) s left, needs $need"; return; fi
   echo "[$(date +%T)] start $name ($(left) s left)"
   timeout "$(left)" "$@"
-  echo "[$(date +%T)] end $name: exit $? ($(left) s left)"
+  local status=$?  # read before anything else runs: "$(date)" in the next line would reset $?
+  echo "[$(date +%T)] end $name: exit $status ($(left) s left)"
 }

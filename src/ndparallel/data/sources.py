@@ -95,17 +95,27 @@ def sample_records(spec: DatasetSpec) -> tuple[list[Record], bool]:
     file that has any), checked as ``read_records`` checks them. Returns (records, whether they are
     all of the dataset's records); ``split`` slices and ``skip`` are not applied."""
     files = resolve_files(spec)
+    if spec.kind == "pretrain_files":
+        return _sample_documents(files)
     for number, path in enumerate(files):
-        if spec.kind == "pretrain_files":
-            whole = path.stat().st_size <= HEAD_BYTES
-            return [TextRecord(read_utf8(path, limit=None if whole else HEAD_BYTES), str(path))], whole and len(
-                files
-            ) == 1
         rows, whole = head_rows(path)
         records = [r for r in (_normalise(row, where, spec) for where, row in rows) if r is not None]
         if records or not whole:
             return records, whole and number == len(files) - 1
     return [], True
+
+
+def _sample_documents(files: list) -> tuple[list[Record], bool]:
+    """The first files of a one-document-per-file dataset, about ``HEAD_BYTES`` of them in all (the last one
+    read may be cut): one file alone says little when documents differ in length file by file."""
+    records, budget = [], HEAD_BYTES
+    for number, path in enumerate(files):
+        whole = path.stat().st_size <= budget
+        records.append(TextRecord(read_utf8(path, limit=None if whole else budget), str(path)))
+        budget -= min(path.stat().st_size, budget)
+        if not whole or budget <= 0:
+            return records, whole and number == len(files) - 1
+    return records, True
 
 
 def _all_records(spec: DatasetSpec, files: list) -> Iterator[Record]:

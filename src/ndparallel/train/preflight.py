@@ -62,23 +62,27 @@ def _check_data(cfg: TrainConfig, tokenizer, result: Preflight) -> None:
     specs = dataset_specs(cfg, template=getattr(tokenizer, "chat_template", None))
     names = [f"datasets[{i}]" for i in range(len(cfg.datasets))]
     names += [f"pretraining_dataset[{i}]" for i in range(len(cfg.pretraining_dataset or []))]
-    fitting, sampled = [], []
+    fitting, sampled, every_record_read = [], [], True
     for name, spec in zip(names, specs):
-        lengths = _sample_lengths(name, spec, tokenizer, result)
+        lengths, whole = _sample_lengths(name, spec, tokenizer, result)
+        every_record_read &= whole
         if lengths is not None:
             fitting.append(_length_problem(name, spec.label, lengths, cfg, result))
             sampled += lengths
     if fitting and not any(fitting):
-        result.problems.append(_nothing_fits(cfg, sampled))
+        # a refusal only when the sample is all the data: a dataset's first examples may all be long and its
+        # later ones fit (a folder of source files, sorted by name)
+        (result.problems if every_record_read else result.notes).append(_nothing_fits(cfg, sampled, every_record_read))
     elif tokenizer is None:
         result.not_checked.append("the examples' lengths (the tokenizer is not at hand)")
 
 
-def _sample_lengths(name: str, spec, tokenizer, result: Preflight) -> list[int] | None:
-    """Token lengths of ``spec``'s sampled examples (None when they could not be had or measured)."""
+def _sample_lengths(name: str, spec, tokenizer, result: Preflight) -> tuple[list[int] | None, bool]:
+    """Token lengths of ``spec``'s sampled examples (None when they could not be had or measured), and whether
+    the sample holds every record of the dataset."""
     if hub.is_hub_id(spec.path) and not _hub_dataset_cached(spec):
         result.not_checked.append(f"{name} {spec.path!r} (a hub dataset not in the cache; train downloads it)")
-        return None
+        return None, False
     try:
         records, whole = sample_records(spec)
         if not records:
@@ -86,11 +90,13 @@ def _sample_lengths(name: str, spec, tokenizer, result: Preflight) -> list[int] 
                 result.problems.append(
                     f"{name}: {spec.label} holds no records (an empty file?); add data, or fix path:"
                 )
-            return None
-        return None if tokenizer is None else [len(e.input_ids) for e in tokenize_records(records, tokenizer, spec)]
+            return None, whole
+        if tokenizer is None:
+            return None, whole
+        return [len(e.input_ids) for e in tokenize_records(records, tokenizer, spec)], whole
     except NdParallelError as exc:
         result.problems.append(f"{name}: {exc}")
-        return None
+        return None, False
 
 
 def _hub_dataset_cached(spec) -> bool:
@@ -121,15 +127,16 @@ def _length_problem(name: str, label: str, lengths: list[int], cfg: TrainConfig,
     return bool(kept)
 
 
-def _nothing_fits(cfg: TrainConfig, lengths: list[int]) -> str:
+def _nothing_fits(cfg: TrainConfig, lengths: list[int], every_record_read: bool) -> str:
     seq, shortest = cfg.sequence_len, cfg.min_sample_len
     if min(lengths) > seq:
         why = f"all {len(lengths)} are longer than sequence_len={seq} (the shortest has {min(lengths)} tokens)"
     else:
         why = f"each is longer than sequence_len={seq} or shorter than min_sample_len={shortest}"
+    outcome = "so train would stop with no data" if every_record_read else "and the data beyond them may fit"
     return (
-        f"no sampled example fits: {why}, and long_rows: {cfg.long_rows_policy} leaves them out, so train would "
-        f"stop with no data; raise sequence_len, or set excess_length_strategy: truncate or split"
+        f"no sampled example fits: {why}, and long_rows: {cfg.long_rows_policy} leaves them out, {outcome}; "
+        f"raise sequence_len, or set excess_length_strategy: truncate or split"
     )
 
 

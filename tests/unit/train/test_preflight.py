@@ -126,3 +126,36 @@ def test_validate_says_what_it_did_not_check(tmp_path, capsys):
     assert cli.main(["validate", str(write_config(tmp_path, texts(tmp_path, 10, 20)))]) == 0
     out = capsys.readouterr().out
     assert "not checked here: the data beyond each dataset's first records (train reads it all)" in out
+
+
+def test_a_folder_whose_first_files_are_long_is_not_refused(tmp_path, capsys, no_launch):
+    """A folder of documents sampled by its first files: when none of those fits, later ones still may (the
+    GPU smoke's Python sources, sorted by name, began with a long file). A note, not a refusal."""
+    from ndparallel.data.files import HEAD_BYTES
+
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "a_long.txt").write_text("x" * (HEAD_BYTES + 100))
+    (folder / "b_short.txt").write_text("short")
+    config = write_config(tmp_path, folder / "*.txt")
+    settings = yaml.safe_load(config.read_text())
+    settings["datasets"] = [{"path": str(folder / "*.txt"), "type": "pretrain_files"}]
+    config.write_text(yaml.safe_dump(settings))
+    assert cli.main(["validate", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "no sampled example fits" in out and "the data beyond them may fit" in out
+    with pytest.raises(AssertionError, match="train started processes"):  # train's checks let it launch
+        cli.main(["train", str(config)])
+
+
+def test_a_folder_read_whole_whose_files_are_all_long_is_refused(tmp_path, capsys, no_launch):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (folder / name).write_text("x" * 500)
+    config = write_config(tmp_path, folder / "*.txt")
+    settings = yaml.safe_load(config.read_text())
+    settings["datasets"] = [{"path": str(folder / "*.txt"), "type": "pretrain_files"}]
+    config.write_text(yaml.safe_dump(settings))
+    validate, _ = run_both(config, capsys)
+    assert "all 2 are longer than sequence_len=64" in validate[0] and "train would stop with no data" in validate[0]
