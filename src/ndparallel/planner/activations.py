@@ -90,7 +90,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ndparallel.loss.cross_entropy import CHUNK_ROWS
-from ndparallel.loss.fused import CHUNK_BYTES
+from ndparallel.loss.fused import CHUNK_BYTES, SLICE_BYTES
 from ndparallel.mesh.layout import Layout
 from ndparallel.planner.shapes import ModelShape
 
@@ -338,16 +338,18 @@ def fused_loss_peak(
     grad_w = fused_weight_grad(m, layout, lora_rank)
     temporaries = 0 if device == "cuda" else (12 if e < 4 else 8) * c * w  # CUDA: Triton, compiled or not
     product = 0.0  # in float32 the chunk's product is accumulated in place (addmm_)
-    if grad_w and e < 4:
-        if device == "cuda":  # torch.addmm(..., out_dtype=float32) makes the float32 product, then adds it
-            temporaries = max(temporaries, grad_w)
-        else:  # CPU: each chunk's product in the compute dtype, in a buffer kept across chunks
-            product = e * w * h
+    if grad_w and e < 4:  # the float32 sum is kept in row slices (loss/fused._Slices), one slice's product
+        slice_rows = min(w, max(1, SLICE_BYTES // (4 * h)))
+        if device == "cuda":  # torch.addmm(..., out_dtype=float32) makes a slice's float32 product, then adds it
+            temporaries = max(temporaries, 4 * slice_rows * h)
+        else:  # CPU: a slice's product in the compute dtype, in a buffer kept across chunks
+            product = e * slice_rows * h
     return e * n * h + grad_w + product + e * c * w + temporaries + 18 * n + 20 * c
 
 
 def fused_head_backward(m: ModelShape, layout: Layout, e: int, lora_rank: int | None = None) -> float:
-    """lm_head's gradient as the fused loss's backward hands it to autograd: the float32 sum and autograd's
-    cast of it to the weight's compute dtype, both alive at once (bf16; in fp32 no cast)."""
+    """lm_head's gradient as the fused loss's backward hands it to autograd: the float32 sum's slices and the
+    result in the weight's compute dtype they are cast into, allocated whole before the first slice is freed
+    (bf16; in fp32 no cast)."""
     grad_w = fused_weight_grad(m, layout, lora_rank)
     return grad_w * (1 + e / 4) if e < 4 else grad_w
