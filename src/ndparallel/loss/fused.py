@@ -124,6 +124,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             if grads is not None:
                 _logits_grad_(logits, lse, safe_label[rows], valid[rows], here[rows], spec)
                 grads.add_chunk(rows, logits, x[rows], weight)
+            # freed before the next chunk's GEMM allocates: the name alone kept two chunks alive (measured on the
+            # H200: 2.51 GiB above the inputs at 8,192 tokens, the float32 sum, x's gradient and two chunks)
+            del logits
         ctx.grads = grads.finished() if grads is not None else (None, None, None)
         return total
 
