@@ -39,11 +39,6 @@ CHUNK_BYTES = {"cuda": 512 << 20, "cpu": 64 << 20}
 128k vocabulary in bf16 on CUDA), small beside the activations of a long row and of a short one (the loss's
 peak is the 1B's peak at 4,096 x 2 tokens)."""
 
-SLICE_BYTES = 128 << 20
-"""Bytes of one float32 slice of lm_head's weight gradient (rows of the vocabulary): the sum over chunks is
-kept in slices, so a chunk's float32 product and the cast to the weight's dtype each need one slice more,
-not a second copy of the whole gradient (1 GiB at a 128k x 2,048 head)."""
-
 
 @dataclass(frozen=True)
 class LogitTransform:
@@ -133,68 +128,27 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         grads, ctx.grads = ctx.grads, None
-        scaled = []
         for g in grads:  # the loss's own buffers: scaled in place, no second copy of grad W or grad x
-            if isinstance(g, _Slices):
-                g = g.scaled_into_one(grad_total)
-            elif g is not None:
+            if g is not None:
                 g.mul_(grad_total.to(g.dtype))
-            scaled.append(g)
-        return None, None, *scaled
-
-
-class _Slices:
-    """A float32 sum kept as row slices of ``SLICE_BYTES``, handed to autograd in the weight's dtype: each slice
-    is scaled, cast into the result and freed in turn, so the whole sum and its cast never coexist."""
-
-    def __init__(self, like: torch.Tensor, dtype: torch.dtype) -> None:
-        rows = max(1, SLICE_BYTES // max(1, like[0].numel() * 4))
-        self.out_dtype, self.shape = like.dtype, like.shape
-        self.slices = [
-            torch.zeros((min(rows, like.shape[0] - start), *like.shape[1:]), dtype=dtype, device=like.device)
-            for start in range(0, like.shape[0], rows)
-        ]
-
-    def row_ranges(self):
-        start = 0
-        for piece in self.slices:
-            yield slice(start, start + piece.shape[0]), piece
-            start += piece.shape[0]
-
-    def scaled_into_one(self, scale: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(self.shape, dtype=self.out_dtype, device=self.slices[0].device)
-        start = 0
-        while self.slices:  # popped, so each float32 slice is freed once it is cast
-            piece = self.slices.pop(0)
-            piece.mul_(scale.to(piece.dtype))
-            out[start : start + piece.shape[0]].copy_(piece)
-            start += piece.shape[0]
-            del piece
-        return out
+        return None, None, *grads
 
 
 @dataclass
 class _Grads:
-    """The gradients of x, W and b, filled chunk by chunk (W and b summed in float32 over chunks; W's sum in
-    row slices when W is in a lower precision, ``_Slices``)."""
+    """The gradients of x, W and b, filled chunk by chunk (W and b summed in float32 over chunks)."""
 
     x: torch.Tensor | None
-    weight: torch.Tensor | _Slices | None
+    weight: torch.Tensor | None
     bias: torch.Tensor | None
     has_bias_input: bool
-    weight_chunk: torch.Tensor | None = None  # one slice's W gradient in the compute dtype (CPU), reused
+    weight_chunk: torch.Tensor | None = None  # one chunk's W gradient in the compute dtype, reused
 
     @classmethod
     def empty(cls, x, weight, bias, wants) -> "_Grads":
-        if not wants[1]:
-            grad_w = None
-        elif weight.dtype == _math_dtype(weight):  # float32 weights: summed in place, one buffer
-            grad_w = torch.zeros_like(weight)
-        else:
-            grad_w = _Slices(weight, _math_dtype(weight))
         return cls(
             x=torch.empty_like(x) if wants[0] else None,
-            weight=grad_w,
+            weight=torch.zeros(weight.shape, dtype=_math_dtype(weight), device=weight.device) if wants[1] else None,
             bias=torch.zeros(bias.shape, dtype=_math_dtype(bias), device=bias.device) if wants[2] else None,
             has_bias_input=bias is not None,
         )
@@ -202,27 +156,27 @@ class _Grads:
     def add_chunk(self, rows: slice, dlogits: torch.Tensor, x_rows: torch.Tensor, weight: torch.Tensor) -> None:
         if self.x is not None:
             torch.mm(dlogits, weight, out=self.x[rows])
-        if isinstance(self.weight, _Slices):
-            for vocab_rows, acc in self.weight.row_ranges():
-                self._add_weight_grad(acc, dlogits[:, vocab_rows], x_rows)
-        elif self.weight is not None:
-            self.weight.addmm_(dlogits.t(), x_rows)
+        if self.weight is not None:
+            self._add_weight_grad(dlogits, x_rows)
         if self.bias is not None:
             self.bias += dlogits.sum(dim=0, dtype=self.bias.dtype)
 
-    def _add_weight_grad(self, acc: torch.Tensor, dlogits: torch.Tensor, x_rows: torch.Tensor) -> None:
-        """acc += dlogits^T x_rows for one slice of the vocabulary, summed in float32 without rounding each
-        chunk's product to bf16 first (which measured 3-4x the unfused GEMM's error at 8 chunks): cuBLAS writes
-        a float32 result of bf16 inputs on CUDA (``out_dtype``; it makes the product, then adds it: one slice's
-        worth); elsewhere each slice's product is rounded once to the inputs' dtype, then summed."""
+    def _add_weight_grad(self, dlogits: torch.Tensor, x_rows: torch.Tensor) -> None:
+        """grad W += dlogits^T x_rows, summed in the accumulator's float32 without rounding each chunk's product
+        to bf16 first (which measured 3-4x the unfused GEMM's error at 8 chunks): cuBLAS writes a float32 result
+        of bf16 inputs on CUDA (``out_dtype``); same-dtype inputs accumulate directly."""
+        acc = self.weight
+        if dlogits.dtype == acc.dtype:
+            acc.addmm_(dlogits.t(), x_rows)
+            return
         if dlogits.is_cuda:
             torch.addmm(acc, dlogits.t(), x_rows, out_dtype=acc.dtype, out=acc)
             return
-        if self.weight_chunk is None or self.weight_chunk.shape[0] < acc.shape[0]:
+        # CPU with bf16 inputs (no float32-output GEMM there): each chunk's product rounded once, then summed
+        if self.weight_chunk is None:
             self.weight_chunk = torch.empty(acc.shape, dtype=dlogits.dtype, device=dlogits.device)
-        product = self.weight_chunk[: acc.shape[0]]
-        torch.mm(dlogits.t(), x_rows, out=product)
-        acc += product
+        torch.mm(dlogits.t(), x_rows, out=self.weight_chunk)
+        acc += self.weight_chunk
 
     def finished(self) -> tuple:
         self.weight_chunk = None

@@ -90,7 +90,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ndparallel.loss.cross_entropy import CHUNK_ROWS
-from ndparallel.loss.fused import CHUNK_BYTES, SLICE_BYTES
+from ndparallel.loss.fused import CHUNK_BYTES
 from ndparallel.mesh.layout import Layout
 from ndparallel.planner.shapes import ModelShape
 
@@ -337,20 +337,18 @@ def fused_loss_peak(
     c = min(n, chunk_rows or fused_chunk_rows(m, layout, e, device))
     grad_w = fused_weight_grad(m, layout, lora_rank)
     temporaries = 0 if device == "cuda" else (12 if e < 4 else 8) * c * w  # CUDA: Triton, compiled or not
-    product = 0.0  # in float32 the chunk's product is accumulated in place (addmm_)
-    if grad_w and e < 4 and device != "cuda":  # CPU: a slice's product in the compute dtype, kept across chunks
-        product = e * min(w, max(1, SLICE_BYTES // (4 * h))) * h
-    # CUDA: torch.addmm(..., out_dtype=float32, out=slice) adds in place. Two H200 measurements fix this: at
-    # 8,192 tokens the loss took 3.49 GiB (4,096-row chunks, one float32 sum) and 2.51 (2,048-row chunks, the
-    # sum in slices) above its inputs and the previous call's gradients; both are x's gradient + the float32
-    # sum + two chunks of logits and nothing else. The second chunk was the loop's name holding the previous
-    # one while the next was made; the loop now frees it first (not yet measured: predicted 0.49 GiB less).
+    # the float32 sum of W's gradient: CUDA's torch.addmm(..., out_dtype=float32, out=sum) adds in place; the
+    # CPU rounds each chunk's product to the compute dtype in a buffer kept across chunks. Two H200 measurements
+    # fix the CUDA count: at 8,192 tokens the loss took 3.49 GiB (4,096-row chunks) and 2.51 (2,048-row chunks)
+    # above its inputs and the previous call's gradients; both are x's gradient + the float32 sum + two chunks
+    # of logits, nothing else. The second chunk was the loop's name holding the previous one while the next
+    # was made; the loop frees it first now (not yet measured: predicted 0.49 GiB less at 2,048-row chunks).
+    product = e * w * h if grad_w and e < 4 and device != "cuda" else 0.0
     return e * n * h + grad_w + product + e * c * w + temporaries + 18 * n + 20 * c
 
 
 def fused_head_backward(m: ModelShape, layout: Layout, e: int, lora_rank: int | None = None) -> float:
-    """lm_head's gradient as the fused loss's backward hands it to autograd: the float32 sum's slices and the
-    result in the weight's compute dtype they are cast into, allocated whole before the first slice is freed
-    (bf16; in fp32 no cast)."""
+    """lm_head's gradient as the fused loss's backward hands it to autograd: the float32 sum and autograd's
+    cast of it to the weight's compute dtype, both alive at once (bf16; in fp32 no cast)."""
     grad_w = fused_weight_grad(m, layout, lora_rank)
     return grad_w * (1 + e / 4) if e < 4 else grad_w

@@ -45,14 +45,14 @@ def test_the_fused_loss_keeps_the_input_gradient_and_a_float32_weight_gradient_n
 
 def test_the_fused_loss_peak_by_hand_and_on_the_h200():
     # the 1B's head, 8,192 tokens, bf16, compiled on CUDA: lm_head's input gradient, the float32 weight
-    # gradient (kept in 128 MiB row slices, summed in place), one chunk of 2,048 rows (~512 MiB of logits),
+    # gradient (summed in place), one chunk of 2,048 rows (~512 MiB of logits),
     # 18 B per token and 20 per chunk row
     h, n, c = 2048, 8192, 2048
     compiled = fused_loss_peak(L1B, Layout(), n, 1, 2, compiled=True)
     assert compiled == 2 * n * h + 4 * V * h + 2 * c * V + 18 * n + 20 * c
     # tests/gpu/gpu_fused_loss.py on the H200, above x and W with the previous call's bf16 gradients of W and x
-    # (2*V*h + 2*n*h) still held: 3.49 GiB with 4,096-row chunks and one float32 sum, 2.51 GiB with 2,048-row
-    # chunks and the sum in slices; both are this count with a second chunk (the loop held the previous chunk
+    # (2*V*h + 2*n*h) still held: 3.49 GiB with 4,096-row chunks, 2.51 GiB with 2,048-row
+    # chunks; both are this count with a second chunk (the loop held the previous chunk
     # while making the next; it frees it first now, which is not measured yet)
     held = 2 * V * h + 2 * n * h
     for rows, measured in ((4096, 3.49), (2048, 2.51)):
@@ -63,11 +63,11 @@ def test_the_fused_loss_peak_by_hand_and_on_the_h200():
     # fp32 on CUDA: the chunk's gradient accumulates in place, no temporaries
     c32 = 1024  # ~512 MiB of float32 logits
     assert fused_loss_peak(L1B, Layout(), n, 1, 4) == 4 * n * h + 4 * V * h + 4 * c32 * V + 18 * n + 20 * c32
-    # CPU (torch functions): three float32 copies of the chunk, 12 B per bf16 element, and a slice's bf16
+    # CPU (torch functions): three float32 copies of the chunk, 12 B per bf16 element, and each chunk's bf16
     # weight-gradient product in a kept buffer
-    cpu_c, slice_rows = 256, (128 << 20) // (4 * h)  # the 256-row minimum: 64 MiB of bf16 logits here
+    cpu_c = 256  # 64 MiB of bf16 logits at this vocabulary: the 256-row minimum
     cpu = fused_loss_peak(L1B, Layout(), n, 1, 2, device="cpu")
-    assert cpu == 2 * n * h + 4 * V * h + 2 * slice_rows * h + 2 * cpu_c * V + 12 * cpu_c * V + 18 * n + 20 * cpu_c
+    assert cpu == 2 * n * h + 4 * V * h + 2 * V * h + 2 * cpu_c * V + 12 * cpu_c * V + 18 * n + 20 * cpu_c
     # lm_head's backward: the float32 gradient and its bf16 cast at once; nothing under LoRA
     assert fused_head_backward(L1B, Layout(tp=2), 2) == 6 * V * h / 2
     assert fused_head_backward(L1B, Layout(), 2, lora_rank=16) == 0
