@@ -229,7 +229,7 @@ def _compiled(fn):
 
 def _use_triton(logits: torch.Tensor, spec: _Spec) -> bool:
     # compiled or not: the Triton kernels make no float32 copy of the chunk (the torch functions make three
-    # at once, 12 bytes per bf16 logit: 6 GiB for a 1 GiB chunk in an eager run)
+    # at once, 12 bytes per bf16 logit: 3 GiB for a 512 MiB chunk in an eager run)
     return spec.transform.identity and triton_ce.supported(logits)
 
 

@@ -52,13 +52,14 @@ fused loss (``Workload.fused_loss``, the trainer's default: ``loss/fused.py``; c
                 once, not per token (none under LoRA)
     its forward (``fused_loss_peak``: the loss computes the gradients there), beyond the kept activations,
     per micro-batch of n tokens, w = V/t: lm_head's input e*n*h; that float32 weight gradient 4*w*h; one
-    chunk of c = min(n, ~1 GiB / (e*w)) rows' logits, e*c*w (4,096 rows at w = 128,256 in bf16); then the
-    larger of the chunk's float32 temporaries (on CUDA the Triton kernels make none, eager or compiled;
-    elsewhere 12*c*w in bf16, 8*c*w in fp32, as the chunked loss's) and, bf16 on CUDA, the float32 product
-    of the weight-gradient GEMM before it is added, 4*w*h (``torch.addmm(..., out_dtype=float32)`` makes one); 18 bytes
-    per token (the local and the clamped label, two masks) and 20 per chunk row. H200, the 1B's head at
-    8,192 tokens: 3.49 GiB above its inputs, as counted (``tests/gpu/gpu_fused_loss.py``). The CPU keeps
-    each chunk's bf16 product instead, e*w*h (the CPU measurements count it: ``device='cpu'``).
+    chunk of c = min(n, ~512 MiB / (e*w)) rows' logits, e*c*w (2,048 rows at w = 128,256 in bf16); the
+    chunk's float32 temporaries (on CUDA the Triton kernels make none, eager or compiled; elsewhere 12*c*w in
+    bf16, 8*c*w in fp32, as the chunked loss's); 18 bytes per token (the local and the clamped label, two
+    masks) and 20 per chunk row. On CUDA the weight-gradient GEMM adds into the float32 sum in place
+    (``torch.addmm(..., out_dtype=float32, out=sum)``); the CPU keeps each chunk's bf16 product, e*w*h (the
+    CPU measurements count it: ``device='cpu'``). H200, the 1B's head at 8,192 tokens: 3.49 GiB (1 GiB
+    chunks) and 2.51 GiB (512 MiB chunks) above its inputs, each this count with a second chunk, which the
+    loop held then (``fused_loss_peak`` says more; ``tests/gpu/gpu_fused_loss.py``).
     lm_head's backward (``fused_head_backward``): the float32 gradient and autograd's cast of it to the
     weight's dtype at once, (4 + e)*w*h (fp32: 4*w*h, no cast).
 tiled MLP (``Workload.tiled_mlp``: ``parallel/tiled_mlp.py``; no checkpointing or full)
