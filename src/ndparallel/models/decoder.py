@@ -65,7 +65,9 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
         raise ModelError(
             f"{arch}: layer 0 has no attention module ({', '.join(_ATTENTIONS)}); ndparallel trains attention decoders"
         )
-    layer_plan = layer_tp_plan(config)
+    # a plan written for a family's variants names projections this variant declares as None (DeepSeek-V3's
+    # q_proj without a query LoRA rank, q_b_proj with one): not this model's, so not in its plan
+    layer_plan = {path: style for path, style in layer_tp_plan(config).items() if not _declared_absent(first, path)}
     for path in layer_plan:
         if _get(first, path) is None:
             if not getattr(config, "base_model_tp_plan", None):  # no plan of its own, and not built like Llama
@@ -108,6 +110,16 @@ def _first_attr(module: nn.Module | None, names: tuple[str, ...]) -> nn.Module |
 def _is_norm(module: nn.Module) -> bool:
     name = type(module).__name__.lower()
     return "norm" in name
+
+
+def _declared_absent(module: nn.Module, path: str) -> bool:
+    """The module at ``path``'s parent exists and holds the name, set to None."""
+    parent_path, _, name = path.rpartition(".")
+    parent = _get(module, parent_path) if parent_path else module
+    if parent is None:
+        return False
+    # nn.Module keeps None in _modules when a submodule was assigned before, else as a plain attribute
+    return any(name in held and held[name] is None for held in (parent._modules, parent.__dict__))
 
 
 def _get(module: nn.Module, path: str) -> nn.Module | None:
