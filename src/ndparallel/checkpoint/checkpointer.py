@@ -88,6 +88,8 @@ class Checkpointer:
         self.last_publish_s: float | None = None
         self.stall_s = 0.0
         """Seconds training waited for the latest save: inside ``save`` plus optimizer steps held for the copy."""
+        self.waited_for_previous_s = 0.0
+        """Of the latest ``save``'s time, the seconds it waited for the save before it to finish writing."""
 
     @property
     def is_main(self) -> bool:
@@ -118,8 +120,9 @@ class Checkpointer:
         ``meta``: JSON-able facts stored in ``index.json`` (read back by ``load``); ``extra_files(dir)``:
         called on the main rank to write more files into the checkpoint (a config, a tokenizer).
         """
-        self.wait()  # at most one save in flight
         start = time.perf_counter()
+        self.wait()  # at most one save in flight
+        self.waited_for_previous_s = time.perf_counter() - start
         adapted = adapt(states)
         name = store.free_name(self.root, step)
         partial = self.root / f"{store.PARTIAL_PREFIX}{name}"

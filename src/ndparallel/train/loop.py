@@ -249,18 +249,29 @@ def _save(run: TrainingRun, metrics: MetricsLogger, window: LogWindow) -> Path:
     )
     stall = time.perf_counter() - start
     window.timer.add("checkpoint_stall", stall)
-    metrics.message(
-        f"step {state.step}: checkpoint {path.name} "
-        + (
-            f"writing in the background (training paused {human_seconds(stall)})"
-            if cfg.async_save
-            else f"saved in {human_seconds(stall)}"
-        )
-    )
+    metrics.message(save_line(state.step, path.name, cfg, stall, run.checkpointer.waited_for_previous_s))
     if cfg.wandb_log_model == "checkpoint":
         run.checkpointer.wait()  # an uploaded checkpoint must be complete: this save is not in the background
         metrics.artifact(path, name=f"checkpoint-step-{state.step}")
     return path
+
+
+WAITED_NOTICE_S = 1.0
+"""A save that waited at least this long for the previous one to finish writing says so, with the fix."""
+
+
+def save_line(step: int, name: str, cfg, stall: float, waited: float) -> str:
+    """The line a save prints. A background save that spent its pause waiting for the one before it says that
+    saves come faster than they are written (the pause is the disk's, not the copy's) and what to change."""
+    if not cfg.async_save:
+        return f"step {step}: checkpoint {name} saved in {human_seconds(stall)}"
+    line = f"step {step}: checkpoint {name} writing in the background (training paused {human_seconds(stall)}"
+    if waited >= WAITED_NOTICE_S:
+        line += (
+            f", {human_seconds(waited)} of it waiting for the previous checkpoint to finish writing: saves come "
+            f"faster than they are written; raise save_steps, or write output_dir to a faster disk"
+        )
+    return line + ")"
 
 
 def _log(run: TrainingRun, metrics: MetricsLogger, window: LogWindow, evaluating: bool) -> None:

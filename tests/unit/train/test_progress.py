@@ -93,3 +93,16 @@ def test_out_of_memory_line_names_step_layout_and_planner_advice(tmp_path):
     )
     assert "activation_checkpointing=" in line and "set activation_checkpointing: full" in line
     assert line.endswith("; memory snapshot: /o/logs/memory-snapshot-rank3.pickle")
+
+
+def test_a_save_that_waited_for_the_previous_one_says_so_and_the_fix():
+    from types import SimpleNamespace
+
+    from ndparallel.train.loop import save_line
+
+    background = SimpleNamespace(async_save=True)
+    quick = save_line(10, "step-10", background, 0.074, 0.0)
+    assert quick == "step 10: checkpoint step-10 writing in the background (training paused 74 ms)"
+    slow = save_line(20, "step-20", background, 26.4, 26.3)
+    assert "26.3 s of it waiting for the previous checkpoint to finish writing" in slow and "raise save_steps" in slow
+    assert "waiting" not in save_line(20, "step-20", SimpleNamespace(async_save=False), 26.4, 26.3)
