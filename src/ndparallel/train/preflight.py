@@ -69,10 +69,10 @@ def _check_data(cfg: TrainConfig, tokenizer, result: Preflight) -> None:
         if lengths is not None:
             fitting.append(_length_problem(name, spec.label, lengths, cfg, result))
             sampled += lengths
-    if fitting and not any(fitting):
+    if fitting and not any(fitting) and every_record_read:
         # a refusal only when the sample is all the data: a dataset's first examples may all be long and its
-        # later ones fit (a folder of source files, sorted by name)
-        (result.problems if every_record_read else result.notes).append(_nothing_fits(cfg, sampled, every_record_read))
+        # later ones fit (a folder of source files, sorted by name); each dataset's note says what was seen
+        result.problems.append(_nothing_fits(cfg, sampled))
     elif tokenizer is None:
         result.not_checked.append("the examples' lengths (the tokenizer is not at hand)")
 
@@ -127,16 +127,15 @@ def _length_problem(name: str, label: str, lengths: list[int], cfg: TrainConfig,
     return bool(kept)
 
 
-def _nothing_fits(cfg: TrainConfig, lengths: list[int], every_record_read: bool) -> str:
+def _nothing_fits(cfg: TrainConfig, lengths: list[int]) -> str:
     seq, shortest = cfg.sequence_len, cfg.min_sample_len
     if min(lengths) > seq:
         why = f"all {len(lengths)} are longer than sequence_len={seq} (the shortest has {min(lengths)} tokens)"
     else:
         why = f"each is longer than sequence_len={seq} or shorter than min_sample_len={shortest}"
-    outcome = "so train would stop with no data" if every_record_read else "and the data beyond them may fit"
     return (
-        f"no sampled example fits: {why}, and long_rows: {cfg.long_rows_policy} leaves them out, {outcome}; "
-        f"raise sequence_len, or set excess_length_strategy: truncate or split"
+        f"no sampled example fits: {why}, and long_rows: {cfg.long_rows_policy} leaves them out, so train would "
+        f"stop with no data; raise sequence_len, or set excess_length_strategy: truncate or split"
     )
 
 
