@@ -14,4 +14,4 @@ def apply_compile(parts: DecoderParts, *, inside_checkpoint: bool = False) -> No
     """``inside_checkpoint``: compile the layer inside its checkpoint wrapper (the wrapper's own Python, such
     as activation offloading's stream and storage handling, then runs eagerly around the graph)."""
     for layer in parts.layers:
-        (_compat.wrapped_module(layer) if inside_checkpoint else layer).compile()
+        _compat.compile_module(_compat.wrapped_module(layer) if inside_checkpoint else layer)
