@@ -102,7 +102,8 @@ def _hf(spec: dict, device: torch.device, *, base: str, liger: bool, compile_: b
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = _with_peft(model, spec)
     if compile_:
-        from ndparallel import _compat  # the same compile as ours: checkpointed layers stay compiled (transformers 5.25)
+        # the same compile as ours: checkpointed layers stay compiled under transformers 5.25
+        from ndparallel import _compat
 
         for layer in model.get_base_model().model.layers:
             _compat.compile_module(layer)
