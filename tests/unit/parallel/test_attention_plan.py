@@ -8,23 +8,15 @@ import gc
 
 import pytest
 import torch
+from support.packed_rows import random_segments
 
 from ndparallel.parallel.attention import plan as ap
 from ndparallel.parallel.sequence import segment_ids_from
 
 
 def _segments(seed: int, batch: int = 3, seq: int = 96) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    pos = torch.empty(batch, seq, dtype=torch.long)
-    for row in range(batch):
-        start = 0
-        while start < seq:
-            n = int(torch.randint(1, 30, (1,), generator=g)) if row else seq  # row 0: one document
-            pos[row, start : start + n] = torch.arange(min(n, seq - start))
-            start += n
-    padding = torch.zeros(batch, seq, dtype=torch.bool)
-    padding[-1, seq - 17 :] = True
-    return segment_ids_from(pos, padding)
+    # row 0: one document; the last row ends in 17 tokens of padding
+    return random_segments(seed, batch=batch, seq=seq, lengths=(1, 30), whole_first_row=True, padded_tail=17)
 
 
 def _rule(segments: torch.Tensor, window: int | None) -> torch.Tensor:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.packed_rows import random_segments
 
 from ndparallel import _compat
 from ndparallel.parallel.attention import plan as ap
 from ndparallel.parallel.attention import varlen
-from ndparallel.parallel.sequence import segment_ids_from
 
 H, KV, D = 4, 2, 8
 SCALE = D**-0.5
@@ -66,15 +66,7 @@ class _FakeKernel:
 
 
 def _segments(seed: int, batch: int = 2, seq: int = 96) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    pos = torch.empty(batch, seq, dtype=torch.long)
-    for row in range(batch):
-        start = 0
-        while start < seq:
-            n = int(torch.randint(3, 60, (1,), generator=g))  # some documents cross a chunk
-            pos[row, start : start + n] = torch.arange(min(n, seq - start))
-            start += n
-    return segment_ids_from(pos, torch.zeros(batch, seq, dtype=torch.bool))
+    return random_segments(seed, batch=batch, seq=seq, lengths=(3, 60))  # some documents cross a chunk
 
 
 def _with_pieces(q_side: ap.Side, k_side: ap.Side, batch: int, window: int | None):
