@@ -86,7 +86,7 @@ def compile_module(module: torch.nn.Module) -> None:
     calls, not set for the process."""
     module.compile()
     flag = "skip_fwd_side_effects_in_bwd_under_checkpoint"
-    if hasattr(torch._dynamo.config, flag):  # torch >= 2.9
+    if hasattr(torch._dynamo.config, flag):  # a torch without the flag keeps its default
         module._compiled_call_impl = torch._dynamo.config.patch(**{flag: True})(module._compiled_call_impl)
 
 

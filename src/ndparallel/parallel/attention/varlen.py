@@ -28,13 +28,13 @@ def select_rows(x: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
 
 
 MAX_KERNEL_ELEMENTS = 2**31
-"""The most elements of a query or key tensor one FlashAttention varlen call is given. FlashAttention 2 (which
-PyTorch's varlen kernel is) computes some offsets in 32-bit integers: a 1B row of 1,572,864 tokens (3.2e9
-query elements) failed on the H200 where 1,048,576 (2^31) trained. Larger calls run as several kernel calls,
-each given its own slices of q, k and v: groups of whole sequences (sequences are independent: the same
-results), and a causal sequence that alone is too large in chunks of its queries, each against the keys up to
-its last query (every query sees the keys it saw; the chunks' key gradients are summed in float32). A
-non-causal sequence (a context-parallel rectangle) above the limit is not split."""
+"""The most elements of a query or key tensor one FlashAttention varlen call is given. Past 2^31 the kernel
+PyTorch ships returns wrong numbers without an error (H200, ``benchmarks/diagnostics/varlen_int32_diag.py``:
+72% relative error at 1,572,864 tokens of the 1B, 0.3% at 1,048,576 = 2^31 / 2,048). Larger calls run as
+several kernel calls, each given its own slices of q, k and v: groups of whole sequences (sequences are
+independent: the same results), and a causal sequence that alone is too large in chunks of its queries, each
+against the keys up to its last query (every query sees the keys it saw; the chunks' key gradients are summed
+in float32). A non-causal sequence (a context-parallel rectangle) above the limit is not split."""
 
 
 @dataclass(frozen=True)
