@@ -110,9 +110,10 @@ def _sample_documents(files: list) -> tuple[list[Record], bool]:
     read may be cut): one file alone says little when documents differ in length file by file."""
     records, budget = [], HEAD_BYTES
     for number, path in enumerate(files):
-        whole = path.stat().st_size <= budget
+        size = path.stat().st_size
+        whole = size <= budget
         records.append(TextRecord(read_utf8(path, limit=None if whole else budget), str(path)))
-        budget -= min(path.stat().st_size, budget)
+        budget -= min(size, budget)
         if not whole or budget <= 0:
             return records, whole and number == len(files) - 1
     return records, True
