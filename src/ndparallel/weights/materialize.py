@@ -62,10 +62,13 @@ def materialize(
             _fill_quantized(source, name, key)
         restore_buffers(model, device)
         if source.reader is not None:  # persistent buffers a checkpoint holds (DeepSeek-V3's routing bias)
-            params = {name for name, _ in model.named_parameters()}
+            # By canonical name on both sides: a checkpoint wrapper's state_dict drops its prefix, so a raw name
+            # would take every parameter for a buffer and copy the checkpoint's float weights over int8 codes
+            # (truncated to zeros: an int8 base with activation checkpointing trained nothing, grad norm 0).
+            params = {_compat.canonical_name(name) for name, _ in model.named_parameters()}
             for name, value in model.state_dict(keep_vars=True).items():
                 key = _compat.canonical_name(name)
-                if name not in params and key in source.reader.files:
+                if key not in params and key in source.reader.files:
                     copy_shard(value, source.reader.get(key))
     if source.reader is not None:
         tied = (
