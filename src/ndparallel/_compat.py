@@ -75,8 +75,10 @@ def wrapped_module(wrapper: torch.nn.Module) -> torch.nn.Module:
     return getattr(wrapper, "_checkpoint_wrapped_module", wrapper)
 
 
-def compile_module(module: torch.nn.Module) -> None:
+def compile_module(module: torch.nn.Module, *, hooks_outside: bool = False) -> None:
     """``module.compile()``, traced with Python side effects inside an activation checkpoint applied once.
+    ``hooks_outside``: compile ``module.forward`` only, so the module's own forward hooks run eagerly around
+    the graph (activation offloading's stream and storage handling: ``parallel/offload.py``).
 
     transformers (>= 5.25, which installs the ``kernels`` package) routes its hub-kernel functions through a
     global that each attention forward sets and resets. Inside a checkpoint that Dynamo traces as one
@@ -84,10 +86,13 @@ def compile_module(module: torch.nn.Module) -> None:
     layer then runs eagerly, silently (measured on CPU: 0 graphs for 12 layers). The set-and-reset leaves
     nothing to replay in the recompute, so Dynamo may skip replaying it: scoped to this module's compiled
     calls, not set for the process."""
-    module.compile()
     flag = "skip_fwd_side_effects_in_bwd_under_checkpoint"
-    if hasattr(torch._dynamo.config, flag):  # a torch without the flag keeps its default
-        module._compiled_call_impl = torch._dynamo.config.patch(**{flag: True})(module._compiled_call_impl)
+    scoped = torch._dynamo.config.patch(**{flag: True}) if hasattr(torch._dynamo.config, flag) else (lambda f: f)
+    if hooks_outside:
+        module.forward = scoped(torch.compile(module.forward))
+        return
+    module.compile()
+    module._compiled_call_impl = scoped(module._compiled_call_impl)  # a torch without the flag keeps its default
 
 
 CHECKPOINT_WRAPPER_PREFIX = "_checkpoint_wrapped_module."

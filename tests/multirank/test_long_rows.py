@@ -77,7 +77,7 @@ def _offload_checks():
     batch = ndp.prepare_batch(topology=topo, **batches[0][0])
     n = ndp.count_tokens(batch.num_tokens, topo)
     loss, _ = ndp.model_loss(model, batch.model_inputs(), batch.labels, num_tokens=n, topology=topo)
-    offload = model.model.layers[0].checkpoint_fn.keywords["offload"]
+    offload = model.model.layers[0].activation_offload
     released = [local.untyped_storage().nbytes() for local, _ in offload._stashed.values()]
     assert len(released) == 2 and released == [0, 0]  # layers 0 and 1 wait on the host; layer 2 stays
     loss.backward()

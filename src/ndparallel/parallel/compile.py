@@ -11,7 +11,11 @@ from ndparallel.models.decoder import DecoderParts
 
 
 def apply_compile(parts: DecoderParts, *, inside_checkpoint: bool = False) -> None:
-    """``inside_checkpoint``: compile the layer inside its checkpoint wrapper (the wrapper's own Python, such
-    as activation offloading's stream and storage handling, then runs eagerly around the graph)."""
+    """``inside_checkpoint``: compile the layer inside its checkpoint wrapper (the wrapper, with its nested
+    checkpoints, runs eagerly around the graph). Otherwise the wrapper is compiled, checkpoint included; a
+    wrapper with activation offloading's hooks has its ``forward`` compiled and the hooks run eagerly."""
     for layer in parts.layers:
-        _compat.compile_module(_compat.wrapped_module(layer) if inside_checkpoint else layer)
+        if inside_checkpoint:
+            _compat.compile_module(_compat.wrapped_module(layer))
+        else:
+            _compat.compile_module(layer, hooks_outside=hasattr(layer, "activation_offload"))

@@ -7,9 +7,10 @@ moves the inputs of the first ``layers`` decoder layers to the host and back:
 * forward of layer i: the input is copied to a pinned host buffer on a side stream while the layer
   computes; when the layer's forward is done its device storage is released (the allocator reuses it
   once the side stream's copy has finished: ``record_stream``);
-* backward: when layer i is recomputed, the copy of the next input backward will need (the nearest
-  offloaded layer below i) is started on the side stream, into the same tensor's storage, so it is back
-  before its layer's recompute starts; the recompute waits for its own input's copy only.
+* backward: when layer i's backward is about to start (a hook on its output's gradient), the copy of the
+  next input backward will need (the nearest offloaded layer below i) is started on the side stream, into
+  the same tensor's storage, so it is back before its layer's recompute starts; the recompute waits for its
+  own input's copy only.
 
 The last layers' inputs stay on the device: they are needed first in backward, so there would be no
 time to copy them back, and a fraction kept is how host memory is respected (``offload_layer_count``).
@@ -29,7 +30,6 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint
 
 from ndparallel import _compat
 from ndparallel.errors import ConfigError
@@ -53,9 +53,6 @@ class ActivationOffload:
     def __init__(self, layers: int, *, num_layers: int) -> None:
         self.layers = layers
         self.num_layers = num_layers
-        self.recomputing = False
-        """True from the end of the last layer's forward until the next forward: a layer run then is the
-        checkpoint's recompute in backward."""
         self._stashed: dict[int, tuple[torch.Tensor, _Stash]] = {}
         self._stream: torch.cuda.Stream | None = None
 
@@ -141,35 +138,43 @@ def _alias(local: torch.Tensor) -> torch.Tensor:
     )
 
 
-def offloaded_checkpoint(layer, *args, offload: ActivationOffload, index: int, **kwargs):
-    """``torch.utils.checkpoint`` of one decoder layer whose input may spend its wait on the host."""
-    if not torch.is_grad_enabled():
-        return layer(*args, **kwargs)
-    hidden = args[0] if args else kwargs["hidden_states"]
-    offload.recomputing = False
-    local = offload.stash(index, hidden)
-
-    def run(*a, **k):
-        if offload.recomputing:  # in backward: the input back before use, the next one on its way
-            offload.restore(index)
-        return layer(*a, **k)
-
-    out = checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
-    if local is not None:
-        offload.release(local)
-    if index == offload.num_layers - 1:
-        offload.recomputing = True
-    return out
-
-
 def apply_offloaded_checkpointing(parts: DecoderParts, layers: int) -> ActivationOffload:
     """Full activation checkpointing of every decoder layer, with the inputs of the first ``layers`` kept on
-    the host between forward and backward."""
+    the host between forward and backward.
+
+    The offload runs in hooks of the checkpoint wrapper, outside its ``forward``: the stash before it, the
+    release after it, and the restore from a hook on the layer output's gradient, which autograd calls just
+    before that layer's backward (and so its recompute) starts. ``torch.compile`` can then take the wrapper's
+    whole ``forward``, checkpoint included (``parallel/compile.py``), as it does without offload: the graph
+    partitioner places the recompute inside the compiled backward."""
     offload = ActivationOffload(min(layers, len(parts.layers) - 1), num_layers=len(parts.layers))
     for i, layer in enumerate(list(parts.layers)):
-        run = functools.partial(offloaded_checkpoint, offload=offload, index=i)
-        parts.layers[i] = _compat.checkpoint_wrapper(layer, checkpoint_fn=run)
+        wrapper = _compat.checkpoint_wrapper(layer, preserve_rng_state=False)
+        wrapper.register_forward_pre_hook(functools.partial(_before_forward, offload, i), with_kwargs=True)
+        wrapper.register_forward_hook(functools.partial(_after_forward, offload, i), with_kwargs=True)
+        wrapper.activation_offload = offload
+        parts.layers[i] = wrapper
     return offload
+
+
+def _before_forward(offload: ActivationOffload, index: int, module, args, kwargs) -> None:
+    if torch.is_grad_enabled():
+        offload.stash(index, args[0] if args else kwargs["hidden_states"])
+
+
+def _after_forward(offload: ActivationOffload, index: int, module, args, kwargs, output) -> None:
+    if not torch.is_grad_enabled():
+        return
+    entry = offload._stashed.get(index)
+    if entry is not None:
+        offload.release(entry[0])
+    out = output[0] if isinstance(output, tuple) else output
+    if out.requires_grad:  # the input back before the layer's backward recomputes it, the next one on its way
+        out.register_hook(functools.partial(_restore_hook, offload, index))
+
+
+def _restore_hook(offload: ActivationOffload, index: int, grad: torch.Tensor) -> None:
+    offload.restore(index)
 
 
 def host_memory_available() -> int:
