@@ -4,6 +4,7 @@
 #   ROWS="ours-lora,unsloth-lora,hf-peft-liger-compile" AC=none SEQ=4096 bash benchmarks/gpu_sessions/gpu_finetune.sh
 #   AC_ROWS="ours-lora" AC=none AC2=full ...   # also runs AC_ROWS again with ours' checkpointing AC2
 #   EXTRA="--offload" / EXTRA2="--offload 1"     # ours' layer inputs in host memory (all that fit / the first one)
+#   SRC=path/to/src                              # ours from another checkout (A/B of two commits in one call)
 #
 # Carry .whl/ (pydantic, torchao, liger-kernel) and .whl_unsloth/ (Unsloth and its dependencies, bitsandbytes
 # trimmed to its CUDA 13 libraries: see .whl_unsloth/INSTALL.md). They are installed into the machine's Python
@@ -17,7 +18,7 @@ python3 -m pip install -q --no-index --find-links .whl_unsloth unsloth_zoo==2026
   structlog certifi wheel sentencepiece protobuf 2>&1 | tail -3
 python3 -m pip install -q --no-index --no-deps .whl_unsloth/unsloth-2026.10.9-py3-none-any.whl .whl/liger_kernel-*.whl 2>&1 | tail -3
 export HF_HUB_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1 UNSLOTH_COMPILE_LOCATION=/tmp/unsloth_compiled_cache
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+export PYTHONPATH="${SRC:-$PWD/src}${PYTHONPATH:+:$PYTHONPATH}" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 W=/tmp/ndp-bench-finetune
 BENCH=(python3 benchmarks/peers/bench_finetune.py --shape "${SHAPE:-8b}" --seq "${SEQ:-4096}" --work $W
   --json $W/finetune.jsonl --logs "$OUT" --steps "${STEPS:-50}")

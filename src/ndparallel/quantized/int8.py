@@ -25,6 +25,8 @@ no weight gradient is formed, and only the int8 codes and scales are kept for it
 
 from __future__ import annotations
 
+from typing import Optional  # a custom op's schema: the spelling every torch version reads
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -66,6 +68,25 @@ def _(grad: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, fused: bool)
     return grad.new_empty((*grad.shape[:-1], codes.shape[1]))
 
 
+# The forward as one opaque operator too. Written as tensor code, the compiled layer's graph holds the
+# dequantized weight as an intermediate, and under a checkpoint compiled whole the graph partitioner of the
+# H200's torch (2.11) kept it from forward to backward rather than recompute it: an 8B LoRA on int8 weights
+# with full checkpointing peaked at 19.8 GiB against ~10 (4 layers: 1,432 MiB saved against 256;
+# ``benchmarks/diagnostics/quantized_checkpoint_memory_diag.py``). With no weight-shaped tensor in the graph,
+# no partitioner can keep one; a recompute calls the operator again from the codes.
+@torch.library.custom_op("ndparallel::int8_linear", mutates_args=())
+def int8_linear(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor], fused: bool
+) -> torch.Tensor:
+    """x @ (codes * scale)^T + bias."""
+    return F.linear(x, dequantizer(dequantize, fused)(codes, scale, x.dtype), bias)
+
+
+@int8_linear.register_fake
+def _(x, codes, scale, bias, fused) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], codes.shape[0]))
+
+
 class _FrozenInt8Linear(torch.autograd.Function):
     """y = x @ (codes * scale)^T + bias, with the gradient of x (and of a trainable bias) only."""
 
@@ -73,7 +94,9 @@ class _FrozenInt8Linear(torch.autograd.Function):
     def forward(ctx, x, codes, scale, bias):
         ctx.save_for_backward(codes, scale)
         ctx.has_bias = bias is not None
-        return F.linear(x, dequantize(codes, scale, x.dtype), bias)
+        if isinstance(codes, DTensor):  # tensor parallelism: DTensor's own ops
+            return F.linear(x, dequantize(codes, scale, x.dtype), bias)
+        return int8_linear(x, codes, scale, bias, torch.compiler.is_compiling())
 
     @staticmethod
     def backward(ctx, grad):
