@@ -101,3 +101,26 @@ def test_adapter_loads_in_peft_and_merge_exports(lora_runs, tmp_path):
     adapter_dir = tmp_path / "adapter"
     assert main(["export", str(tmp / "par"), str(adapter_dir)]) == 0
     assert (adapter_dir / "adapter_model.safetensors").is_file()
+
+
+def test_a_run_whose_gradient_is_zero_says_so_once(tmp_path, capfd):
+    """Base weights that cut every gradient (here a head of zeros: the logits cannot depend on anything) train
+    nothing; the first log line's grad_norm 0 is said in words, once. A healthy run says nothing."""
+    healthy = make_model("llama", vocab_size=320, seed=5)
+    broken = make_model("llama", vocab_size=320, seed=5)
+    with torch.no_grad():
+        broken.lm_head.weight.zero_()
+    said = {}
+    for name, model in (("healthy", healthy), ("broken", broken)):
+        model.save_pretrained(tmp_path / name)
+        config = tiny_config(
+            tmp_path, base_model=str(tmp_path / name), model_shape=None, model_config_overrides={}, max_steps=2,
+            output_dir=str(tmp_path / f"out-{name}"), **LORA,
+        )  # fmt: skip
+        records = run_train(1, config)
+        said[name] = (
+            [r["grad_norm"] for r in records],
+            capfd.readouterr().out.count("the gradient norm is exactly 0"),
+        )
+    assert said["broken"] == ([0.0, 0.0], 1)
+    assert said["healthy"][1] == 0 and all(norm > 0 for norm in said["healthy"][0])

@@ -286,4 +286,14 @@ def _log(run: TrainingRun, metrics: MetricsLogger, window: LogWindow, evaluating
         record["eval_loss"] = evaluate(run.model, run.eval_rows, topo, cfg.micro_batch_size, run.tokenizer.pad_token_id)
         run.clock.evaluation_s += time.perf_counter() - start
     metrics.log(record)
+    if len(metrics.records) == 1 and record["grad_norm"] == 0.0:
+        metrics.message(ZERO_GRADIENT.format(step=record["step"]))
     window.restart()  # evaluation and logging do not count as training time
+
+
+ZERO_GRADIENT = (
+    "warning: step {step}: the gradient norm is exactly 0: no gradient reaches the trainable parameters, so this run "
+    "changes nothing; check that the loss depends on them (every label masked, the base weights loaded wrong)"
+)
+"""Said once, at the first log line: an 8B LoRA on int8 weights once trained 50 steps like this (its codes loaded
+as zeros) with nothing but ``grad_norm 0`` in each line to show it."""
