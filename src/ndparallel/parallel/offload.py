@@ -82,10 +82,12 @@ class ActivationOffload:
         self._stashed[index] = (local, _Stash(host, copied))
         return local
 
-    @staticmethod
-    def release(local: torch.Tensor) -> None:
-        """Give the device storage of a stashed input back to the allocator (its values are on the host)."""
-        local.untyped_storage().resize_(0)
+    def release(self, index: int) -> None:
+        """Give the device storage of layer ``index``'s stashed input back to the allocator (its values are on
+        the host); nothing when that input stays on the device."""
+        entry = self._stashed.get(index)
+        if entry is not None:
+            entry[0].untyped_storage().resize_(0)
 
     # ----- backward -------------------------------------------------------------------------------
 
@@ -165,9 +167,7 @@ def _before_forward(offload: ActivationOffload, index: int, module, args, kwargs
 def _after_forward(offload: ActivationOffload, index: int, module, args, kwargs, output) -> None:
     if not torch.is_grad_enabled():
         return
-    entry = offload._stashed.get(index)
-    if entry is not None:
-        offload.release(entry[0])
+    offload.release(index)
     out = output[0] if isinstance(output, tuple) else output
     if out.requires_grad:  # the input back before the layer's backward recomputes it, the next one on its way
         out.register_hook(functools.partial(_restore_hook, offload, index))

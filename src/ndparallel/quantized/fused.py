@@ -1,12 +1,12 @@
-"""The dequantization inside a compiled model's input-gradient operator, compiled on its own.
+"""The dequantization inside a compiled model's quantized-linear operators, compiled on its own.
 
-The input gradient of a frozen quantized linear is an opaque operator (``int8.int8_input_grad``,
-``nf4.nf4_input_grad``), so that the compiled layer cannot keep the forward's dequantized weight for the
-backward. Its body is not part of the layer's graph, so its dequantization would run as eager kernels (for
-NF4 a dozen full passes over the weight: on the H200 a compiled 8B QLoRA step took 0.38 s against 0.27 for
-a bf16 base). When the operator is called from a compiled backward (``fused``: the layer was traced), it
-runs the dequantization through a ``torch.compile`` of its own, one fused kernel per weight shape. An
-eager model compiles nothing here.
+The forward and the input gradient of a frozen quantized linear are opaque operators (``int8.int8_linear``,
+``int8.int8_input_grad``, ``nf4.nf4_linear``, ``nf4.nf4_input_grad``), so that the compiled layer holds no
+dequantized weight it could keep from forward to backward. Their bodies are not part of the layer's graph, so
+their dequantization would run as eager kernels (for NF4 a dozen full passes over the weight: on the H200 a
+compiled 8B QLoRA step took 0.38 s against 0.27 for a bf16 base). When an operator is called from a compiled
+layer (``fused``: the layer was traced), it runs the dequantization through a ``torch.compile`` of its own,
+one fused kernel per weight shape. An eager model compiles nothing here.
 """
 
 from __future__ import annotations

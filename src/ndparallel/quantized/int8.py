@@ -55,7 +55,7 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
 # the forward's again, and under torch.compile the graph partitioner computes it once in the forward and
 # keeps the whole compute-dtype weight for the backward (measured on the H200: an 8B LoRA on int8 weights,
 # compiled, peaked at 41.1 GiB, above the 34.6 of a bf16 base). As one node that reads the codes, the backward
-# keeps only the codes and scales, which it holds anyway; the forward's dequantization stays fusible code.
+# keeps only the codes and scales, which it holds anyway (the forward is an operator too: ``int8_linear``).
 # ``fused``: called from a compiled backward; the dequantization runs compiled (``fused.py``).
 @torch.library.custom_op("ndparallel::int8_input_grad", mutates_args=())
 def int8_input_grad(grad: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, fused: bool) -> torch.Tensor:
