@@ -50,9 +50,8 @@ class _Stash:
 class ActivationOffload:
     """The offloaded inputs of one model's first ``layers`` decoder layers (see module docstring)."""
 
-    def __init__(self, layers: int, *, num_layers: int) -> None:
+    def __init__(self, layers: int) -> None:
         self.layers = layers
-        self.num_layers = num_layers
         self._stashed: dict[int, tuple[torch.Tensor, _Stash]] = {}
         self._stream: torch.cuda.Stream | None = None
 
@@ -149,7 +148,7 @@ def apply_offloaded_checkpointing(parts: DecoderParts, layers: int) -> Activatio
     before that layer's backward (and so its recompute) starts. ``torch.compile`` can then take the wrapper's
     whole ``forward``, checkpoint included (``parallel/compile.py``), as it does without offload: the graph
     partitioner places the recompute inside the compiled backward."""
-    offload = ActivationOffload(min(layers, len(parts.layers) - 1), num_layers=len(parts.layers))
+    offload = ActivationOffload(min(layers, len(parts.layers) - 1))
     for i, layer in enumerate(list(parts.layers)):
         wrapper = _compat.checkpoint_wrapper(layer, preserve_rng_state=False)
         wrapper.register_forward_pre_hook(functools.partial(_before_forward, offload, i), with_kwargs=True)
