@@ -87,25 +87,40 @@ def _(x, codes, scale, bias, fused) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], codes.shape[0]))
 
 
+def _int8_linear_context(ctx, inputs, output) -> None:
+    x, codes, scale, bias, fused = inputs
+    ctx.save_for_backward(codes, scale)
+    ctx.has_bias = bias is not None
+
+
+def _int8_linear_backward(ctx, grad):
+    codes, scale = ctx.saved_tensors
+    grad_x = int8_input_grad(grad, codes, scale, torch.compiler.is_compiling()) if ctx.needs_input_grad[0] else None
+    grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+    return grad_x, None, None, grad_bias, None
+
+
+# The gradient formula of the operator itself (not an autograd.Function around it): inside an activation
+# checkpoint that torch.compile traces whole, the nodes of an autograd.Function's forward were not recomputed on
+# torch 2.11 (its outputs were saved instead: 1,432 MiB against 256 for 4 layers of the 8B at 4,096 tokens,
+# ``benchmarks/diagnostics/quantized_checkpoint_memory_diag.py``), while an operator is recomputed as any other.
+int8_linear.register_autograd(_int8_linear_backward, setup_context=_int8_linear_context)
+
+
 class _FrozenInt8Linear(torch.autograd.Function):
-    """y = x @ (codes * scale)^T + bias, with the gradient of x (and of a trainable bias) only."""
+    """Tensor parallelism (DTensor codes and scales): y = x @ (codes * scale)^T + bias through DTensor's own
+    ops, with the gradient of x (and of a trainable bias) only."""
 
     @staticmethod
     def forward(ctx, x, codes, scale, bias):
         ctx.save_for_backward(codes, scale)
         ctx.has_bias = bias is not None
-        if isinstance(codes, DTensor):  # tensor parallelism: DTensor's own ops
-            return F.linear(x, dequantize(codes, scale, x.dtype), bias)
-        return int8_linear(x, codes, scale, bias, torch.compiler.is_compiling())
+        return F.linear(x, dequantize(codes, scale, x.dtype), bias)
 
     @staticmethod
     def backward(ctx, grad):
         codes, scale = ctx.saved_tensors
-        grad_x = None
-        if ctx.needs_input_grad[0] and isinstance(codes, DTensor):  # tensor parallelism: DTensor's own ops
-            grad_x = grad @ dequantize(codes, scale, grad.dtype)
-        elif ctx.needs_input_grad[0]:
-            grad_x = int8_input_grad(grad, codes, scale, torch.compiler.is_compiling())
+        grad_x = grad @ dequantize(codes, scale, grad.dtype) if ctx.needs_input_grad[0] else None
         grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
         return grad_x, None, None, grad_bias
 
@@ -116,7 +131,9 @@ class Int8Linear(nn.Linear):
     weight_scale: nn.Parameter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _FrozenInt8Linear.apply(x, self.weight, self.weight_scale, self.bias)
+        if isinstance(self.weight, DTensor):
+            return _FrozenInt8Linear.apply(x, self.weight, self.weight_scale, self.bias)
+        return int8_linear(x, self.weight, self.weight_scale, self.bias, torch.compiler.is_compiling())
 
 
 def is_int8_codes(tensor: torch.Tensor) -> bool:

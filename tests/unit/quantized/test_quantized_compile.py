@@ -85,37 +85,54 @@ def test_the_nf4_dequantization_is_torchaos_bit_for_bit():
 
 
 @pytest.mark.parametrize("fmt", ["int8", "nf4"])
-def test_a_compiled_checkpointed_block_has_no_dequantized_weight_to_keep(fmt):
-    """Under a checkpoint compiled whole, the H200's torch (2.11) kept the dequantized weights from forward to
-    backward (an 8B QLoRA with full checkpointing at 16.6 GiB instead of 7.1), a choice of the graph
-    partitioner this machine's torch does not make. So the test looks one step earlier, at what any
-    partitioner chooses from: the forward graph holds no floating tensor of a weight's shape (the forward
-    is one opaque operator that reads the codes), and the gradients are plain PyTorch's."""
+def test_a_compiled_checkpoint_recomputes_the_quantized_forward(fmt):
+    """Under a checkpoint compiled whole, the H200's torch (2.11) saved the outputs of the quantized linears
+    instead of recomputing them (an 8B QLoRA with full checkpointing at 16.6 GiB instead of 7.1; 4 int8 layers
+    of the 8B saved 1,432 MiB against 256, the gate/up outputs among them): the forward was an
+    ``autograd.Function`` around the operator, whose nodes the partitioner did not count as the checkpoint's
+    to recompute. Checked here three ways: the traced graph has no autograd.Function in it (fails on any
+    torch without the fix), the compiled block saves only its input, as a checkpoint should (fails on torch
+    2.11 without it; this machine's torch recomputes either way), and the forward graph holds no dequantized
+    weight; the gradients are plain PyTorch's."""
     pytest.importorskip("torchao")
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
     from torch.utils.checkpoint import checkpoint
 
     up, down = _linear(fmt, 512, 128), _linear(fmt, 128, 512)
-    graphs = []
+    traced, graphs = [], []
 
     def keep(gm, example_inputs):
         graphs.append(gm)
         return make_boxed_func(gm.forward)
 
-    backend = aot_autograd(fw_compiler=keep, bw_compiler=keep, partition_fn=min_cut_rematerialization_partition)
+    aot = aot_autograd(fw_compiler=keep, bw_compiler=keep, partition_fn=min_cut_rematerialization_partition)
+
+    def backend(gm, example_inputs):
+        traced.append(gm)
+        return aot(gm, example_inputs)
 
     def block(x):
         return checkpoint(lambda h: down(F.silu(up(h))), x, use_reentrant=False)
 
     torch._dynamo.reset()
     x = torch.randn(16, 128, generator=torch.Generator().manual_seed(1))
-    _, got = _saved_and_grad(torch.compile(block, backend=backend), x)
-    forward = graphs[0]
+    saved, got = _saved_and_grad(torch.compile(block, backend=backend), x)
+    functions = [
+        node.name
+        for gm in traced
+        for module in gm.modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes
+        if "autograd_function" in str(node.target)
+    ]
+    assert not functions, f"an autograd.Function inside the compiled checkpoint: {functions}"
+    activations = [shape for shape, dtype, kind in saved if len(shape) == 2 and shape[0] == 16]  # NF4 parts are 1-D
+    assert activations == [(16, 128)], f"the checkpoint kept more than its input: {saved}"
     weight_shapes = {(512, 128), (128, 512)}
     dequantized = [
         node.name
-        for node in forward.graph.nodes
+        for node in graphs[0].graph.nodes
         if isinstance(value := node.meta.get("val"), torch.Tensor)
         and tuple(value.shape) in weight_shapes
         and value.dtype.is_floating_point
