@@ -129,13 +129,14 @@ def _nf4_linear_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(*parts)
     ctx.layout = (block_size, scaler_block_size, shape)
     ctx.has_bias = bias is not None
+    ctx.fused = fused  # as the forward was called (int8.py says why)
 
 
 def _nf4_linear_backward(ctx, grad):
     parts = list(ctx.saved_tensors)
     grad_x = None
     if ctx.needs_input_grad[0]:
-        grad_x = nf4_input_grad(grad, parts, *ctx.layout, torch.compiler.is_compiling())
+        grad_x = nf4_input_grad(grad, parts, *ctx.layout, ctx.fused)
     grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias and ctx.needs_input_grad[5] else None
     return grad_x, [None] * len(parts), None, None, None, grad_bias, None
 

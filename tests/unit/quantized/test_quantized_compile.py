@@ -50,8 +50,12 @@ def _saved_and_grad(fn, x: torch.Tensor) -> tuple[list[tuple[tuple[int, ...], to
 
 @pytest.mark.parametrize("fmt", ["int8", "nf4"])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_a_quantized_linear_saves_no_dequantized_weight(fmt, compiled):
+def test_a_quantized_linear_saves_no_dequantized_weight(fmt, compiled, monkeypatch):
     pytest.importorskip("torchao")
+    calls = []  # (fused) of every dequantization, forward and backward
+    module = int8 if fmt == "int8" else nf4
+    real = module.dequantizer
+    monkeypatch.setattr(module, "dequantizer", lambda fn, fused: calls.append(fused) or real(fn, fused))
     up = _linear(fmt, 512, 128)  # 64 x 256 values: one NF4 scale group per 128 columns' worth
     down = _linear(fmt, 128, 512)
 
@@ -69,7 +73,10 @@ def test_a_quantized_linear_saves_no_dequantized_weight(fmt, compiled):
     ]
     assert not full_precision, f"a dequantized weight was kept for the backward: {saved}"
 
-    if compiled:  # the operator's own dequantization ran compiled (fused.py), not as eager kernels
+    # compiled: the operators' own dequantization, forward and backward, ran compiled (fused.py), not as eager
+    # kernels (the backward read torch.compiler.is_compiling(), False where AOTAutograd traces it)
+    assert len(calls) >= 4 and set(calls) == {compiled}, calls
+    if compiled:
         assert fused.compiled.cache_info().currsize > 0
     w_up, w_down = _dequantized(up), _dequantized(down)  # plain PyTorch on the dequantized weights
     _, expected = _saved_and_grad(lambda x: F.linear(F.silu(F.linear(x, w_up)), w_down), x)
