@@ -95,6 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="ours, with --ac full: layer inputs in host memory (as many layers as it holds, or the first N)",
     )
+    p.add_argument(
+        "--fused-lora-mlp", action="store_true", help="ours' LoRA rows: fused_lora_mlp (adapters/lora_mlp.py)"
+    )
     p.add_argument("--peer-ac", choices=("recipe", "none"), default="recipe", help="peers' checkpointing")
     p.add_argument("--peer-compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--lora-rank", type=int, default=16)
@@ -206,6 +209,8 @@ def measure(args, row: str, outcome: dict, *, seq: int, launched: float) -> dict
     record.update(steps=args.steps, warmup=args.warmup, device=args.device, status=outcome["status"])
     if row in OURS_ROWS:
         record.update(ac=args.ac, offload=args.offload, compile=args.compile)
+        if args.fused_lora_mlp and OURS_ROWS[row].get("adapter"):
+            record.update(fused_lora_mlp=True)
     else:
         record.update(peer_ac=args.peer_ac, peer_compile=args.peer_compile)
     record.update(call=args.call, when=datetime.datetime.now().isoformat(timespec="seconds"), versions=versions())

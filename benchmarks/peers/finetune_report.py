@@ -48,10 +48,11 @@ def variant(record: dict) -> str:
     if record["row"] not in OURS_ROWS or "ac" not in record:
         return record["row"]
     offload = record.get("offload")
+    fused = ", fused MLP" if record.get("fused_lora_mlp") else ""
     if offload is None or offload is False:
-        return f"{record['row']} [ac {record['ac']}]"
+        return f"{record['row']} [ac {record['ac']}{fused}]"
     layers = f" {offload}" if type(offload) is int and offload > 0 else ""  # True / -1: as many as host memory holds
-    return f"{record['row']} [ac {record['ac']}, offload{layers}]"
+    return f"{record['row']} [ac {record['ac']}, offload{layers}{fused}]"
 
 
 def _latest(args, records: list[dict]) -> dict[tuple[int, str], dict]:

@@ -92,6 +92,15 @@ def _schedule_problems(cfg: Any) -> Iterator[str]:
 
 
 def _memory_problems(cfg: Any) -> Iterator[str]:
+    if cfg.fused_lora_mlp and cfg.adapter is None:
+        yield "fused_lora_mlp runs LoRA-adapted MLPs as one operator: add adapter: lora, or remove fused_lora_mlp"
+    elif cfg.fused_lora_mlp and cfg.lora_dropout:
+        yield (
+            f"fused_lora_mlp has no LoRA dropout (lora_dropout: {cfg.lora_dropout}): set lora_dropout: 0, or "
+            "remove fused_lora_mlp"
+        )
+    elif cfg.fused_lora_mlp and cfg.tensor_parallel_size > 1:
+        yield "fused_lora_mlp computes each MLP from whole weights: not with tensor_parallel_size > 1; remove one"
     if cfg.activation_offloading == "disk":
         yield "activation_offloading: disk is not implemented: use true (pinned host memory)"
     if cfg.activation_offloading and cfg.ac_mode != "full":

@@ -34,6 +34,7 @@ from torch import nn
 
 from ndparallel.adapters.freeze import apply_trainable, select_trainable, store_frozen_in
 from ndparallel.adapters.lora import LoraSpec, attach_lora
+from ndparallel.adapters.lora_mlp import apply_lora_mlp
 from ndparallel.adapters.qat import apply_qat
 from ndparallel.loss.head import install_loss_head
 from ndparallel.mesh.topology import Topology
@@ -86,7 +87,7 @@ def parallelize(
     parts = _swap_linears(parts, topology, options, fp8, param_dtype=dtypes[0])
     ignored = _split(parts, topology, options, lora=lora, trainable=trainable, param_dtype=dtypes[0])
     _switch_attention(model, parts, topology)
-    _recompute_and_compile(parts, options)
+    _recompute_and_compile(parts, options, lora)
     _shard(model, parts, topology, options, dtypes=dtypes, ignored=ignored)
     return model
 
@@ -158,8 +159,16 @@ def _switch_attention(model: nn.Module, parts: DecoderParts, topology: Topology)
     # rows exactly through transformers' document masks built from the position ids.
 
 
-def _recompute_and_compile(parts: DecoderParts, options: ParallelOptions) -> None:
-    """Stages 3 and 4: tiled MLPs and activation checkpointing, then ``torch.compile`` per layer."""
+def _recompute_and_compile(parts: DecoderParts, options: ParallelOptions, lora: LoraSpec | None) -> None:
+    """Stages 3 and 4: LoRA MLPs as one operator, tiled MLPs and activation checkpointing, then
+    ``torch.compile`` per layer."""
+    if lora is not None and options.fused_lora_mlp:
+        if not apply_lora_mlp(parts, scaling=lora.scaling, dropout=lora.dropout):
+            warnings.warn(
+                "fused_lora_mlp: no MLP qualifies (it needs LoRA on gate_proj, up_proj and down_proj of a SwiGLU "
+                "MLP, no lora_dropout); the MLPs run as modules",
+                stacklevel=2,
+            )
     if options.tiled_mlp:
         apply_tiled_mlp(parts, num_tiles=options.tiled_mlp_num_shards)
     apply_activation_checkpointing(

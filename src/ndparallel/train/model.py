@@ -45,6 +45,7 @@ def parallel_options(cfg: TrainConfig, device: torch.device, *, offloaded: int =
         activation_checkpointing=cfg.ac_mode,
         compile=cfg.torch_compile,
         fused_loss=cfg.fused_cross_entropy,
+        fused_lora_mlp=cfg.fused_lora_mlp,
         tiled_mlp=cfg.tiled_mlp,
         tiled_mlp_num_shards=cfg.tiled_mlp_num_shards,
         activation_offload_layers=offloaded,

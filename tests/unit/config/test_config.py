@@ -58,6 +58,15 @@ BAD = [
     ({"max_steps": 0}, "max_steps: Input should be greater than or equal to 1"),
     ({"gradient_accumulation_steps": 1.5}, "gradient_accumulation_steps: Input should be a valid integer"),
     ({"long_rows": "cut"}, "long_rows: Input should be 'drop', 'truncate', 'error' or 'split'"),
+    ({"fused_lora_mlp": True}, "fused_lora_mlp runs LoRA-adapted MLPs as one operator: add adapter: lora"),
+    (
+        {"fused_lora_mlp": True, "adapter": "lora", "lora_target_linear": True, "lora_dropout": 0.1},
+        "fused_lora_mlp has no LoRA dropout (lora_dropout: 0.1): set lora_dropout: 0",
+    ),
+    (
+        {"fused_lora_mlp": True, "adapter": "lora", "lora_target_linear": True, "tensor_parallel_size": 2},
+        "fused_lora_mlp computes each MLP from whole weights: not with tensor_parallel_size > 1",
+    ),
 ]
 
 

@@ -51,6 +51,10 @@ class MemorySettings(BaseModel):
     """lm_head and the cross-entropy fused over token chunks: the (tokens x vocabulary) logits and their gradient
     are never held (Axolotl's liger_fused_linear_cross_entropy and cut_cross_entropy mean this). false: the
     model's logits go to the chunked cross-entropy."""
+    fused_lora_mlp: bool = False
+    """LoRA on gate/up/down of a SwiGLU MLP (Llama, Mistral, Qwen2/3): run each MLP as one operator whose
+    backward holds ~2.5 (tokens x intermediate) tensors instead of seven (same numbers). On one H200, an 8B at
+    4,096 tokens, full checkpointing: 0.9 GiB less and ~9% slower; worth it where memory is what fails."""
     tiled_mlp: bool = False
     """Run each dense MLP over sequence tiles, so only one tile's (tokens x intermediate) tensors exist at a time
     (one more MLP forward per step; for rows of ~32k tokens and more)."""
