@@ -19,7 +19,7 @@ output); two operators (gate/up, then down) would let the recompute stop at gate
 
 Both directions are opaque operators (``torch.library``), so a compiled layer cannot rearrange what they hold;
 their pointwise parts run through a ``torch.compile`` of their own when called from a compiled layer
-(``quantized/fused.py``). Which MLPs qualify (``fusable``) is decided once per call: a sharded (DTensor) or
+(``quantized/fused.py``). Which MLPs qualify (``fusable_args``) is decided on every call: a sharded (DTensor) or
 merged layer, another linear type (FP8, QAT), LoRA dropout or a bias take the modules' path.
 """
 
