@@ -146,8 +146,8 @@ def lora_swiglu_mlp_backward(
     )
     rows, r = x2.shape[0], a_g.shape[0]
     dy_b = dy @ b_d  # (rows, r): down's adapter, B side, for every chunk
-    low_g, low_u = x2 @ a_g.t(), x2 @ a_u.t()  # the adapters' A outputs (B's gradients read them)
-    low_d, de_b, dg_b = (x2.new_empty(rows, r) for _ in range(3))
+    low = {"g": x2 @ a_g.t(), "u": x2 @ a_u.t()}  # the adapters' A outputs (B's gradients read them)
+    low["d"], low["de_b"], low["dg_b"] = (x2.new_empty(rows, r) for _ in range(3))
     sums = {
         name: torch.zeros(shape, dtype=torch.float32, device=x.device)
         for name, shape in (("a_d", (r, inter)), ("b_g", (inter, r)), ("b_u", (inter, r)))
@@ -156,31 +156,39 @@ def lora_swiglu_mlp_backward(
     step = chunk_rows(rows)
     for i in range(0, rows, step):
         rs = slice(i, i + step)
-        dh = (dy[rs] @ w_d).addmm_(dy_b[rs], a_d, alpha=scaling)
-        h, de, dg = _pointwise(_silu_mul_backward, fused)(dh, e2[rs], g2[rs])
-        del dh
-        torch.mm(h, a_d.t(), out=low_d[rs])
-        sums["a_d"].add_(dy_b[rs].t() @ h)
-        del h
-        torch.mm(de, b_g, out=de_b[rs])
-        torch.mm(dg, b_u, out=dg_b[rs])
-        sums["b_g"].add_(de.t() @ low_g[rs])
-        sums["b_u"].add_(dg.t() @ low_u[rs])
-        torch.mm(de, w_g, out=dx[rs])
-        dx[rs].addmm_(dg, w_u)
-        del de, dg
-    dx.addmm_(de_b, a_g, alpha=scaling).addmm_(dg_b, a_u, alpha=scaling)
+        weights, adapters = (w_g, w_u, w_d), (a_d, b_g, b_u)
+        _chunk_backward(dy[rs], e2[rs], g2[rs], dy_b[rs], rs, weights, adapters, scaling, low, sums, dx, fused)
+    dx.addmm_(low["de_b"], a_g, alpha=scaling).addmm_(low["dg_b"], a_u, alpha=scaling)
     grads = [
-        de_b.t() @ x2,  # A of gate: (r, hidden)
+        low["de_b"].t() @ x2,  # A of gate: (r, hidden)
         sums["b_g"],
-        dg_b.t() @ x2,
+        low["dg_b"].t() @ x2,
         sums["b_u"],
         sums["a_d"],
-        dy.t() @ low_d,  # B of down: (hidden, r)
+        dy.t() @ low["d"],  # B of down: (hidden, r)
     ]
     out = [dx.view(x.shape)]
     out += [(grad_sum.float() * scaling).to(param.dtype) for grad_sum, param in zip(grads, lora)]
     return out
+
+
+def _chunk_backward(dy, e, g, dy_b, rs, weights, adapters, scaling: float, low, sums, dx, fused: bool) -> None:
+    """One row chunk (``rs``) of the backward: down's input gradient, then the product h and the gradients of
+    gate and up in one pointwise pass, consumed at once into the chunk's rows of ``dx`` and of the adapters' A
+    outputs and gradient sums (``low``, ``sums``: written in place). At most four chunk-wide tensors live."""
+    (w_g, w_u, w_d), (a_d, b_g, b_u) = weights, adapters
+    dh = (dy @ w_d).addmm_(dy_b, a_d, alpha=scaling)
+    h, de, dg = _pointwise(_silu_mul_backward, fused)(dh, e, g)
+    del dh
+    torch.mm(h, a_d.t(), out=low["d"][rs])
+    sums["a_d"].add_(dy_b.t() @ h)
+    del h
+    torch.mm(de, b_g, out=low["de_b"][rs])
+    torch.mm(dg, b_u, out=low["dg_b"][rs])
+    sums["b_g"].add_(de.t() @ low["g"][rs])
+    sums["b_u"].add_(dg.t() @ low["u"][rs])
+    torch.mm(de, w_g, out=dx[rs])
+    dx[rs].addmm_(dg, w_u)
 
 
 @lora_swiglu_mlp_backward.register_fake
