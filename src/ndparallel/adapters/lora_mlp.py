@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from ndparallel import _compat
 from ndparallel.models.decoder import DecoderParts
 from ndparallel.quantized import int8, nf4
-from ndparallel.quantized.fused import compiled
+from ndparallel.quantized.fused import compiled_if
 
 SWIGLU_MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
 """transformers MLP classes whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``."""
@@ -64,17 +64,13 @@ def _silu_mul_backward(dh: torch.Tensor, e: torch.Tensor, g: torch.Tensor):
     return (silu * g.float()).to(e.dtype), de.to(e.dtype), (dhf * silu).to(e.dtype)
 
 
-def _pointwise(fn, fused: bool):
-    return compiled(fn) if fused else fn
-
-
 def _weight(fmt: str, tensors: list[torch.Tensor], layout: list[int], shape: list[int], dtype, fused: bool):
     """The (out, in) weight in the compute dtype: the tensor itself, or dequantized."""
     if fmt == "int8":
         codes, scale = tensors
-        return _pointwise(int8.dequantize, fused)(codes, scale, dtype)
+        return compiled_if(int8.dequantize, fused)(codes, scale, dtype)
     if fmt == "nf4":
-        return _pointwise(nf4.dequantize, fused)(tensors, layout[0], layout[1], shape).to(dtype)
+        return compiled_if(nf4.dequantize, fused)(tensors, layout[0], layout[1], shape).to(dtype)
     return tensors[0].to(dtype)
 
 
@@ -106,7 +102,7 @@ def lora_swiglu_mlp(
     out = x2.new_empty(x2.shape)
     step = chunk_rows(x2.shape[0])
     for i in range(0, x2.shape[0], step):
-        h = _pointwise(_silu_mul, fused)(e[i : i + step], g[i : i + step])
+        h = compiled_if(_silu_mul, fused)(e[i : i + step], g[i : i + step])
         torch.mm(h, w_d.t(), out=out[i : i + step])
         out[i : i + step].addmm_(h @ a_d.t(), b_d.t(), alpha=scaling)
     lead = x.shape[:-1]
@@ -178,7 +174,7 @@ def _chunk_backward(dy, e, g, dy_b, rs, weights, adapters, scaling: float, low, 
     outputs and gradient sums (``low``, ``sums``: written in place). At most four chunk-wide tensors live."""
     (w_g, w_u, w_d), (a_d, b_g, b_u) = weights, adapters
     dh = (dy @ w_d).addmm_(dy_b, a_d, alpha=scaling)
-    h, de, dg = _pointwise(_silu_mul_backward, fused)(dh, e, g)
+    h, de, dg = compiled_if(_silu_mul_backward, fused)(dh, e, g)
     del dh
     torch.mm(h, a_d.t(), out=low["d"][rs])
     sums["a_d"].add_(dy_b.t() @ h)

@@ -24,5 +24,7 @@ def compiled(fn: Callable) -> Callable:
     return torch.compile(fn)
 
 
-def dequantizer(fn: Callable, fused: bool) -> Callable:
+def compiled_if(fn: Callable, fused: bool) -> Callable:
+    """``fn`` compiled when ``fused`` (the caller runs inside a compiled layer), else ``fn`` itself: the
+    dequantizations here and the LoRA MLP operator's pointwise parts (``adapters/lora_mlp.py``)."""
     return compiled(fn) if fused else fn

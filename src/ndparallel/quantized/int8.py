@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from ndparallel.quantized.fused import dequantizer
+from ndparallel.quantized.fused import compiled_if
 
 CODE_MAX = 127
 
@@ -60,7 +60,7 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
 @torch.library.custom_op("ndparallel::int8_input_grad", mutates_args=())
 def int8_input_grad(grad: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, fused: bool) -> torch.Tensor:
     """grad @ (codes * scale): the gradient of a frozen int8 linear's input."""
-    return grad @ dequantizer(dequantize, fused)(codes, scale, grad.dtype)
+    return grad @ compiled_if(dequantize, fused)(codes, scale, grad.dtype)
 
 
 @int8_input_grad.register_fake
@@ -79,7 +79,7 @@ def int8_linear(
     x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor], fused: bool
 ) -> torch.Tensor:
     """x @ (codes * scale)^T + bias."""
-    return F.linear(x, dequantizer(dequantize, fused)(codes, scale, x.dtype), bias)
+    return F.linear(x, compiled_if(dequantize, fused)(codes, scale, x.dtype), bias)
 
 
 @int8_linear.register_fake

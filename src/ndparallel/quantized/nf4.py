@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from ndparallel import _compat
 from ndparallel.errors import ConfigError
-from ndparallel.quantized.fused import dequantizer
+from ndparallel.quantized.fused import compiled_if
 
 BLOCK = 64
 """Values sharing one scale (QLoRA's and bitsandbytes' block size)."""
@@ -93,7 +93,7 @@ def nf4_input_grad(
     fused: bool,
 ) -> torch.Tensor:
     """grad @ W for the NF4 weight W given by its parts: the gradient of a frozen NF4 linear's input."""
-    weight = dequantizer(dequantize, fused)(parts, block_size, scaler_block_size, shape)
+    weight = compiled_if(dequantize, fused)(parts, block_size, scaler_block_size, shape)
     return grad @ weight.to(grad.dtype)
 
 
@@ -115,7 +115,7 @@ def nf4_linear(
     fused: bool,
 ) -> torch.Tensor:
     """x @ W^T + bias for the NF4 weight W given by its parts."""
-    weight = dequantizer(dequantize, fused)(parts, block_size, scaler_block_size, shape)
+    weight = compiled_if(dequantize, fused)(parts, block_size, scaler_block_size, shape)
     return F.linear(x, weight.to(x.dtype), bias)
 
 

@@ -75,8 +75,10 @@ def test_the_operator_matches_plain_pytorch(fmt, compiled, monkeypatch):
     if fmt == "nf4":
         pytest.importorskip("torchao")
     calls = []  # (function, fused) of each pointwise part and dequantization, forward and backward
-    real = lora_mlp._pointwise
-    monkeypatch.setattr(lora_mlp, "_pointwise", lambda fn, fused: calls.append((fn.__name__, fused)) or real(fn, fused))
+    real = lora_mlp.compiled_if
+    monkeypatch.setattr(
+        lora_mlp, "compiled_if", lambda fn, fused: calls.append((fn.__name__, fused)) or real(fn, fused)
+    )
     mlp = _mlp(fmt)
     rows = 2 * lora_mlp.MIN_CHUNK_ROWS + 300  # three backward chunks, the last one short
     x = torch.randn(1, rows, HIDDEN, generator=torch.Generator().manual_seed(1))

@@ -54,8 +54,8 @@ def test_a_quantized_linear_saves_no_dequantized_weight(fmt, compiled, monkeypat
     pytest.importorskip("torchao")
     calls = []  # (fused) of every dequantization, forward and backward
     module = int8 if fmt == "int8" else nf4
-    real = module.dequantizer
-    monkeypatch.setattr(module, "dequantizer", lambda fn, fused: calls.append(fused) or real(fn, fused))
+    real = module.compiled_if
+    monkeypatch.setattr(module, "compiled_if", lambda fn, fused: calls.append(fused) or real(fn, fused))
     up = _linear(fmt, 512, 128)  # 64 x 256 values: one NF4 scale group per 128 columns' worth
     down = _linear(fmt, 128, 512)
 
