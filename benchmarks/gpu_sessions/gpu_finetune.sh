@@ -7,13 +7,13 @@
 #   SRC=path/to/src                              # ours from another checkout (A/B of two commits in one call)
 #
 # Carry .whl/ (pydantic, torchao, liger-kernel) and .whl_unsloth/ (Unsloth and its dependencies, bitsandbytes
-# trimmed to its CUDA 13 libraries: see .whl_unsloth/INSTALL.md). They are installed into the machine's Python
+# trimmed to its CUDA 13 library), both made by fetch_wheels.py. They are installed into the machine's Python
 # (a fresh machine each lease). Unsloth runs offline: no statistics, no hub, its compiled cache under /tmp.
 set -u
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/session.log") 2>&1
-python3 -m pip install -q --no-index --find-links .whl_unsloth unsloth_zoo==2026.10.9 bitsandbytes==0.50.2 "peft>=0.18" \
+python3 -m pip install -q --no-index --find-links .whl --find-links .whl_unsloth unsloth_zoo==2026.10.9 bitsandbytes==0.50.2 "peft>=0.18" \
   trl datasets diffusers tyro hf_transfer torchao cut_cross_entropy typer rich click pydantic pyyaml json5 nest-asyncio \
   structlog certifi wheel sentencepiece protobuf 2>&1 | tail -3
 python3 -m pip install -q --no-index --no-deps .whl_unsloth/unsloth-2026.10.9-py3-none-any.whl .whl/liger_kernel-*.whl 2>&1 | tail -3
