@@ -10,6 +10,7 @@ linear shape of the 8B, each dequantization alone (median of CUDA-event timings)
 second, the kernels one call launches, and the GEMM of a 4,096-token row with the dequantized weight:
 - nf4-ours-compiled / nf4-ours-eager: ``quantized.nf4.dequantize`` as the compiled layer runs it / eager;
 - nf4-torchao: ``NF4Tensor.get_original_weight`` (the bits ours must reproduce);
+- nf4-triton: ``kernels.nf4_dequantize`` (one Triton kernel);
 - nf4-bnb: bitsandbytes' ``dequantize_4bit`` (NF4, blocks of 64, double quantization), when installed;
 - int8-ours-compiled: ``quantized.int8.dequantize`` compiled;
 - gemm: x (4096, in) @ W^T in bf16, the work each dequantization feeds.
@@ -26,6 +27,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torchao.quantization import to_nf4
 
+from ndparallel.kernels import nf4_dequantize as nf4_kernel
 from ndparallel.quantized import int8, nf4
 from ndparallel.quantized.fused import compiled
 
@@ -67,7 +69,10 @@ def rows_for(label: str, shape: tuple[int, int]) -> list[dict]:
     layout = (quantized.block_size, quantized.scaler_block_size, list(quantized.shape))
     reference = quantized.get_original_weight()
     ours = compiled(nf4.dequantize)
-    assert torch.equal(ours(parts, *layout), reference), "compiled NF4 dequantization differs from torchao's"
+    same_bits = {  # recorded, not asserted: the timings count either way
+        "nf4-ours-compiled": torch.equal(ours(parts, *layout), reference),
+        "nf4-triton": torch.equal(nf4_kernel.dequantize(parts, *layout), reference),
+    }
     codes, scale = int8.quantize_rowwise(weight, scale_dtype=torch.bfloat16)
     x = torch.randn(TOKENS, in_features, device="cuda", dtype=torch.bfloat16)
     nf4_bytes = values // 2 + values * 2  # codes read, bf16 written (scales: 1/64 of that, left out)
@@ -75,6 +80,7 @@ def rows_for(label: str, shape: tuple[int, int]) -> list[dict]:
         "nf4-ours-compiled": (lambda: ours(parts, *layout), nf4_bytes),
         "nf4-ours-eager": (lambda: nf4.dequantize(parts, *layout), nf4_bytes),
         "nf4-torchao": (lambda: quantized.get_original_weight(), nf4_bytes),
+        "nf4-triton": (lambda: nf4_kernel.dequantize(parts, *layout), nf4_bytes),
         "int8-ours-compiled": (lambda: compiled(int8.dequantize)(codes, scale, torch.bfloat16), values * 3),
         "gemm": (lambda: torch.nn.functional.linear(x, reference), None),
     }
@@ -90,6 +96,8 @@ def rows_for(label: str, shape: tuple[int, int]) -> list[dict]:
         ms = timed(fn)
         row = {"shape": label, "out": out_features, "in": in_features, "case": name, "ms": round(ms, 4)}
         row["kernels"] = kernels(fn)
+        if name in same_bits:
+            row["same_bits_as_torchao"] = same_bits[name]
         if moved:
             row["GB/s"] = round(moved / ms / 1e6, 1)
         else:

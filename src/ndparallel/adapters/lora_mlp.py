@@ -1,4 +1,4 @@
-"""A LoRA-adapted SwiGLU MLP as one operator whose backward holds two of its wide tensors, not seven.
+"""A LoRA-adapted SwiGLU MLP as two operators whose backward holds two of its wide tensors, not seven.
 
 ``down(silu(gate(x)) * up(x))`` with LoRA on all three linears (Llama, Mistral, Qwen2/3), written as modules,
 keeps gate's and up's outputs, silu(gate) and the product (down's input, which down's adapter reads) for the
@@ -11,11 +11,11 @@ gradient, then the product and the gradients of gate and up in one pointwise pas
 The same GEMMs as the modules' path, no extra forward; a quantized base (``quantized/``) is dequantized
 once per call, one weight at a time in forward, all three at once in backward.
 
-Measured on the H200 (8B, 4,096 tokens, full checkpointing + offload, compiled; RESULTS.md, issue 35 session 12):
-16.30 GiB and 10,454 tok/s against the modules' 17.17 GiB and 11,513, so it is off by default
-(``ParallelOptions.fused_lora_mlp``, the config's ``fused_lora_mlp``). The likely cost: a checkpoint recomputes the
-whole operator, down's GEMM included, where the modules' recompute leaves out what no backward reads (down's
-output); two operators (gate/up, then down) would let the recompute stop at gate/up.
+The forward is two operators (gate/up, then the product and down), so that a checkpoint's recompute stops at
+gate/up, as the modules' recompute does. Measured on the H200 (8B, 4,096 tokens, full checkpointing + offload,
+compiled; RESULTS.md, issue 35 session 12) as one operator: 16.30 GiB and 10,454 tok/s against the modules'
+17.17 GiB and 11,513, the difference being down's GEMM in every recompute; hence the split. Off by default
+(``ParallelOptions.fused_lora_mlp``, the config's ``fused_lora_mlp``) until the split is measured there.
 
 Both directions are opaque operators (``torch.library``), so a compiled layer cannot rearrange what they hold;
 their pointwise parts run through a ``torch.compile`` of their own when called from a compiled layer
@@ -70,13 +70,51 @@ def _weight(fmt: str, tensors: list[torch.Tensor], layout: list[int], shape: lis
         codes, scale = tensors
         return compiled_if(int8.dequantize, fused)(codes, scale, dtype)
     if fmt == "nf4":
-        return compiled_if(nf4.dequantize, fused)(tensors, layout[0], layout[1], shape).to(dtype)
+        return nf4.dequantize_for(tensors, layout[0], layout[1], shape, fused).to(dtype)
     return tensors[0].to(dtype)
 
 
-@torch.library.custom_op("ndparallel::lora_swiglu_mlp", mutates_args=())
-def lora_swiglu_mlp(
+# The forward is two operators, so that a checkpoint's recompute runs only the first: the backward reads gate's
+# and up's outputs, never down's, and the partitioner of a compiled checkpoint recomputes only what the backward
+# reads. As one operator the recompute ran down's GEMM too: on the H200 (8B, session 12) 10,454 tok/s against
+# the modules' 11,513. ``lora_gate_up`` computes (e, g) from detached inputs and has no gradient formula of its
+# own: ``lora_swiglu_down`` takes x, the weights and all six adapters as well, and its backward returns the
+# gradients of the whole MLP (x and the adapters) at once.
+@torch.library.custom_op("ndparallel::lora_gate_up", mutates_args=())
+def lora_gate_up(
     x: torch.Tensor,
+    gate: list[torch.Tensor],
+    up: list[torch.Tensor],
+    fmt: str,
+    layout: list[int],
+    lora: list[torch.Tensor],
+    scaling: float,
+    fused: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e, g) = (gate(x), up(x)), each linear plus its adapter (``lora``: A, B of gate, then of up).
+    ``layout``: [hidden, intermediate] (+ NF4's two block sizes)."""
+    hidden, inter = layout[0], layout[1]
+    x2 = x.reshape(-1, hidden)
+    wide = []
+    for tensors, (a, b) in ((gate, lora[0:2]), (up, lora[2:4])):
+        w = _weight(fmt, tensors, layout[2:], [inter, hidden], x.dtype, fused)
+        y = x2 @ w.t()
+        del w
+        wide.append(y.addmm_(x2 @ a.to(x.dtype).t(), b.to(x.dtype).t(), alpha=scaling).view(*x.shape[:-1], inter))
+    return wide[0], wide[1]
+
+
+@lora_gate_up.register_fake
+def _(x, gate, up, fmt, layout, lora, scaling, fused):
+    lead = x.shape[:-1]
+    return x.new_empty((*lead, layout[1])), x.new_empty((*lead, layout[1]))
+
+
+@torch.library.custom_op("ndparallel::lora_swiglu_down", mutates_args=())
+def lora_swiglu_down(
+    x: torch.Tensor,
+    e: torch.Tensor,
+    g: torch.Tensor,
     gate: list[torch.Tensor],
     up: list[torch.Tensor],
     down: list[torch.Tensor],
@@ -85,34 +123,25 @@ def lora_swiglu_mlp(
     lora: list[torch.Tensor],
     scaling: float,
     fused: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, e, g): out = down(silu(e) * g) with e = gate(x), g = up(x), each linear plus its adapter
-    (``lora``: A, B of gate, up, down). ``layout``: [hidden, intermediate] (+ NF4's two block sizes)."""
+) -> torch.Tensor:
+    """down(silu(e) * g) plus down's adapter (``lora``: A, B of gate, up, down), by row chunks. x, gate and up
+    are read by the backward only (the gradient of the whole MLP)."""
     hidden, inter = layout[0], layout[1]
-    x2 = x.reshape(-1, hidden)
-    a_g, b_g, a_u, b_u, a_d, b_d = (t.to(x.dtype) for t in lora)
-    wide = []
-    for tensors, a, b in ((gate, a_g, b_g), (up, a_u, b_u)):
-        w = _weight(fmt, tensors, layout[2:], [inter, hidden], x.dtype, fused)
-        y = x2 @ w.t()
-        del w
-        wide.append(y.addmm_(x2 @ a.t(), b.t(), alpha=scaling))
-    e, g = wide
-    w_d = _weight(fmt, down, layout[2:], [hidden, inter], x.dtype, fused)
-    out = x2.new_empty(x2.shape)
-    step = chunk_rows(x2.shape[0])
-    for i in range(0, x2.shape[0], step):
-        h = compiled_if(_silu_mul, fused)(e[i : i + step], g[i : i + step])
+    e2, g2 = e.reshape(-1, inter), g.reshape(-1, inter)
+    a_d, b_d = (t.to(e.dtype) for t in lora[4:6])
+    w_d = _weight(fmt, down, layout[2:], [hidden, inter], e.dtype, fused)
+    out = e2.new_empty(e2.shape[0], hidden)
+    step = chunk_rows(e2.shape[0])
+    for i in range(0, e2.shape[0], step):
+        h = compiled_if(_silu_mul, fused)(e2[i : i + step], g2[i : i + step])
         torch.mm(h, w_d.t(), out=out[i : i + step])
         out[i : i + step].addmm_(h @ a_d.t(), b_d.t(), alpha=scaling)
-    lead = x.shape[:-1]
-    return out.view(*lead, hidden), e.view(*lead, inter), g.view(*lead, inter)
+    return out.view(*x.shape[:-1], hidden)
 
 
-@lora_swiglu_mlp.register_fake
-def _(x, gate, up, down, fmt, layout, lora, scaling, fused):
-    lead = x.shape[:-1]
-    return x.new_empty((*lead, layout[0])), x.new_empty((*lead, layout[1])), x.new_empty((*lead, layout[1]))
+@lora_swiglu_down.register_fake
+def _(x, e, g, gate, up, down, fmt, layout, lora, scaling, fused):
+    return x.new_empty((*x.shape[:-1], layout[0]))
 
 
 @torch.library.custom_op("ndparallel::lora_swiglu_mlp_backward", mutates_args=())
@@ -193,8 +222,7 @@ def _(grad, x, e, g, gate, up, down, fmt, layout, lora, scaling, fused):
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, gate, up, down, fmt, layout, lora, scaling, fused = inputs
-    _, e, g = output
+    x, e, g, gate, up, down, fmt, layout, lora, scaling, fused = inputs
     ctx.counts = (len(gate), len(up), len(down))
     ctx.save_for_backward(x, e, g, *gate, *up, *down, *lora)
     # ``fused`` as the forward was called: a backward is traced by AOTAutograd, not Dynamo, so
@@ -203,7 +231,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.args = (fmt, layout, scaling, fused)
 
 
-def _backward(ctx, grad, _grad_e, _grad_g):
+def _backward(ctx, grad):
     x, e, g, *rest = ctx.saved_tensors
     n_g, n_u, n_d = ctx.counts
     gate, up, down = rest[:n_g], rest[n_g : n_g + n_u], rest[n_g + n_u : n_g + n_u + n_d]
@@ -212,10 +240,10 @@ def _backward(ctx, grad, _grad_e, _grad_g):
     dx, *d_lora = lora_swiglu_mlp_backward(
         grad, x, e, g, list(gate), list(up), list(down), fmt, layout, list(lora), scaling, fused
     )
-    return dx, [None] * n_g, [None] * n_u, [None] * n_d, None, None, d_lora, None, None
+    return dx, None, None, [None] * n_g, [None] * n_u, [None] * n_d, None, None, d_lora, None, None
 
 
-lora_swiglu_mlp.register_autograd(_backward, setup_context=_setup_context)
+lora_swiglu_down.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _base(linear: nn.Module) -> Optional[tuple[str, list[torch.Tensor], list[int]]]:
@@ -256,8 +284,10 @@ def _run(mlp: nn.Module, x: torch.Tensor, *, scaling: float) -> torch.Tensor:
     if args is None:
         return mlp(x)
     (gate, up, down), fmt, layout, lora = args
-    out, _, _ = lora_swiglu_mlp(x, gate, up, down, fmt, layout, lora, scaling, torch.compiler.is_compiling())
-    return out
+    fused = torch.compiler.is_compiling()
+    plain = [t.detach() for t in lora[:4]]  # no gradient flows through (e, g): lora_swiglu_down's gives it all
+    e, g = lora_gate_up(x.detach(), gate, up, fmt, layout, plain, scaling, fused)
+    return lora_swiglu_down(x, e, g, gate, up, down, fmt, layout, lora, scaling, fused)
 
 
 def _is_silu(mlp: nn.Module) -> bool:

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from ndparallel import _compat
 from ndparallel.errors import ConfigError
+from ndparallel.kernels import nf4_dequantize as nf4_kernel
 from ndparallel.quantized.fused import compiled_if
 
 BLOCK = 64
@@ -80,6 +81,16 @@ def dequantize(parts: list[torch.Tensor], block_size: int, scaler_block_size: in
     return torch.stack([first, second], dim=-1).reshape(shape)
 
 
+def dequantize_for(
+    parts: list[torch.Tensor], block_size: int, scaler_block_size: int, shape: list[int], fused: bool
+) -> torch.Tensor:
+    """``dequantize`` as the operators run it: on CUDA one Triton kernel (``kernels/nf4_dequantize.py``, the same
+    bits); elsewhere compiled when called from a compiled layer (``fused``), else eager."""
+    if nf4_kernel.supported(parts):
+        return nf4_kernel.dequantize(parts, block_size, scaler_block_size, shape)
+    return compiled_if(dequantize, fused)(parts, block_size, scaler_block_size, shape)
+
+
 # The input gradient as one opaque operator, for the reason int8.int8_input_grad gives (compiled, the NF4
 # base's dequantized weights were kept from forward to backward: an 8B LoRA peaked at 37.9 GiB on the H200,
 # above a bf16 base's 34.6). ``fused``: called from a compiled backward; the dequantization runs compiled.
@@ -93,7 +104,7 @@ def nf4_input_grad(
     fused: bool,
 ) -> torch.Tensor:
     """grad @ W for the NF4 weight W given by its parts: the gradient of a frozen NF4 linear's input."""
-    weight = compiled_if(dequantize, fused)(parts, block_size, scaler_block_size, shape)
+    weight = dequantize_for(parts, block_size, scaler_block_size, shape, fused)
     return grad @ weight.to(grad.dtype)
 
 
@@ -115,7 +126,7 @@ def nf4_linear(
     fused: bool,
 ) -> torch.Tensor:
     """x @ W^T + bias for the NF4 weight W given by its parts."""
-    weight = compiled_if(dequantize, fused)(parts, block_size, scaler_block_size, shape)
+    weight = dequantize_for(parts, block_size, scaler_block_size, shape, fused)
     return F.linear(x, weight.to(x.dtype), bias)
 
 
