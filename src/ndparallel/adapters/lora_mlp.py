@@ -12,10 +12,11 @@ The same GEMMs as the modules' path, no extra forward; a quantized base (``quant
 once per call, one weight at a time in forward, all three at once in backward.
 
 The forward is two operators (gate/up, then the product and down), so that a checkpoint's recompute stops at
-gate/up, as the modules' recompute does. Measured on the H200 (8B, 4,096 tokens, full checkpointing + offload,
-compiled; RESULTS.md, issue 35 session 12) as one operator: 16.30 GiB and 10,454 tok/s against the modules'
-17.17 GiB and 11,513, the difference being down's GEMM in every recompute; hence the split. Off by default
-(``ParallelOptions.fused_lora_mlp``, the config's ``fused_lora_mlp``) until the split is measured there.
+gate/up, as the modules' recompute does. As one operator (H200, 8B, 4,096 tokens, full checkpointing + offload,
+compiled; RESULTS.md issue 35 session 12): 16.30 GiB and 10,454 tok/s against the modules' 17.17 GiB and 11,513,
+the difference being down's GEMM in every recompute. Split (H100, same rows, session 13): bf16 base 10,749 tok/s
+at 16.30 GiB against the modules' 10,977 at 17.17; NF4 base 9,110 at 6.98 against 10,516 at 7.53 (that gap is
+not explained yet). Off by default (``ParallelOptions.fused_lora_mlp``, the config's ``fused_lora_mlp``).
 
 Both directions are opaque operators (``torch.library``), so a compiled layer cannot rearrange what they hold;
 their pointwise parts run through a ``torch.compile`` of their own when called from a compiled layer

@@ -40,7 +40,9 @@ dequantize  a quantized base's linears (``Workload.quantized_base``) dequantized
             step): eager NF4 52 (torchao's dequantization: a dozen elementwise kernels), int8 16; compiled
             (forward fused into the layer, backward through the input-gradient operator's own compile) NF4
             16, int8 3.1. Held out: the 1B's eager rows (NF4 -3.4% and int8 -1.5% of the step) and full
-            checkpointing's third pass (8B: NF4 +3%, int8 -17% of the term).
+            checkpointing's third pass (8B: NF4 +3%, int8 -17% of the term). NF4 predates the Triton kernel
+            that now serves CUDA (``kernels/nf4_dequantize.py``: a third of the compiled kernel's time, H100,
+            session 13); kept until an H200 step with it is measured, so NF4 steps are predicted slow.
 fsdp_copies FSDP2 copies into and out of its collective buffers, even on one rank: per all-gather
             (6/f + 4) bytes per gathered parameter (fp32 shard cast into the bf16 input, output copied out),
             per reduction (6 + 8/f) per trainable one (bf16 gradient into the fp32 input, the output

@@ -6,7 +6,9 @@ dequantized weight it could keep from forward to backward. Their bodies are not 
 their dequantization would run as eager kernels (for NF4 a dozen full passes over the weight: on the H200 a
 compiled 8B QLoRA step took 0.38 s against 0.27 for a bf16 base). When an operator is called from a compiled
 layer (``fused``: the layer was traced), it runs the dequantization through a ``torch.compile`` of its own,
-one fused kernel per weight shape. An eager model compiles nothing here.
+one fused kernel per weight shape. An eager model compiles nothing here. NF4 on CUDA takes neither: one
+Triton kernel (``kernels/nf4_dequantize.py``, ``nf4.dequantize_for``), a third of the compiled kernel's time
+and torchao's bits, which the compiled kernel does not reproduce on the GPU (it skips bf16 roundings).
 """
 
 from __future__ import annotations
