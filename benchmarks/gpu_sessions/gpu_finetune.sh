@@ -5,6 +5,8 @@
 #   AC_ROWS="ours-lora" AC=none AC2=full ...   # also runs AC_ROWS again with ours' checkpointing AC2
 #   EXTRA="--offload" / EXTRA2="--offload 1"     # ours' layer inputs in host memory (all that fit / the first one)
 #   SRC=path/to/src                              # ours from another checkout (A/B of two commits in one call)
+#   BUDGET=540                                   # seconds: no row starts after it, and a row still running then is
+#                                                # stopped (an Unsloth row needs ~110 s: set it from the start)
 #
 # Carry .whl/ (pydantic, torchao, liger-kernel) and .whl_unsloth/ (Unsloth and its dependencies, bitsandbytes
 # trimmed to its CUDA 13 library), both made by fetch_wheels.py. They are installed into the machine's Python
