@@ -37,12 +37,13 @@ loss        the chunked cross-entropy over n x V/t logits: 78 bytes per logit ea
 dequantize  a quantized base's linears (``Workload.quantized_base``) dequantized in every pass that reads them:
             forward, the input gradient, and the forward again under full checkpointing; bytes per weight
             value at the streaming rate, measured on the H200 (8B LoRA, 4096 tokens, over a bf16 base's
-            step): eager NF4 52 (torchao's dequantization: a dozen elementwise kernels), int8 16; compiled
-            (forward fused into the layer, backward through the input-gradient operator's own compile) NF4
-            16, int8 3.1. Held out: the 1B's eager rows (NF4 -3.4% and int8 -1.5% of the step) and full
-            checkpointing's third pass (8B: NF4 +3%, int8 -17% of the term). NF4 predates the Triton kernel
-            that now serves CUDA (``kernels/nf4_dequantize.py``: a third of the compiled kernel's time, H100,
-            session 13); kept until an H200 step with it is measured, so NF4 steps are predicted slow.
+            step): int8 eager 16, compiled 3.1 (forward fused into the layer, backward through the
+            input-gradient operator's own compile). Held out: the 1B's eager rows (int8 -1.5% of the step) and
+            full checkpointing's third pass (8B: int8 -17% of the term). NF4 2.2 eager or compiled: on CUDA
+            both run one Triton kernel (``kernels/nf4_dequantize.py``); fitted to an H100 (2026-12-07, same
+            machine, 8B, full checkpointing + offload, compiled): the NF4 step at 0.958 of the bf16 step's
+            tokens/s (10,516 vs 10,977), predicted 0.957. (torchao's eager dequantization was 52, the
+            compiled one 16, H200.)
 fsdp_copies FSDP2 copies into and out of its collective buffers, even on one rank: per all-gather
             (6/f + 4) bytes per gathered parameter (fp32 shard cast into the bf16 input, output copied out),
             per reduction (6 + 8/f) per trainable one (bf16 gradient into the fp32 input, the output
@@ -76,7 +77,7 @@ from ndparallel.planner.workload import Workload
 from ndparallel.step.flops import packed_row_pairs
 
 KINDS = ("linear", "attention", "pointwise", "loss", "dequantize", "fsdp_copies", "optimizer")
-DEQUANTIZE_BYTES_PER_VALUE = {("nf4", False): 52, ("int8", False): 16, ("nf4", True): 16, ("int8", True): 3.1}
+DEQUANTIZE_BYTES_PER_VALUE = {("nf4", False): 2.2, ("int8", False): 16, ("nf4", True): 2.2, ("int8", True): 3.1}
 LOSS_BYTES_PER_LOGIT = {False: 78, True: 6}  # eager, compiled (bf16 logits)
 ADAMW_BYTES, CLIP_BYTES = 28, 12
 FLAT_ADAMW_BYTES, FLAT_NORM_BYTES, UPCAST_BYTES, ACCUMULATE_BYTES = 30, 4, 6, 10  # the one-rank path

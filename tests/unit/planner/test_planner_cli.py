@@ -223,7 +223,8 @@ def test_load_in_4bit_and_8bit(capsys):
     memory = {flag: row["memory_bytes"]["total"] for flag, row in rows.items()}
     assert memory["--load-in-4bit"] < memory["--load-in-8bit"] < memory[""]
     dequantize = {flag: row["parts_s"]["dequantize"] for flag, row in rows.items()}
-    assert dequantize[""] == 0 < dequantize["--load-in-8bit"] < dequantize["--load-in-4bit"]
+    # NF4's one Triton kernel (2.5 bytes moved per value) costs less than int8's compiled dequantization
+    assert dequantize[""] == 0 < dequantize["--load-in-4bit"] < dequantize["--load-in-8bit"]
     two_gpus = ["--model", "llama-8b", "--gpu", "h200", "--gpus-per-node", "2", "--seq-len", "4096", "--lora-rank", "8"]
     code, out, err = run(two_gpus + ["--load-in-4bit", "--layout", "1,1,1,2"], capsys)
     assert code == 2 and "NF4 base weights cannot be split by tensor parallelism" in err
