@@ -13,6 +13,8 @@
    same data order and seed. Bound: the mean loss of steps 181-200 within 1.5% (relative) of bf16's,
    and every 20-step window mean after step 20 within 3%. Loss curves go to fp8_loss.jsonl.
 
+3. the NF4 Triton dequantization gives torchao's bits on the 8B's linear shapes (``check_nf4_kernel``).
+
 Writes checks.txt (and fp8_loss.jsonl) under --out; exit status 1 if a bound is missed.
 """
 
@@ -199,6 +201,29 @@ def check_fp8_tracks_bf16(topo, out: Path, log, smoke: bool) -> bool:
     return ok
 
 
+def check_nf4_kernel(log) -> bool:
+    """The Triton NF4 dequantization (``kernels/nf4_dequantize.py``) gives torchao's bits, for each linear shape of
+    the 8B (bf16) and one fp32 weight; the compiled kernel it replaced did not (2026-12-07, H100)."""
+    from torchao.quantization import to_nf4
+
+    from ndparallel.kernels import nf4_dequantize
+    from ndparallel.quantized import nf4
+
+    ok = True
+    cases = [((o, i), torch.bfloat16) for o, i in ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336))]
+    for shape, dtype in cases + [((1024, 4096), torch.float32)]:
+        weight = to_nf4(torch.randn(shape, device="cuda", dtype=dtype) * 0.02, nf4.BLOCK, nf4.SCALER_BLOCK)
+        parts = nf4.nf4_parts(weight)
+        ran = nf4_dequantize.supported(parts)
+        same = ran and torch.equal(
+            nf4.dequantize_for(parts, weight.block_size, weight.scaler_block_size, list(shape), fused=False),
+            weight.get_original_weight(),
+        )
+        log(f"nf4 kernel {shape} {dtype}: {'same bits as torchao' if same else 'DIFFERS' if ran else 'NOT RUN'}")
+        ok = ok and same
+    return ok
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -224,6 +249,8 @@ def main() -> int:
         f"transformers {transformers.__version__}, torchao {torchao.__version__}"
     )
     ok = check_exactness(topo, log, args.smoke)
+    if not args.smoke:  # Triton needs the GPU
+        ok = check_nf4_kernel(log) and ok
     if not args.skip_fp8:
         ok = check_fp8_tracks_bf16(topo, out, log, args.smoke) and ok
     (out / "checks.txt").write_text("\n".join(lines) + "\n")
