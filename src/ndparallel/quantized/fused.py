@@ -8,7 +8,7 @@ compiled 8B QLoRA step took 0.38 s against 0.27 for a bf16 base). When an operat
 layer (``fused``: the layer was traced), it runs the dequantization through a ``torch.compile`` of its own,
 one fused kernel per weight shape. An eager model compiles nothing here. NF4 on CUDA takes neither: one
 Triton kernel (``kernels/nf4_dequantize.py``, ``nf4.dequantize_for``), a third of the compiled kernel's time
-and torchao's bits, which the compiled kernel does not reproduce on the GPU (it skips bf16 roundings).
+and torchao's bits, which the compiled kernel did not reproduce on an H100 (likely skipped bf16 roundings).
 """
 
 from __future__ import annotations
