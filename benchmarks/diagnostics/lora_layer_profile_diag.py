@@ -4,8 +4,8 @@
 
 Why: on an H100 (2026-12-07, session 13) the 8B QLoRA step with ``fused_lora_mlp`` ran 13% slower than with the
 modules' MLP (9,110 against 10,516 tok/s), while on a bf16 base the same switch cost 2%; both paths dequantize
-the same weights the same number of times. This builds the stack ``quantized_checkpoint_memory_diag.py`` builds
-(decoder layers of the 8B's width, 4,096 tokens, LoRA r16 on every linear, one rank, full checkpointing,
+the same weights the same number of times. This builds the stack of ``quantized_checkpoint_memory_diag.py``
+(``lora_stack``: decoder layers of the 8B's width, 4,096 tokens, LoRA r16 on every linear, one rank, full checkpointing,
 compiled), for each base and MLP path: milliseconds per forward + backward (median of CUDA-event timings after
 the compiles), and one profiled step's device time per kernel name, largest first, so the two paths' kernels
 can be set side by side.
@@ -15,38 +15,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections import Counter
 from pathlib import Path
 
 import torch
+from dequant_speed_diag import timed  # siblings: the script's folder is on sys.path
+from quantized_checkpoint_memory_diag import lora_stack
 from torch.profiler import ProfilerActivity, profile
 
 import ndparallel as ndp
-from ndparallel.adapters.lora import LoraSpec
-from ndparallel.weights.materialize import materialize
-from ndparallel.weights.meta import meta_model, model_config_for
 
 
 def build(base: str, fused: bool, layers: int, seq: int, compiled: bool):
-    torch._dynamo.reset()
-    config = model_config_for(
-        base_model=None, model_shape="8b", overrides={"num_hidden_layers": layers}, max_position_embeddings=seq
-    )
-    model = meta_model(config)
-    topo = ndp.Topology.build(ndp.ParallelismConfig(dp_shard_size=1))
-    options = ndp.ParallelOptions(
-        activation_checkpointing="full",
-        compile=compiled,
-        quantized_base=None if base == "bf16" else base,
-        fused_lora_mlp=fused,
-    )
-    ndp.parallelize(model, topo, options=options, lora=LoraSpec(r=16, alpha=16, target_linear=True))
-    materialize(model, topo.device, weights_dir=None, seed=0)
-    ids = torch.randint(0, config.vocab_size, (1, seq), device=topo.device)
-    batch = ndp.prepare_batch(topology=topo, input_ids=ids)
-    n = ndp.count_tokens(batch.num_tokens, topo)
+    """One forward + backward of the stack, as a function."""
+    model, topo, batch, n = lora_stack(base, compiled, layers=layers, seq=seq, fused_lora_mlp=fused)
 
     def step() -> None:
         loss, _ = ndp.model_loss(model, batch.model_inputs(), batch.labels, num_tokens=n, topology=topo)
@@ -58,16 +41,7 @@ def build(base: str, fused: bool, layers: int, seq: int, compiled: bool):
 
 def measure(base: str, fused: bool, args) -> dict:
     step = build(base, fused, args.layers, args.seq, args.compile)
-    for _ in range(3):  # the compiles
-        step()
-    times = []
-    for _ in range(args.steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+    ms = timed(step, repeats=args.steps)  # after three steps: the compiles
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
@@ -76,9 +50,9 @@ def measure(base: str, fused: bool, args) -> dict:
         if event.device_type == torch.autograd.DeviceType.CUDA:
             by_kernel[event.name[:90]] += event.device_time_total / 1e3
     row = {"base": base, "fused_lora_mlp": fused, "layers": args.layers, "seq": args.seq}
-    row["ms_per_step"] = round(statistics.median(times), 2)
+    row["ms_per_step"] = round(ms, 2)
     row["device_ms_profiled"] = round(sum(by_kernel.values()), 2)
-    row["top_kernels_ms"] = [[name, round(ms, 3)] for name, ms in by_kernel.most_common(args.top)]
+    row["top_kernels_ms"] = [[name, round(kernel_ms, 3)] for name, kernel_ms in by_kernel.most_common(args.top)]
     return row
 
 

@@ -30,21 +30,30 @@ LAYERS = 4
 SEQ = 4096
 
 
-def measure(base: str, compiled: bool) -> dict:
+def lora_stack(base: str, compiled: bool, *, layers: int = LAYERS, seq: int = SEQ, fused_lora_mlp: bool = False):
+    """(model, topology, batch, token count): ``layers`` decoder layers of the 8B's width on one rank, LoRA r16 on
+    every linear over a ``base`` (bf16, int8, nf4) base, full checkpointing, one row of ``seq`` random tokens."""
     torch._dynamo.reset()
     config = model_config_for(
-        base_model=None, model_shape="8b", overrides={"num_hidden_layers": LAYERS}, max_position_embeddings=SEQ
+        base_model=None, model_shape="8b", overrides={"num_hidden_layers": layers}, max_position_embeddings=seq
     )
     model = meta_model(config)
     topo = ndp.Topology.build(ndp.ParallelismConfig(dp_shard_size=1))
     options = ndp.ParallelOptions(
-        activation_checkpointing="full", compile=compiled, quantized_base=None if base == "bf16" else base
+        activation_checkpointing="full",
+        compile=compiled,
+        quantized_base=None if base == "bf16" else base,
+        fused_lora_mlp=fused_lora_mlp,
     )
     ndp.parallelize(model, topo, options=options, lora=LoraSpec(r=16, alpha=16, target_linear=True))
     materialize(model, topo.device, weights_dir=None, seed=0)
-    ids = torch.randint(0, config.vocab_size, (1, SEQ), device=topo.device)
+    ids = torch.randint(0, config.vocab_size, (1, seq), device=topo.device)
     batch = ndp.prepare_batch(topology=topo, input_ids=ids)
-    n = ndp.count_tokens(batch.num_tokens, topo)
+    return model, topo, batch, ndp.count_tokens(batch.num_tokens, topo)
+
+
+def measure(base: str, compiled: bool) -> dict:
+    model, topo, batch, n = lora_stack(base, compiled)
     row = {"base": base, "compiled": compiled, "layers": LAYERS, "seq": SEQ}
     for step in range(3):  # the last step is measured (compiled: after the warm-up compiles)
         saved: Counter = Counter()

@@ -35,7 +35,8 @@ PLATFORM_ARGS = ["--only-binary=:all:", "--python-version", "3.12", "--implement
     )
     for arg in ("--platform", tag)
 ]
-BASE = ["torchao==0.18.0", "liger-kernel==0.8.5", "pydantic>=2.6"]
+BASE_NO_DEPS = ["torchao==0.18.0", "liger-kernel==0.8.5"]  # their dependencies are on the machine
+BASE_WITH_DEPS = ["pydantic>=2.6"]
 UNSLOTH = [
     "unsloth==2026.10.9",
     "unsloth_zoo==2026.10.9",
@@ -94,8 +95,8 @@ def main() -> None:
     for folder in (base, unsloth):
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir()
-    _download(["--no-deps", *BASE[:2]], base)
-    _download(BASE[2:], base)
+    _download(["--no-deps", *BASE_NO_DEPS], base)
+    _download(BASE_WITH_DEPS, base)
     with tempfile.TemporaryDirectory() as scratch:
         stand_ins, everything = Path(scratch, "stand_ins"), Path(scratch, "all")
         stand_ins.mkdir()

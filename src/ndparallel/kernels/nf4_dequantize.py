@@ -13,7 +13,6 @@ kernel and bitsandbytes').
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import torch
 
@@ -61,17 +60,11 @@ def _kernel():
     return nf4_dequantize_kernel
 
 
-@functools.cache
-def _have_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def supported(parts: list[torch.Tensor]) -> bool:
     """The kernel serves these parts: on CUDA, contiguous, a bf16/fp16/fp32 table (torchao's layout)."""
     codes, scalers, factors, mean, table = parts
     return (
         codes.is_cuda
-        and _have_triton()
         and codes.dtype == torch.uint8
         and scalers.dtype == torch.int8
         and table.dtype in (torch.bfloat16, torch.float16, torch.float32)
