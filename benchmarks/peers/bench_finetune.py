@@ -19,10 +19,11 @@ prints ``skipped: <why>`` and the script goes on):
   ours-lora                LoRA r16 on every linear of the blocks, bf16 base      (kind bf16)
   ours-qlora               the same on an NF4 base (load_in_4bit)                  (kind nf4)
   ours-lora8               the same on an int8 base (load_in_8bit)                 (kind int8)
+  ours-lora-fp8            the same on an FP8 base, FP8 products (load_in_fp8)     (kind fp8)
   ours-full-adam8          full fine-tune, 8-bit AdamW (optimizer: adamw_8bit)     (kind full)
   ours-full-adam8-offload  the same with cpu_offload (minutes a step at 8B: the optimizer runs on the CPU)
-  unsloth-lora, unsloth-qlora, hf-peft-liger-compile, peft-bnb4, peft-bnb8, torchao-nf4-peft: the peers,
-  built as ``finetune_peers.py`` says; hf-peft (HF + peft, no Liger, no compile) is an extra row.
+  unsloth-lora, unsloth-qlora, unsloth-lora-fp8, hf-peft-liger-compile, peft-bnb4, peft-bnb8, torchao-nf4-peft: the
+  peers, built as ``finetune_peers.py`` says; hf-peft (HF + peft, no Liger, no compile) is an extra row.
 
   ours: ``--ac`` (none / selective / full) and ``--compile`` (each block) apply; the worker of ``ndparallel
   train`` runs the config written to the row's run directory (``runs/<row>-seq<N>/config.yaml``: rerun it

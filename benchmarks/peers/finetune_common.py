@@ -60,6 +60,15 @@ KINDS = (
         "LLM.int8() also quantizes the activations (outliers above 6.0 in fp16)",
     ),
     RowKind(
+        "fp8",
+        ("ours-lora-fp8",),
+        ("unsloth-lora-fp8",),
+        0.10,
+        "LoRA on an FP8 base: e4m3 weights with one scale per row, FP8 forward products on per-token scaled "
+        "inputs (ours: load_in_fp8; Unsloth: load_in_fp8=True, torchao's rowwise recipe); compare the loss with "
+        "the bf16 kind's to see what FP8 costs",
+    ),
+    RowKind(
         "full",
         ("ours-full-adam8", "ours-full-adam8-offload"),
         (),
@@ -72,12 +81,14 @@ OURS_ROWS = {  # name -> ``--set`` settings of the trainer on top of the common 
     "ours-lora": {"adapter": "lora"},
     "ours-qlora": {"adapter": "qlora", "load_in_4bit": True},
     "ours-lora8": {"adapter": "lora", "load_in_8bit": True},
+    "ours-lora-fp8": {"adapter": "lora", "load_in_fp8": True},
     "ours-full-adam8": {"adapter": None, "optimizer": "adamw_8bit"},
     "ours-full-adam8-offload": {"adapter": None, "optimizer": "adamw_8bit", "cpu_offload": True},
 }
 PEER_ROWS = (
     "unsloth-lora",
     "unsloth-qlora",
+    "unsloth-lora-fp8",
     "hf-peft-liger-compile",
     "hf-peft",
     "peft-bnb4",

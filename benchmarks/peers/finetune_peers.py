@@ -3,7 +3,9 @@ checkpoint, with the same adapters (rank, alpha, the 7 linears of every block, d
 seeded values (``finetune_common.seed_adapters_like_ours``). ``build_peer(row, spec, device)`` returns the
 model ready to train (``finetune_rows.train_peer`` runs the loop) and a dict saying what was applied.
 
-- ``unsloth-lora`` / ``unsloth-qlora``: ``FastLanguageModel.from_pretrained(dir, load_in_4bit=...)``,
+- ``unsloth-lora`` / ``unsloth-qlora`` / ``unsloth-lora-fp8``: ``FastLanguageModel.from_pretrained(dir,
+  load_in_16bit / load_in_4bit / load_in_fp8=True)`` (FP8: it quantizes the checkpoint with torchao's rowwise
+  config into a directory of its own and loads that),
   ``get_peft_model(..., use_gradient_checkpointing="unsloth")`` (its offloaded checkpointing) and
   ``for_training``. Its fused LoRA kernels engage with dropout 0 and no bias; its chunked fused
   cross-entropy engages when the forward gets ``labels`` and more than 1,024 tokens (``CausalLM_fast_forward``):
@@ -36,13 +38,14 @@ from finetune_common import LORA_TARGETS, NF4_GROUP, seed_adapters_like_ours
 NEEDS = {  # row -> packages it imports (a missing one: the row prints "skipped")
     "unsloth-lora": ("unsloth",),
     "unsloth-qlora": ("unsloth", "bitsandbytes"),
+    "unsloth-lora-fp8": ("unsloth", "torchao"),
     "hf-peft-liger-compile": ("peft", "liger_kernel"),
     "hf-peft": ("peft",),
     "peft-bnb4": ("peft", "bitsandbytes", "liger_kernel"),
     "peft-bnb8": ("peft", "bitsandbytes", "liger_kernel"),
     "torchao-nf4-peft": ("peft", "torchao", "liger_kernel"),
 }
-CUDA_ONLY = {"unsloth-lora", "unsloth-qlora", "peft-bnb4", "peft-bnb8"}
+CUDA_ONLY = {"unsloth-lora", "unsloth-qlora", "unsloth-lora-fp8", "peft-bnb4", "peft-bnb8"}
 CUDA_ONLY_PACKAGES = {"liger_kernel"}  # Triton kernels: not applied on a CPU
 
 
@@ -62,7 +65,7 @@ def build_peer(row: str, spec: dict, device: torch.device) -> tuple[torch.nn.Mod
     """The model of peer ``row``, adapters attached and seeded, in training mode; and what was applied."""
     cuda = device.type == "cuda"
     if row.startswith("unsloth-"):
-        return _unsloth(spec, device, four_bit=row == "unsloth-qlora")
+        return _unsloth(spec, device, base={"unsloth-qlora": "bnb4", "unsloth-lora-fp8": "fp8"}.get(row, "bf16"))
     if row == "hf-peft-liger-compile":
         return _hf(spec, device, base="bf16", liger=cuda, compile_=cuda and spec["peer_compile"])
     if row == "hf-peft":
@@ -176,15 +179,16 @@ def _torchao_nf4(model, device: torch.device) -> int:
     return count
 
 
-def _unsloth(spec: dict, device: torch.device, *, four_bit: bool):
+def _unsloth(spec: dict, device: torch.device, *, base: str):
     from unsloth import FastLanguageModel  # first: Unsloth patches transformers and peft when imported
 
     model, _ = FastLanguageModel.from_pretrained(
         model_name=spec["model_dir"],
         max_seq_length=spec["seq"],
         dtype=torch.bfloat16,
-        load_in_4bit=four_bit,
-        load_in_16bit=not four_bit,  # its 16-bit LoRA
+        load_in_4bit=base == "bnb4",
+        load_in_16bit=base == "bf16",  # its 16-bit LoRA
+        load_in_fp8=base == "fp8",  # its FP8 LoRA: torchao's rowwise FP8 weights, quantized on the fly
         full_finetuning=False,
         fix_tokenizer=False,  # the byte tokenizer needs no fixing; the rows come tokenized
         use_exact_model_name=True,  # a local directory, no hub name mapping
@@ -202,4 +206,4 @@ def _unsloth(spec: dict, device: torch.device, *, four_bit: bool):
     )
     seed_adapters_like_ours(model, spec["seed"])
     FastLanguageModel.for_training(model)
-    return model, {"base": "bnb4" if four_bit else "bf16", "gradient_checkpointing": checkpointing}
+    return model, {"base": base, "gradient_checkpointing": checkpointing}

@@ -208,8 +208,9 @@ def float32_norms(tensors: list[torch.Tensor], norm_type: float) -> list[torch.T
 def scaled_mm(
     a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """A float8 matrix product with per-tensor scales (what torchao's float8 linears run); the planner's
-    ``--measure`` times it. ``b`` column-major, as cuBLASLt wants."""
+    """A float8 matrix product with per-tensor scales (what torchao's float8 linears run; the planner's
+    ``--measure`` times it) or row-wise ones (``scale_a`` (m, 1), ``scale_b`` (1, n), float32: an FP8 base,
+    ``quantized/fp8.py``). ``b`` column-major, as cuBLASLt wants."""
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
 
 

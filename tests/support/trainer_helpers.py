@@ -203,6 +203,31 @@ def round_trip_int8(model) -> int:
     return count
 
 
+def round_trip_fp8(model) -> int:
+    """FP8 base weights and products the plain way: each decoder-block linear weight replaced by its row-wise
+    absmax e4m3 value (scale = max |row| / 448; fp32), and its input replaced by its per-token e4m3 value in the
+    forward only (a pre-hook; the gradient passes straight through), so ``x @ W^T`` in fp32 is the FP8 product.
+    Returns how many."""
+    fp8, top = torch.float8_e4m3fn, 448.0
+
+    def per_row(t: torch.Tensor) -> torch.Tensor:
+        scale = (t.abs().amax(dim=-1, keepdim=True) / top).clamp(min=torch.finfo(torch.float32).tiny)
+        return (t / scale).to(fp8).to(t.dtype) * scale
+
+    def quantized_input(module, args):
+        x = args[0]
+        return (x + (per_row(x.detach()) - x).detach(), *args[1:])
+
+    count = 0
+    with torch.no_grad():
+        for module in model.model.layers.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(per_row(module.weight))
+                module.register_forward_pre_hook(quantized_input)
+                count += 1
+    return count
+
+
 def plain_qat(model, qat: dict) -> None:
     """torchao's QAT prepare step on the whole model, as Axolotl applies it (every linear layer, the head
     included): int8 per-token inputs (if asked) and int4 grouped weights, or MX FP4."""
@@ -282,6 +307,8 @@ def plain_reference(config: dict, trainable: set[str] | None = None) -> dict:
         round_trip_nf4(model)
     if cfg.load_in_8bit:
         round_trip_int8(model)
+    if cfg.load_in_fp8:
+        round_trip_fp8(model)  # before peft wraps the linears: the hooks stay on the base layers, not the adapters
     if cfg.qat is not None:
         plain_qat(model, cfg.qat.model_dump())
     if cfg.adapter in ("lora", "qlora"):

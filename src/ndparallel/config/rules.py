@@ -46,8 +46,9 @@ def _adapter_problems(cfg: Any) -> Iterator[str]:
         unfrozen=cfg.unfrozen_parameters is not None,
         tp=cfg.tensor_parallel_size,
     )
-    if cfg.load_in_4bit and cfg.load_in_8bit:
-        yield "load_in_4bit and load_in_8bit are both true: keep one"
+    chosen = [setting for setting in FORMATS.values() if getattr(cfg, setting)]
+    if len(chosen) > 1:
+        yield f"{' and '.join(chosen)} are {'all' if len(chosen) > 2 else 'both'} true: keep one"
     quantized = FORMATS.get(cfg.quantized_base)  # the setting's name
     if quantized and cfg.export_hf:
         yield (

@@ -6,7 +6,7 @@ function per stage below, after the rules of ``rules.py`` have said the options 
    splits them. A plain lm_head becomes a ``LossHead`` (same parameters), which can hand its input to the
    fused loss instead of computing the logits (``loss/head.py``). ``load_in_8bit`` turns the blocks'
    linears into int8 codes with row scales here too, so tensor parallelism splits codes and scales as it
-   splits weights (``quantized/int8.py``).
+   splits weights (``quantized/int8.py``); ``load_in_fp8`` into e4m3 codes the same way (``quantized/fp8.py``).
 1. Tensor parallel first: it replaces weights by DTensors split over ``tp`` and installs sequence
    parallelism. Everything after it sees the split model. Mixture-of-experts blocks are not split by tp
    (each tp rank runs them on its own tokens); expert parallelism then splits the experts over ``ep``.
@@ -51,6 +51,7 @@ from ndparallel.parallel.rules import check_model, check_options
 from ndparallel.parallel.single_rank import apply_single_rank, eligible
 from ndparallel.parallel.tensor import apply_tensor_parallel
 from ndparallel.parallel.tiled_mlp import apply_tiled_mlp
+from ndparallel.quantized.fp8 import check_device as check_fp8_base_device
 from ndparallel.quantized.int8 import replicate_rowwise_scales
 from ndparallel.quantized.linears import quantize_linears
 from ndparallel.quantized.nf4 import is_nf4
@@ -102,10 +103,11 @@ def _swap_linears(
         convert_to_fp8(parts, fp8, fsdp_size=1 if options.cpu_offload else topology.layout.fsdp_size)
     if options.fused_loss and install_loss_head(model) is not None:
         parts = decoder_parts(model)  # the head is a LossHead now (same parameters, same names)
-    if options.quantized_base == "int8":  # before tensor parallelism, which splits codes and scales like weights
-        quantize_linears(
-            parts.layers, "int8", shards=1, dtype=param_dtype or torch.float32, prefix=_layers_prefix(model, parts)
-        )
+    if options.quantized_base in ("int8", "fp8"):  # before tensor parallelism, which splits codes and scales
+        if options.quantized_base == "fp8":
+            check_fp8_base_device(topology.device)
+        fmt, dtype = options.quantized_base, param_dtype or torch.float32
+        quantize_linears(parts.layers, fmt, shards=1, dtype=dtype, prefix=_layers_prefix(model, parts))
     return parts
 
 

@@ -76,8 +76,9 @@ class ParallelOptions:
     """Quantization-aware training (``adapters/qat.py``): torchao fake-quantized linear layers; not with lora, fp8,
     quantized_base or tp > 1."""
     quantized_base: str | None = None
-    """Frozen quantized base weights under LoRA (``quantized/``): 'nf4' (QLoRA, 4-bit) or 'int8' (8-bit,
-    one scale per row) for the decoder blocks' linear weights; needs ``lora``. None: unquantized."""
+    """Frozen quantized base weights under LoRA (``quantized/``): 'nf4' (QLoRA, 4-bit), 'int8' (8-bit, one scale
+    per row) or 'fp8' (e4m3, one scale per row, FP8 products) for the decoder blocks' linear weights; needs
+    ``lora``. None: unquantized."""
     fused_loss: bool = True
     """Give lm_head's input to the fused linear + cross-entropy loss (``loss/fused.py``) instead of computing
     the (tokens x vocabulary) logits, when the loss goes through ``step/token_loss.model_loss`` (the trainer's does).

@@ -53,8 +53,8 @@ def option_problems(
         )
     if fp8 and lora and quantized_base is None:  # quantized base weights said so already
         yield (
-            "fp8: true with adapter: lora is not supported (LoRA's adapters are far below FP8's useful size and "
-            "its frozen-base path is not validated); set fp8: false"
+            "fp8: true with adapter: lora is not supported (LoRA's adapters are far below FP8's useful size); "
+            "for FP8 products on the frozen base set load_in_fp8: true and fp8: false"
         )
 
 
@@ -69,6 +69,12 @@ def _quantized_problems(fmt: str, *, lora: bool, tp: int, fp8: bool) -> Iterator
         yield (
             f"{setting}: true needs adapter: {adapter}: {bits}-bit base weights are frozen, so only adapters can "
             f"train; set adapter: {adapter}, or {setting}: false for a full fine-tune"
+        )
+    if fmt == "fp8" and tp > 1:
+        yield (
+            "load_in_fp8 with tensor_parallel_size > 1 is not supported (split FP8 weights would multiply in bf16, "
+            "another run than one rank's); set tensor_parallel_size: 1 and shard with dp_shard_size, or use "
+            "load_in_8bit"
         )
     if fmt == "nf4" and tp > 1:
         yield (

@@ -158,6 +158,13 @@ def _step_arguments(work) -> None:
         const="int8",
         help="LoRA on an int8 base, as the trainer's load_in_8bit",
     )
+    quantized.add_argument(
+        "--load-in-fp8",
+        dest="quantized_base",
+        action="store_const",
+        const="fp8",
+        help="LoRA on an FP8 base with FP8 forward products (tp 1 only), as the trainer's load_in_fp8",
+    )
 
 
 def cluster_from_args(args: argparse.Namespace, model, workload: Workload) -> Cluster:

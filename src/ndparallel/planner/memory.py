@@ -103,7 +103,9 @@ MOMENTS = ("loss", "head backward", "layer backward", "end of backward", "optimi
 # scale per block of 64 values and one float32 factor per 256 scales (double quantization); int8: a one-byte
 # code (plus one scale per output row in the compute dtype, counted per row). H200, 8B and 1B LoRA, eager and
 # compiled, three checkpointing modes: the peaks drop from a bf16 base's by these bytes to within 0.01 GiB.
-QUANTIZED_BYTES_PER_VALUE = {"nf4": 0.5 + 1 / 64 + 4 / (64 * 256), "int8": 1.0}
+# fp8: int8's layout with e4m3 codes (not yet measured against a peak).
+QUANTIZED_BYTES_PER_VALUE = {"nf4": 0.5 + 1 / 64 + 4 / (64 * 256), "int8": 1.0, "fp8": 1.0}
+ROW_SCALED = ("int8", "fp8")
 
 
 def quantized_saving(model: ModelShape, workload: Workload) -> float:
@@ -113,7 +115,7 @@ def quantized_saving(model: ModelShape, workload: Workload) -> float:
     if fmt is None:
         return 0.0
     e, weights = workload.compute_bytes, model.layer_linear_weights()
-    stored = QUANTIZED_BYTES_PER_VALUE[fmt] * weights + (e * model.layer_linear_rows() if fmt == "int8" else 0)
+    stored = QUANTIZED_BYTES_PER_VALUE[fmt] * weights + (e * model.layer_linear_rows() if fmt in ROW_SCALED else 0)
     return e * weights - stored
 
 

@@ -122,9 +122,10 @@ def linear_s(mb: MicroBatch, rates: Rates) -> float:
     m, t, n, w = mb.model, mb.layout.tp, mb.tokens, mb.workload
     base = "fp32" if w.precision == "fp32" else "bf16"
     layer = "fp8" if w.fp8 else base
+    layer_forward = "fp8" if w.quantized_base == "fp8" else layer  # an FP8 base: forward products only
     forward = backward = mlp_forward = 0.0
     for index, (k, out) in enumerate(_linear_shapes(m, t)):
-        this = rates.gemm_s(n, out, k, layer)
+        this = rates.gemm_s(n, out, k, layer_forward)
         backward += rates.gemm_s(n, k, out, layer)  # input gradient
         if w.lora_rank:
             r = w.lora_rank
@@ -233,8 +234,15 @@ def dequantize_s(mb: MicroBatch, rates: Rates) -> float:
     w = mb.workload
     if w.quantized_base is None:
         return 0.0
-    passes = 3 if mb.activation_checkpointing == "full" else 2
+    full = mb.activation_checkpointing == "full"
     values = mb.model.layers * mb.model.layer_linear_weights() / mb.layout.tp
+    if w.quantized_base == "fp8":
+        # the input gradient's dequantization (codes read, compute dtype written), and each forward pass
+        # quantizing every linear's input (read, codes written; q/k/v and gate/up each quantize their own)
+        inputs = mb.tokens * sum(k for k, _ in _linear_shapes(mb.model, mb.layout.tp))
+        quantize = mb.model.layers * (2 if full else 1) * inputs * (w.compute_bytes + 1)
+        return rates.stream_s(values * (1 + w.compute_bytes) + quantize)
+    passes = 3 if full else 2
     return rates.stream_s(passes * values * DEQUANTIZE_BYTES_PER_VALUE[w.quantized_base, w.compile])
 
 

@@ -63,10 +63,11 @@ def plan(
         if axis not in AXES:
             raise ConfigError(f"constraint {axis!r} is not an axis; use {', '.join(AXES)}")
         layouts = [lay for lay in layouts if getattr(lay, axis) == size]
-    if workload.quantized_base == "nf4":  # quantized/: an NF4 weight cannot be split by columns
+    if workload.quantized_base in ("nf4", "fp8"):  # quantized/: neither is split by tensor parallelism
         if layouts and all(lay.tp > 1 for lay in layouts):
+            flag, what = ("--load-in-4bit", "NF4") if workload.quantized_base == "nf4" else ("--load-in-fp8", "FP8")
             raise ConfigError(
-                "--load-in-4bit: NF4 base weights cannot be split by tensor parallelism; plan tp 1 "
+                f"{flag}: {what} base weights cannot be split by tensor parallelism; plan tp 1 "
                 "(--layout R,S,C,1) or use --load-in-8bit"
             )
         layouts = [lay for lay in layouts if lay.tp == 1]

@@ -57,7 +57,8 @@ def header(model: ModelShape, cluster: Cluster, workload: Workload, *, gpu_given
     gpu = cluster.gpu
     options = [workload.precision] + [name for name, on in (("compile", workload.compile), ("fp8", workload.fp8)) if on]
     if workload.lora_rank:
-        base = {"nf4": " on an NF4 base", "int8": " on an int8 base"}.get(workload.quantized_base or "", "")
+        bases = {"nf4": " on an NF4 base", "int8": " on an int8 base", "fp8": " on an FP8 base"}
+        base = bases.get(workload.quantized_base or "", "")
         options.append(f"LoRA r={workload.lora_rank}{base}")
     if workload.doc_len:
         options.append(f"packed documents of {workload.doc_len} tokens")

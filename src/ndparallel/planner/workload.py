@@ -10,7 +10,7 @@ from ndparallel.mesh.layout import CP_METHODS
 from ndparallel.parallel.activation_checkpoint import MODES as AC_MODES
 
 PRECISIONS = ("bf16", "fp32")
-QUANTIZED_FORMATS = ("nf4", "int8")
+QUANTIZED_FORMATS = ("nf4", "int8", "fp8")
 # Gradient sync under accumulation, named as the trainer's ``gradient_sync`` setting. 'every_micro_batch' (the
 # default): FSDP reduce-scatters every micro-batch and keeps only its fp32 shard; replicas (dp_replicate)
 # all-reduce once, on the last micro-batch. 'last_micro_batch': nothing is reduced until the last micro-batch;
@@ -112,7 +112,8 @@ class Workload:
                 )
             if not self.lora_rank:
                 raise ConfigError(
-                    "a quantized base (load_in_4bit / load_in_8bit) trains LoRA adapters only: give --lora-rank"
+                    "a quantized base (load_in_4bit / load_in_8bit / load_in_fp8) trains LoRA adapters only: give "
+                    "--lora-rank"
                 )
         if self.fp8 and self.precision != "bf16":
             raise ConfigError("fp8 matmuls need precision='bf16' (mixed precision); drop --fp8 or use bf16")

@@ -37,17 +37,25 @@ from ndparallel.quantized.fused import compiled_if
 CODE_MAX = 127
 
 
-def quantize_rowwise(weight: torch.Tensor, *, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 codes, float32 scales) of a full (out, in) weight. The scales are rounded to ``scale_dtype``
-    (the dtype the forward multiplies in) first, so ``codes * scale`` is what the forward computes."""
+def quantize_rowwise(
+    weight: torch.Tensor, *, scale_dtype: torch.dtype, code_dtype: torch.dtype = torch.int8
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, float32 scales) of a full (out, in) weight: int8 codes (``code_dtype`` int8), or float8 e4m3
+    codes (``fp8.py``; rounded to nearest by the cast). The scales are rounded to ``scale_dtype`` (the dtype
+    the forward multiplies in) first, so ``codes * scale`` is what the forward computes."""
+    code_max = CODE_MAX if code_dtype == torch.int8 else float(torch.finfo(code_dtype).max)
     full = weight.detach().float()
-    scale = (full.abs().amax(dim=1) / CODE_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    scale = (full.abs().amax(dim=1) / code_max).clamp(min=torch.finfo(torch.float32).tiny)
     scale = scale.to(scale_dtype).float()
-    codes = torch.round(full / scale[:, None]).clamp_(-CODE_MAX, CODE_MAX).to(torch.int8)
+    scaled = full / scale[:, None]
+    if code_dtype == torch.int8:
+        scaled = torch.round(scaled)
+    codes = scaled.clamp_(-code_max, code_max).to(code_dtype)
     return codes, scale
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 or e4m3 codes (both exact in bf16) times their row's scale, in ``dtype``."""
     return codes.to(dtype) * scale.to(dtype).unsqueeze(1)
 
 
@@ -133,6 +141,13 @@ class Int8Linear(nn.Linear):
     """A linear layer with frozen int8 codes (``weight``) and row scales (``weight_scale``)."""
 
     weight_scale: nn.Parameter
+    scale_dtype: torch.dtype
+    STORED_DTYPE = torch.int8
+    """The dtype ``weight`` holds its codes in."""
+
+    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes as stored, scales) of full rows of a float weight."""
+        return quantize_rowwise(weight, scale_dtype=self.scale_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, DTensor):
@@ -144,25 +159,25 @@ def is_int8_codes(tensor: torch.Tensor) -> bool:
     return tensor.dtype == torch.int8
 
 
-def to_int8(module: nn.Linear, *, scale_dtype: torch.dtype) -> None:
-    """Turn ``module`` into an ``Int8Linear`` in place. A meta weight gets empty codes and scales (filled by
-    ``fill``); a weight with storage is quantized now."""
+def to_int8(module: nn.Linear, *, scale_dtype: torch.dtype, kind: type[Int8Linear] = Int8Linear) -> None:
+    """Turn ``module`` into an ``Int8Linear`` (or the subclass ``kind``: ``fp8.Fp8Linear``) in place. A meta
+    weight gets empty codes and scales (filled by ``fill``); a weight with storage is quantized now."""
     weight = module.weight
+    module.__class__ = kind
+    module.scale_dtype = scale_dtype
     if weight.device.type == "meta":
-        codes = torch.empty(weight.shape, dtype=torch.int8, device="meta")
+        codes = torch.empty(weight.shape, dtype=kind.STORED_DTYPE, device="meta")
         scale = torch.empty(weight.shape[0], dtype=torch.float32, device="meta")
     else:
-        codes, scale = quantize_rowwise(weight, scale_dtype=scale_dtype)
-    module.__class__ = Int8Linear
+        codes, scale = module.quantize(weight)
     module.weight = nn.Parameter(codes, requires_grad=False)
     module.weight_scale = nn.Parameter(scale, requires_grad=False)
-    module.scale_dtype = scale_dtype
 
 
 def fill(module: Int8Linear, full: torch.Tensor, copy_shard) -> None:
     """Quantize the full weight ``full`` and copy this rank's shards of codes and scales into ``module``
     (``copy_shard(target, full_tensor)`` slices a full tensor to the target's placement)."""
-    codes, scale = quantize_rowwise(full, scale_dtype=module.scale_dtype)
+    codes, scale = module.quantize(full)
     copy_shard(module.weight, codes)
     copy_shard(module.weight_scale, scale)
 

@@ -14,14 +14,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ndparallel.quantized import int8, nf4
+from ndparallel.quantized import fp8, int8, nf4
 from ndparallel.quantized.nf4 import is_nf4
 
-FORMATS = {"nf4": "load_in_4bit", "int8": "load_in_8bit"}
+FORMATS = {"nf4": "load_in_4bit", "int8": "load_in_8bit", "fp8": "load_in_fp8"}
 """Format -> the config setting that asks for it."""
 _DESCRIPTION = {
     "nf4": f"NF4 (4-bit, blocks of {nf4.BLOCK}, double-quantized scales)",
     "int8": "int8 (one absmax scale per output row)",
+    "fp8": "float8 e4m3 (one absmax scale per output row; FP8 products)",
 }
 
 
@@ -48,8 +49,8 @@ class QuantReport:
 
 
 def is_quantized(tensor: torch.Tensor) -> bool:
-    """A frozen quantized base weight (NF4 tensor or int8 codes): kept out of flat buffers and checkpoints."""
-    return is_nf4(tensor) or int8.is_int8_codes(tensor)
+    """A frozen quantized base weight (NF4 tensor, int8 or e4m3 codes): kept out of flat buffers and checkpoints."""
+    return is_nf4(tensor) or int8.is_int8_codes(tensor) or fp8.is_fp8_codes(tensor)
 
 
 def _base_linears(layers: nn.Module, prefix: str):
@@ -65,6 +66,8 @@ def quantize_linears(layers: nn.Module, fmt: str, *, shards: int, dtype: torch.d
     for name, module in _base_linears(layers, prefix):
         if fmt == "int8":
             int8.to_int8(module, scale_dtype=dtype)
+        elif fmt == "fp8":
+            fp8.to_fp8(module, scale_dtype=dtype)
         elif nf4.eligible(module.weight):  # else unquantized on every layout (and listed)
             nf4.to_nf4(module, name, shards=shards, dtype=dtype)
     return describe(layers, fmt, prefix=prefix)
@@ -73,7 +76,8 @@ def quantize_linears(layers: nn.Module, fmt: str, *, shards: int, dtype: torch.d
 def describe(layers: nn.Module, fmt: str | None = None, *, prefix: str = "") -> QuantReport:
     """``fmt`` None: whichever format the layers hold."""
     if fmt is None:
-        fmt = "int8" if any(isinstance(m, int8.Int8Linear) for m in layers.modules()) else "nf4"
+        kinds = {type(m) for m in layers.modules()}
+        fmt = "fp8" if fp8.Fp8Linear in kinds else "int8" if int8.Int8Linear in kinds else "nf4"
     report = QuantReport(fmt)
     for name, module in _base_linears(layers, prefix):
         if is_quantized(module.weight):

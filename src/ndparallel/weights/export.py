@@ -126,7 +126,7 @@ def _refuse_quantized_base(path: Path) -> None:
         raise CheckpointError(f"{str(config)!r} is not readable YAML ({type(exc).__name__})") from None
     if not isinstance(settings, dict):
         raise CheckpointError(f"{str(config)!r} holds a {type(settings).__name__}, not the settings ndparallel writes")
-    for setting in ("load_in_4bit", "load_in_8bit"):
+    for setting in ("load_in_4bit", "load_in_8bit", "load_in_fp8"):
         if settings.get(setting):
             raise CheckpointError(
                 f"{str(path)!r} is a {setting} checkpoint: it holds the adapters, not the base weights; "

@@ -147,7 +147,7 @@ def _fill_int8_rows(owner: int8.Int8Linear, key: str, reader, device: torch.devi
         return False
     if codes.numel():
         rows = reader.read_box(key, tuple(owner.weight.shape), (box[0], slice(None)))
-        q, scale = int8.quantize_rowwise(rows.to(device), scale_dtype=owner.scale_dtype)
+        q, scale = owner.quantize(rows.to(device))
         codes.copy_(q[:, box[1]])
         scales.copy_(scale)
     return True

@@ -212,22 +212,27 @@ def test_model_from_hf_directory_inline_json_and_config_object(tmp_path):
 
 
 def test_load_in_4bit_and_8bit(capsys):
-    """QLoRA / 8-bit LoRA plans: less memory and a dequantization part than a bf16 base; NF4 refuses tp."""
+    """QLoRA / 8-bit LoRA plans: less memory and a dequantization part than a bf16 base; NF4 and FP8 refuse tp;
+    an FP8 base's forward products at the FP8 rate make its linear part smaller than a bf16 base's."""
     common = ["--model", "llama-8b", "--gpu", "h200", "--gpus-per-node", "1", "--seq-len", "4096"]
     common += ["--global-batch", "1", "--lora-rank", "16", "--activation-checkpointing", "none", "--json"]
     rows = {}
-    for flag in ("", "--load-in-4bit", "--load-in-8bit"):
+    for flag in ("", "--load-in-4bit", "--load-in-8bit", "--load-in-fp8"):
         code, out, _ = run(common + ([flag] if flag else []), capsys)
         assert code == 0
         rows[flag] = json.loads(out)[0]
     memory = {flag: row["memory_bytes"]["total"] for flag, row in rows.items()}
-    assert memory["--load-in-4bit"] < memory["--load-in-8bit"] < memory[""]
+    assert memory["--load-in-4bit"] < memory["--load-in-8bit"] == memory["--load-in-fp8"] < memory[""]
+    linear = {flag: row["parts_s"]["linear"] for flag, row in rows.items()}
+    assert linear["--load-in-fp8"] < linear["--load-in-8bit"] == linear[""]
     dequantize = {flag: row["parts_s"]["dequantize"] for flag, row in rows.items()}
     # NF4's one Triton kernel (2.5 bytes moved per value) costs less than int8's compiled dequantization
     assert dequantize[""] == 0 < dequantize["--load-in-4bit"] < dequantize["--load-in-8bit"]
     two_gpus = ["--model", "llama-8b", "--gpu", "h200", "--gpus-per-node", "2", "--seq-len", "4096", "--lora-rank", "8"]
     code, out, err = run(two_gpus + ["--load-in-4bit", "--layout", "1,1,1,2"], capsys)
     assert code == 2 and "NF4 base weights cannot be split by tensor parallelism" in err
+    code, out, err = run(two_gpus + ["--load-in-fp8", "--layout", "1,1,1,2"], capsys)
+    assert code == 2 and "FP8 base weights cannot be split by tensor parallelism" in err
     code, _, err = run(["--model", "llama-8b", "--seq-len", "4096", "--load-in-8bit"], capsys)
     assert code == 2 and "give --lora-rank" in err
 

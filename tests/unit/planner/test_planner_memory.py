@@ -238,7 +238,7 @@ def test_lora_activations_drop_the_frozen_norms_copies_and_add_the_adapters():
     assert a_none.layers == 32 * a_none.per_layer - n * (4 * h + 4)
 
 
-@pytest.mark.parametrize("fmt, per_value", [("nf4", 0.5 + 1 / 64 + 4 / 16384), ("int8", 1.0)])
+@pytest.mark.parametrize("fmt, per_value", [("nf4", 0.5 + 1 / 64 + 4 / 16384), ("int8", 1.0), ("fp8", 1.0)])
 def test_a_quantized_base_stores_its_linears_as_codes(fmt, per_value):
     """QLoRA / 8-bit LoRA: the decoder linears' bytes drop from 2 (bf16) to the format's bytes per value (int8
     adds one bf16 scale per output row); nothing else changes at the optimizer step."""
@@ -248,7 +248,7 @@ def test_a_quantized_base_stores_its_linears_as_codes(fmt, per_value):
     quantized = Workload(seq_len=SEQ, global_batch_rows=1, lora_rank=16, quantized_base=fmt)
     weights = L8B.layers * L8B.layer_linear_weights()
     assert weights == 32 * (4096 * (4096 + 1024 + 1024 + 4096) + 3 * 4096 * 14336)
-    scales = 2 * L8B.layers * L8B.layer_linear_rows() if fmt == "int8" else 0
+    scales = 2 * L8B.layers * L8B.layer_linear_rows() if fmt in ("int8", "fp8") else 0
     expected = weights * (2 - per_value) - scales
     assert L8B.layers * quantized_saving(L8B, quantized) == pytest.approx(expected)
     for layout in (Layout(), Layout(dp_shard=4)):  # one rank, and FSDP's shards and gathered copies
@@ -263,7 +263,7 @@ def test_a_quantized_base_stores_its_linears_as_codes(fmt, per_value):
 def test_a_quantized_base_needs_lora():
     with pytest.raises(ConfigError, match="give --lora-rank"):
         Workload(seq_len=SEQ, global_batch_rows=1, quantized_base="nf4")
-    with pytest.raises(ConfigError, match="must be one of nf4, int8"):
+    with pytest.raises(ConfigError, match="must be one of nf4, int8, fp8"):
         Workload(seq_len=SEQ, global_batch_rows=1, lora_rank=8, quantized_base="fp4")
 
 

@@ -24,6 +24,12 @@ class AdapterSettings(BaseModel):
     """LoRA on 8-bit base weights: the decoder blocks' linear weights frozen as int8 codes with one absmax
     scale per output row (LLM.int8()'s weight format), dequantized to bf16 for each matmul (activations are
     not quantized); needs adapter: lora. Any layout, tensor parallelism included."""
+    load_in_fp8: bool = False
+    """LoRA on FP8 base weights (Unsloth's name): the decoder blocks' linear weights frozen as float8 e4m3
+    codes with one absmax scale per output row, and each forward product on FP8 tensor cores with the input
+    quantized per token (the input gradient runs in bf16 on the dequantized weight); needs adapter: lora, a GPU
+    of compute capability 8.9+ (or a CPU) and tensor_parallel_size: 1. Faster and half the weight memory of a
+    bf16 base; the loss moves by the rounding (check it on your data)."""
     lora_r: int = Field(8, ge=1, le=MAX_LORA_R)
     lora_alpha: float = Field(16, gt=0)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
@@ -72,5 +78,6 @@ class AdapterSettings(BaseModel):
 
     @property
     def quantized_base(self) -> str | None:
-        """The base weights' format under the adapters: 'nf4' (load_in_4bit), 'int8' (load_in_8bit) or None."""
-        return "nf4" if self.load_in_4bit else "int8" if self.load_in_8bit else None
+        """The base weights' format under the adapters: 'nf4' (load_in_4bit), 'int8' (load_in_8bit), 'fp8'
+        (load_in_fp8) or None."""
+        return "nf4" if self.load_in_4bit else "int8" if self.load_in_8bit else "fp8" if self.load_in_fp8 else None

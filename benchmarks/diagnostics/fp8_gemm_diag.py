@@ -1,0 +1,97 @@
+"""Whether a frozen base in FP8 would speed a LoRA step: the 8B's linear GEMMs of a 4,096-token row in bf16
+against rowwise-scaled FP8 (GPU).
+
+    PYTHONPATH=src python benchmarks/diagnostics/fp8_gemm_diag.py [--json FILE]
+
+Why: a LoRA step with full checkpointing multiplies by every frozen weight three times (forward, recompute,
+input gradient); on the H100 (session 13) its bf16 GEMMs were most of an 8B step. Per linear shape, median
+milliseconds (CUDA events) of:
+- bf16: x @ W^T, and the input gradient g @ W;
+- fp8-forward: x quantized per row (one compiled kernel) and ``torch._scaled_mm`` with W's e4m3 codes and
+  per-row scales (the forward and the recompute);
+- fp8-quantize: the activation quantization alone, compiled (``quantized.fp8.quantize_tokens``) and as the
+  operator runs it on CUDA (``kernels.fp8_quantize``, one Triton kernel; same bits as the eager code: recorded);
+- dequant-bf16: W's codes to bf16 (a backward that multiplies in bf16 pays it, compiled);
+and the relative error of each FP8 product against the bf16 one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from dequant_speed_diag import SHAPES, TOKENS, timed  # siblings: the script's folder is on sys.path
+
+from ndparallel.kernels import fp8_quantize
+from ndparallel.quantized import fp8
+from ndparallel.quantized.fused import compiled
+
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
+    scale = amax / E4M3_MAX
+    return (x.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def rows_for(label: str, shape: tuple[int, int]) -> dict:
+    out_features, in_features = shape
+    weight = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 0.02
+    x = torch.randn(TOKENS, in_features, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(TOKENS, out_features, device="cuda", dtype=torch.bfloat16)
+    codes, w_scale = quantize_rows(weight)
+    w_scale_row = w_scale.reshape(1, -1)
+    quantize = compiled(quantize_rows)
+
+    def fp8_forward():
+        xq, xs = quantize(x)
+        return torch._scaled_mm(xq, codes.t(), scale_a=xs, scale_b=w_scale_row, out_dtype=torch.bfloat16)
+
+    dequant = compiled(lambda c, s: (c.float() * s).to(torch.bfloat16))
+    xq, xs = quantize(x)
+    exact = x @ weight.t()
+    err = ((fp8_forward().float() - exact.float()).norm() / exact.float().norm()).item()
+    flops = 2 * TOKENS * in_features * out_features
+    row = {"shape": label, "out_in": list(shape)}
+    for name, fn in {
+        "bf16-forward": lambda: x @ weight.t(),
+        "bf16-input-grad": lambda: g @ weight,
+        "fp8-forward": fp8_forward,
+        "fp8-quantize": lambda: quantize(x),
+        "fp8-quantize-triton": lambda: fp8_quantize.quantize_rows(x),
+        "fp8-gemm-only": lambda: torch._scaled_mm(
+            xq, codes.t(), scale_a=xs, scale_b=w_scale_row, out_dtype=torch.bfloat16
+        ),
+        "dequant-bf16": lambda: dequant(codes, w_scale),
+    }.items():
+        ms = timed(fn)
+        row[f"{name}_ms"] = round(ms, 4)
+        if "forward" in name or "grad" in name:
+            row[f"{name}_tflops"] = round(flops / ms / 1e9, 1)
+    row["fp8_forward_rel_err"] = round(err, 5)
+    eager, triton_rows = fp8.quantize_tokens(x), fp8_quantize.quantize_rows(x)
+    row["triton_quantize_same_bits"] = torch.equal(eager[1], triton_rows[1]) and torch.equal(
+        eager[0].view(torch.uint8), triton_rows[0].view(torch.uint8)
+    )
+    return row
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    for label, shape in SHAPES.items():
+        row = rows_for(label, shape)
+        print(json.dumps(row), flush=True)
+        if args.json:
+            with args.json.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,64 @@
+"""Each row of a 2-D input to float8 e4m3 with its own scale, ``max |row| / 448``, in one Triton kernel.
+
+An FP8 base (``quantized/fp8.py``) quantizes the input of every frozen linear in every forward pass: for an 8B,
+seven inputs a layer (4,096 or 14,336 values per token). torch.compile's kernel for it ran at ~1 TB/s on an H100
+(2026-12-07: 2.8 ms of a 4-layer step of 55 ms; ``benchmarks/diagnostics/lora_layer_profile_diag.py``). One
+program holds one row: it reads the row once, takes its absolute maximum, divides (IEEE, as torch divides) and
+rounds to nearest e4m3 (the hardware's saturating conversion; the values are clamped to +-448 first, as the
+eager code clamps), so the codes and scales are the same bits as ``quantized.fp8.quantize_tokens`` (checked on
+the GPU by ``benchmarks/diagnostics/gpu_perf_checks.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+MAX_ROW = 16384  # values a program holds in registers (the 8B's widest input: 14,336)
+CODE_MAX = 448.0
+TINY = float(torch.finfo(torch.float32).tiny)
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fp8_quantize_rows_kernel(x_ptr, codes_ptr, scale_ptr, n_cols, x_stride, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n_cols
+        x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=0)
+        scale = tl.maximum(tl.math.div_rn(amax, CODE_MAX), TINY)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -CODE_MAX), CODE_MAX)
+        tl.store(codes_ptr + row * n_cols + offs, q.to(tl.float8e4nv), mask=mask)
+        tl.store(scale_ptr + row, scale)
+
+    return fp8_quantize_rows_kernel
+
+
+def supported(x: torch.Tensor) -> bool:
+    """The kernel serves ``x``: on CUDA, 2-D with unit stride along rows, bf16/fp16/fp32, rows of <= 16,384."""
+    return (
+        x.is_cuda
+        and x.dim() == 2
+        and x.stride(1) == 1
+        and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and 0 < x.shape[1] <= MAX_ROW
+    )
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 codes (rows, cols), float32 scales (rows, 1)) of ``x``."""
+    import triton
+
+    rows, cols = x.shape
+    codes = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        block = triton.next_power_of_2(cols)
+        _kernel()[(rows,)](x, codes, scale, cols, x.stride(0), BLOCK=block, num_warps=8 if block >= 4096 else 4)
+    return codes, scale

@@ -1,0 +1,138 @@
+"""LoRA on FP8 base weights (``load_in_fp8: true``, ``adapter: lora``): e4m3 codes, one scale per output row, and
+the forward's products on the GPU's FP8 tensor cores.
+
+Why: a LoRA step multiplies by every frozen weight two or three times (forward, a checkpoint's recompute, the
+input gradient), and those products are most of its time. FP8 tensor cores run them at about twice the bf16
+rate, and an 8-bit frozen weight takes half the memory of a bf16 one. The adapters stay in the compute dtype.
+
+The format: each output row r of a linear weight W (out, in) is scaled by its absolute maximum,
+``scale[r] = max|W[r, :]| / 448`` (448: e4m3's largest finite value), rounded to the compute dtype as int8's
+scales are (``int8.quantize_rowwise`` says why), and ``W / scale`` is rounded to float8 e4m3 (4 significant bits).
+
+The compute: the forward quantizes its input the same way per token (row of x: its own scale, max |x| / 448,
+kept in float32) and multiplies codes by codes with the two scales applied to the float32 sums
+(``_compat.scaled_mm``, rowwise scales): ``y[t, r] = sx[t] * scale[r] * sum_k qx[t, k] * codes[r, k]``. That is
+torchao's "rowwise" float8 recipe for the forward, and the same arithmetic on every layout (each token's scale is
+its own, so splitting tokens over ranks changes nothing). The backward forms only the input's gradient, from
+the weight dequantized to the compute dtype (``grad @ (codes * scale)``, int8's operator): the gradient is not
+quantized. The quantized input is a straight-through estimate: its gradient is taken as the input's own.
+
+Representation and layouts are int8's (``int8.py``): an ``Fp8Linear`` is an ``Int8Linear`` whose codes are
+e4m3, kept as their bytes (uint8, viewed as e4m3 where they are multiplied): a float8 tensor is a floating-point
+tensor, which ``Module.to(dtype)``, FSDP's mixed precision and ``store_frozen_in`` would convert to bf16
+values. So FSDP2 shards and gathers them by rows as bytes and one rank keeps them out of the flat buffers.
+Tensor parallelism is refused (``parallel/rules.py``): its split weights would take int8's dequantizing path,
+whose products are bf16, so its run would not be the one-rank run.
+"""
+
+from __future__ import annotations
+
+from typing import Optional  # a custom op's schema: the spelling every torch version reads
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ndparallel import _compat
+from ndparallel.errors import ConfigError
+from ndparallel.kernels import fp8_quantize
+from ndparallel.quantized import int8
+from ndparallel.quantized.fused import compiled_if
+
+CODE_DTYPE = torch.float8_e4m3fn
+CODE_MAX = float(torch.finfo(CODE_DTYPE).max)  # 448
+
+
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 codes, float32 scales (tokens, 1)) of a 2-D input, one scale per row: ``max |row| / 448``."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    scale = (amax / CODE_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return (x.float() / scale).clamp(-CODE_MAX, CODE_MAX).to(CODE_DTYPE), scale
+
+
+def quantize_tokens_for(x: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_tokens`` as the operator runs it: on CUDA one Triton kernel (``kernels/fp8_quantize.py``, the
+    same bits); elsewhere compiled when called from a compiled layer (``fused``), else eager."""
+    if fp8_quantize.supported(x):
+        return fp8_quantize.quantize_rows(x)
+    return compiled_if(quantize_tokens, fused)(x)
+
+
+# The forward as one opaque operator, for the reason int8.int8_linear gives (no weight-shaped tensor in the
+# compiled layer's graph for a partitioner to keep). ``fused``: called from a compiled layer (off CUDA the
+# input's quantization then runs compiled).
+@torch.library.custom_op("ndparallel::fp8_linear", mutates_args=())
+def fp8_linear(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor], fused: bool
+) -> torch.Tensor:
+    """x @ (codes * scale)^T + bias, with x quantized to e4m3 per token and the product in FP8."""
+    flat = x.reshape(-1, x.shape[-1])
+    x_codes, x_scale = quantize_tokens_for(flat, fused)
+    # b column-major (codes^T of a row-major weight), scales float32: (tokens, 1) and (1, out)
+    y = _compat.scaled_mm(x_codes, codes.view(CODE_DTYPE).t(), x_scale, scale.float().unsqueeze(0), x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], codes.shape[0])
+
+
+@fp8_linear.register_fake
+def _(x, codes, scale, bias, fused) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], codes.shape[0]))
+
+
+def _fp8_linear_context(ctx, inputs, output) -> None:
+    x, codes, scale, bias, fused = inputs
+    ctx.save_for_backward(codes, scale)
+    ctx.has_bias = bias is not None
+    ctx.fused = fused  # as the forward was called (int8.py says why)
+
+
+def _fp8_linear_backward(ctx, grad):
+    codes, scale = ctx.saved_tensors
+    grad_x = int8.int8_input_grad(grad, codes.view(CODE_DTYPE), scale, ctx.fused) if ctx.needs_input_grad[0] else None
+    grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+    return grad_x, None, None, grad_bias, None
+
+
+# The operator's own gradient formula, for the reason int8.py gives (recomputed inside a compiled checkpoint).
+fp8_linear.register_autograd(_fp8_linear_backward, setup_context=_fp8_linear_context)
+
+
+class Fp8Linear(int8.Int8Linear):
+    """A linear layer with frozen e4m3 codes (``weight``, their bytes) and row scales (``weight_scale``); FP8
+    products."""
+
+    STORED_DTYPE = torch.uint8
+
+    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        codes, scale = int8.quantize_rowwise(weight, scale_dtype=self.scale_dtype, code_dtype=CODE_DTYPE)
+        return codes.view(torch.uint8), scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, DTensor):  # not reached: tensor parallelism is refused (module docstring)
+            raise ConfigError("load_in_fp8 with tensor parallelism is not supported; set tensor_parallel_size: 1")
+        return fp8_linear(x, self.weight, self.weight_scale, self.bias, torch.compiler.is_compiling())
+
+
+def is_fp8_codes(tensor: torch.Tensor) -> bool:
+    """e4m3 codes as stored (their bytes; no other parameter is uint8: NF4's are inside its own tensor type)."""
+    return tensor.dtype == torch.uint8
+
+
+def dequantized(module: Fp8Linear, dtype: torch.dtype) -> torch.Tensor:
+    """The weight's value ``codes * scale`` in ``dtype`` (tests, merging)."""
+    return int8.dequantize(module.weight.view(CODE_DTYPE), module.weight_scale, dtype)
+
+
+def to_fp8(module: torch.nn.Linear, *, scale_dtype: torch.dtype) -> None:
+    """Turn ``module`` into an ``Fp8Linear`` in place (``int8.to_int8`` with e4m3 codes)."""
+    int8.to_int8(module, scale_dtype=scale_dtype, kind=Fp8Linear)
+
+
+def check_device(device: torch.device) -> None:
+    """FP8 products need a CPU (tests, slow) or a GPU of compute capability 8.9+ (Ada, Hopper, Blackwell)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise ConfigError(
+            f"load_in_fp8 needs FP8 tensor cores (compute capability 8.9 or newer); {name} has none: "
+            f"use load_in_8bit (int8 codes, bf16 products) instead"
+        )
