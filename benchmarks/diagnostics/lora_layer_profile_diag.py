@@ -58,7 +58,8 @@ def measure(base: str, fused: bool, args) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--bases", default="bf16,nf4")
+    p.add_argument("--bases", default="bf16,nf4", help="comma list of bf16, int8, nf4, fp8")
+    p.add_argument("--mlp", default="modules,fused", help="MLP paths: modules (per-linear), fused (fused_lora_mlp)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--steps", type=int, default=5)
@@ -70,7 +71,7 @@ def main() -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     for base in args.bases.split(","):
-        for fused in (False, True):
+        for fused in [path == "fused" for path in args.mlp.split(",")]:
             try:
                 row = measure(base, fused, args)
             except Exception as exc:  # one row's failure is a result too

@@ -1,6 +1,6 @@
-"""LoRA on FP8 base weights (load_in_fp8 + adapter: lora): e4m3 codes with one scale per row, FP8 forward
-products with per-token input scales, on one rank and on dp_shard 2 x cp 2, against the same run written with
-transformers + torch + peft on the weights' and inputs' e4m3 values; resumed on another layout; the layer itself
+"""LoRA on FP8 base weights (load_in_fp8 + adapter: lora): e4m3 codes with one scale per row, FP8 products
+with per-token scales (the forward's input, the backward's output gradient), on one rank and on dp_shard 2 x cp 2, against the same run written with
+transformers + torch + peft on the e4m3 values; resumed on another layout; the layer itself
 against plain fp32 arithmetic."""
 
 from __future__ import annotations
@@ -39,15 +39,20 @@ def fp8_runs(tmp_path_factory):
 def test_fp8_base_lora_matches_plain_peft_on_e4m3_weights_and_inputs(fp8_runs, parity_record):
     _, _, parallel_config, single, parallel = fp8_runs
     ref = plain_reference(layout_config(parallel_config))  # world 1: one data rank reads the global batch
-    assert_runs_match([single], ref, parity_record)
-    # Context parallelism sums attention in another order (~1e-7 apart), and now and then that moves an input
-    # across an e4m3 rounding boundary (a step of 1/16 of the value): measured 1.8e-5 on the grad norm at step 4
-    # (losses 2e-7), so the layout's bound is 1e-4. FSDP alone changes no sum a token sees.
-    assert_runs_match([parallel], ref, parity_record, tol=1e-4)
+    # The first step is forward + FP8 backward through the whole model from the same weights: exact (measured
+    # 1e-7). Later steps start from weights that differ by fp32 rounding (another summation order), and now and
+    # then such a difference moves a value across an e4m3 rounding boundary (a step of 1/16 of the value; the
+    # output gradients are quantized too): measured 1.6e-4 on one rank's grad norm at step 3, 4.8e-4 at step 4.
+    # So the steps after the first are bounded loosely, as a check that nothing else drifts.
+    first = lambda records: records[:1]  # noqa: E731
+    first_ref = {"losses": ref["losses"][:1], "grad_norms": ref["grad_norms"][:1]}
+    assert_runs_match([first(single), first(parallel)], first_ref, parity_record)
+    assert_runs_match([single, parallel], ref, parity_record, tol=2e-3)
     assert parallel[-1]["loss"] < parallel[0]["loss"]
-    # the comparison can tell: the same run with int8 weights and unquantized inputs ends elsewhere
+    # the comparison can tell: the same first step with int8 weights and unquantized products is elsewhere
     int8_ref = plain_reference({**layout_config(parallel_config), "load_in_fp8": False, "load_in_8bit": True})
-    assert max_rel_diff(int8_ref["losses"], ref["losses"]) > 1e-4
+    assert max_rel_diff(int8_ref["grad_norms"][:1], ref["grad_norms"][:1]) > 1e-4
+    assert max_rel_diff(int8_ref["losses"][:1], ref["losses"][:1]) > 1e-4
 
 
 @pytest.mark.slow
@@ -60,7 +65,7 @@ def test_fp8_base_checkpoint_resumes_on_another_layout(fp8_runs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_linear_is_the_fp8_product_with_a_dequantized_input_gradient(dtype):
+def test_fp8_linear_is_the_fp8_product_forward_and_backward(dtype):
     torch.manual_seed(0)
     dense = torch.nn.Linear(64, 48, bias=True)
     layer = torch.nn.Linear(64, 48, bias=True)
@@ -73,7 +78,8 @@ def test_fp8_linear_is_the_fp8_product_with_a_dequantized_input_gradient(dtype):
     # plain arithmetic: e4m3 values of the weight's rows and the input's tokens, products summed in fp32
     weight = dense.weight.detach()
     w_scale = (weight.abs().amax(dim=1, keepdim=True) / 448).to(dtype).float()
-    w_value = (weight / w_scale).to(torch.float8_e4m3fn).float() * w_scale
+    w_codes = (weight / w_scale).to(torch.float8_e4m3fn).float()
+    w_value = w_codes * w_scale
     torch.testing.assert_close(fp8.dequantized(layer, torch.float32), w_value, rtol=0, atol=0)
     x = torch.randn(3, 5, 64, dtype=dtype, requires_grad=True)
     x_scale = x.detach().float().abs().amax(dim=-1, keepdim=True) / 448
@@ -81,10 +87,15 @@ def test_fp8_linear_is_the_fp8_product_with_a_dequantized_input_gradient(dtype):
     y = layer(x)
     y_ref = (x_value @ w_value.t()).to(dtype) + layer.bias  # the product rounded to the compute dtype, then the bias
     torch.testing.assert_close(y, y_ref, rtol=1e-6 if dtype == torch.float32 else 2**-8, atol=1e-6)
-    # the input gradient: grad @ the weight's value in the compute dtype; no gradient for the frozen base
+    # the input gradient: (grad x the weight's row scales) at its per-token e4m3 value, times the codes; no
+    # gradient for the frozen base
     grad = torch.randn_like(y)
     y.backward(grad)
-    torch.testing.assert_close(x.grad, grad @ w_value.to(dtype), rtol=0, atol=0)
+    g = grad.float() * w_scale.t()
+    g_scale = g.abs().amax(dim=-1, keepdim=True) / 448
+    g_value = (g / g_scale).to(torch.float8_e4m3fn).float() * g_scale
+    x_grad_ref = (g_value @ w_codes).to(dtype)
+    torch.testing.assert_close(x.grad, x_grad_ref, rtol=1e-6 if dtype == torch.float32 else 2**-8, atol=1e-6)
     assert layer.weight.grad is None and layer.weight_scale.grad is None
     # and near the unquantized layer (e4m3 keeps 4 significant bits: a few percent per product)
     exact = x.detach().float() @ weight.t() + dense.bias.detach()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import random
@@ -203,29 +204,46 @@ def round_trip_int8(model) -> int:
     return count
 
 
+def _e4m3_rows(t: torch.Tensor) -> torch.Tensor:
+    """Each row of ``t`` (fp32) at its e4m3 value with the row's absmax scale (max |row| / 448)."""
+    scale = (t.abs().amax(dim=-1, keepdim=True) / 448.0).clamp(min=torch.finfo(torch.float32).tiny)
+    return (t / scale).to(torch.float8_e4m3fn).to(t.dtype) * scale
+
+
+class _PlainFp8Linear(torch.autograd.Function):
+    """y = e4m3(x) @ W^T + b; the input gradient (e4m3 per token of grad * s) @ C, where W = s * C row by row."""
+
+    @staticmethod
+    def forward(ctx, x, codes, row_scale, bias):
+        ctx.save_for_backward(codes, row_scale)
+        y = _e4m3_rows(x) @ (codes * row_scale[:, None]).t()
+        return y + bias if bias is not None else y
+
+    @staticmethod
+    def backward(ctx, grad):
+        codes, row_scale = ctx.saved_tensors
+        return _e4m3_rows(grad * row_scale) @ codes, None, None, None
+
+
 def round_trip_fp8(model) -> int:
     """FP8 base weights and products the plain way: each decoder-block linear weight replaced by its row-wise
-    absmax e4m3 value (scale = max |row| / 448; fp32), and its input replaced by its per-token e4m3 value in the
-    forward only (a pre-hook; the gradient passes straight through), so ``x @ W^T`` in fp32 is the FP8 product.
-    Returns how many."""
-    fp8, top = torch.float8_e4m3fn, 448.0
-
-    def per_row(t: torch.Tensor) -> torch.Tensor:
-        scale = (t.abs().amax(dim=-1, keepdim=True) / top).clamp(min=torch.finfo(torch.float32).tiny)
-        return (t / scale).to(fp8).to(t.dtype) * scale
-
-    def quantized_input(module, args):
-        x = args[0]
-        return (x + (per_row(x.detach()) - x).detach(), *args[1:])
-
+    absmax e4m3 value (fp32: row scale s = max |row| / 448, values C = e4m3(W / s)), and its forward by
+    ``_PlainFp8Linear``: the input at its per-token e4m3 value, the input gradient from the output gradient times
+    s at its per-token e4m3 value, multiplied by C (sums in fp32, as FP8 products sum). Returns how many."""
     count = 0
     with torch.no_grad():
         for module in model.model.layers.modules():
             if isinstance(module, torch.nn.Linear):
-                module.weight.copy_(per_row(module.weight))
-                module.register_forward_pre_hook(quantized_input)
+                row_scale = (module.weight.abs().amax(dim=1) / 448.0).clamp(min=torch.finfo(torch.float32).tiny)
+                codes = (module.weight / row_scale[:, None]).to(torch.float8_e4m3fn).float()
+                module.weight.copy_(codes * row_scale[:, None])
+                module.forward = functools.partial(_plain_fp8_forward, module, codes, row_scale)
                 count += 1
     return count
+
+
+def _plain_fp8_forward(module, codes, row_scale, x):
+    return _PlainFp8Linear.apply(x, codes, row_scale, module.bias)
 
 
 def plain_qat(model, qat: dict) -> None:

@@ -26,11 +26,15 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def fp8_quantize_rows_kernel(x_ptr, codes_ptr, scale_ptr, n_cols, x_stride, BLOCK: tl.constexpr):
+    def fp8_quantize_rows_kernel(
+        x_ptr, col_scale_ptr, codes_ptr, scale_ptr, n_cols, x_stride, BLOCK: tl.constexpr, COL_SCALE: tl.constexpr
+    ):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < n_cols
         x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+        if COL_SCALE:  # each column times its factor first (float32 product, as the eager code multiplies)
+            x = x * tl.load(col_scale_ptr + offs, mask=mask, other=0.0)
         amax = tl.max(tl.abs(x), axis=0)
         scale = tl.maximum(tl.math.div_rn(amax, CODE_MAX), TINY)
         q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -CODE_MAX), CODE_MAX)
@@ -51,8 +55,9 @@ def supported(x: torch.Tensor) -> bool:
     )
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 codes (rows, cols), float32 scales (rows, 1)) of ``x``."""
+def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 codes (rows, cols), float32 scales (rows, 1)) of ``x``, or of ``x * col_scale`` (float32, one factor
+    per column: an output gradient times the weight's row scales, ``quantized/fp8.py``)."""
     import triton
 
     rows, cols = x.shape
@@ -60,5 +65,16 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows:
         block = triton.next_power_of_2(cols)
-        _kernel()[(rows,)](x, codes, scale, cols, x.stride(0), BLOCK=block, num_warps=8 if block >= 4096 else 4)
+        factors = col_scale.float().contiguous() if col_scale is not None else scale  # unread without COL_SCALE
+        _kernel()[(rows,)](
+            x,
+            factors,
+            codes,
+            scale,
+            cols,
+            x.stride(0),
+            BLOCK=block,
+            COL_SCALE=col_scale is not None,
+            num_warps=8 if block >= 4096 else 4,
+        )
     return codes, scale

@@ -12,10 +12,12 @@ scales are (``int8.quantize_rowwise`` says why), and ``W / scale`` is rounded to
 The compute: the forward quantizes its input the same way per token (row of x: its own scale, max |x| / 448,
 kept in float32) and multiplies codes by codes with the two scales applied to the float32 sums
 (``_compat.scaled_mm``, rowwise scales): ``y[t, r] = sx[t] * scale[r] * sum_k qx[t, k] * codes[r, k]``. That is
-torchao's "rowwise" float8 recipe for the forward, and the same arithmetic on every layout (each token's scale is
-its own, so splitting tokens over ranks changes nothing). The backward forms only the input's gradient, from
-the weight dequantized to the compute dtype (``grad @ (codes * scale)``, int8's operator): the gradient is not
-quantized. The quantized input is a straight-through estimate: its gradient is taken as the input's own.
+torchao's "rowwise" float8 recipe, and the same arithmetic on every layout (each token's scale is its own, so
+splitting tokens over ranks changes nothing). The backward forms only the input's gradient, in FP8 as well:
+``grad_x[t, i] = sg[t] * sum_r qg[t, r] * codes[r, i]``, where ``qg`` is ``grad * scale`` (the output gradient
+times the weight's row scales) quantized to e4m3 per token with scale ``sg`` (torchao's rowwise recipe also
+quantizes output gradients to e4m3). The quantized input is a straight-through estimate: its gradient is taken
+as the input's own.
 
 Representation and layouts are int8's (``int8.py``): an ``Fp8Linear`` is an ``Int8Linear`` whose codes are
 e4m3, kept as their bytes (uint8, viewed as e4m3 where they are multiplied): a float8 tensor is a floating-point
@@ -42,19 +44,25 @@ CODE_DTYPE = torch.float8_e4m3fn
 CODE_MAX = float(torch.finfo(CODE_DTYPE).max)  # 448
 
 
-def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 codes, float32 scales (tokens, 1)) of a 2-D input, one scale per row: ``max |row| / 448``."""
-    amax = x.abs().amax(dim=-1, keepdim=True).float()
+def quantize_tokens(
+    x: torch.Tensor, col_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 codes, float32 scales (tokens, 1)) of a 2-D input, one scale per row: ``max |row| / 448``; with
+    ``col_scale``, of ``x * col_scale`` (one float32 factor per column, multiplied in float32)."""
+    full = x.float() if col_scale is None else x.float() * col_scale.float()
+    amax = full.abs().amax(dim=-1, keepdim=True)
     scale = (amax / CODE_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    return (x.float() / scale).clamp(-CODE_MAX, CODE_MAX).to(CODE_DTYPE), scale
+    return (full / scale).clamp(-CODE_MAX, CODE_MAX).to(CODE_DTYPE), scale
 
 
-def quantize_tokens_for(x: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_tokens`` as the operator runs it: on CUDA one Triton kernel (``kernels/fp8_quantize.py``, the
+def quantize_tokens_for(
+    x: torch.Tensor, fused: bool, col_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_tokens`` as the operators run it: on CUDA one Triton kernel (``kernels/fp8_quantize.py``, the
     same bits); elsewhere compiled when called from a compiled layer (``fused``), else eager."""
     if fp8_quantize.supported(x):
-        return fp8_quantize.quantize_rows(x)
-    return compiled_if(quantize_tokens, fused)(x)
+        return fp8_quantize.quantize_rows(x, col_scale)
+    return compiled_if(quantize_tokens, fused)(x, col_scale)
 
 
 # The forward as one opaque operator, for the reason int8.int8_linear gives (no weight-shaped tensor in the
@@ -86,9 +94,31 @@ def _fp8_linear_context(ctx, inputs, output) -> None:
     ctx.fused = fused  # as the forward was called (int8.py says why)
 
 
+# The input gradient in FP8 too: grad_x = grad @ (scale * codes) = (grad * scale) @ codes, so the output gradient
+# times the weight's row scales is quantized per token (e4m3, as the forward's input) and multiplied by the codes
+# themselves. The product wants the reduced dimension (the weight's rows) contiguous in both operands, so the
+# codes are transposed for it (a byte a value read and written: less traffic than a bf16 dequantization, which
+# also writes two). One opaque operator, for the reason int8.int8_input_grad gives.
+@torch.library.custom_op("ndparallel::fp8_input_grad", mutates_args=())
+def fp8_input_grad(grad: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, fused: bool) -> torch.Tensor:
+    """grad @ (codes * scale) with (grad * scale) quantized to e4m3 per token: a frozen FP8 linear's input
+    gradient (``codes``: the e4m3 bytes, (out, in))."""
+    flat = grad.reshape(-1, grad.shape[-1])
+    g_codes, g_scale = quantize_tokens_for(flat, fused, col_scale=scale)
+    transposed = codes.t().contiguous().view(CODE_DTYPE)  # (in, out); its .t() is column-major (out, in)
+    ones = torch.ones((1, codes.shape[1]), dtype=torch.float32, device=grad.device)
+    y = _compat.scaled_mm(g_codes, transposed.t(), g_scale, ones, grad.dtype)
+    return y.reshape(*grad.shape[:-1], codes.shape[1])
+
+
+@fp8_input_grad.register_fake
+def _(grad, codes, scale, fused) -> torch.Tensor:
+    return grad.new_empty((*grad.shape[:-1], codes.shape[1]))
+
+
 def _fp8_linear_backward(ctx, grad):
     codes, scale = ctx.saved_tensors
-    grad_x = int8.int8_input_grad(grad, codes.view(CODE_DTYPE), scale, ctx.fused) if ctx.needs_input_grad[0] else None
+    grad_x = fp8_input_grad(grad, codes, scale, ctx.fused) if ctx.needs_input_grad[0] else None
     grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
     return grad_x, None, None, grad_bias, None
 
