@@ -1,7 +1,7 @@
 """LoRA on FP8 base weights (load_in_fp8 + adapter: lora): e4m3 codes with one scale per row, FP8 products
-with per-token scales (the forward's input, the backward's output gradient), on one rank and on dp_shard 2 x cp 2, against the same run written with
-transformers + torch + peft on the e4m3 values; resumed on another layout; the layer itself
-against plain fp32 arithmetic."""
+with per-token scales (the forward's input, the backward's output gradient), on one rank and on dp_shard 2 x
+cp 2, against the same run written with transformers + torch + peft on the e4m3 values; resumed on another
+layout; the layer itself against plain fp32 arithmetic."""
 
 from __future__ import annotations
 

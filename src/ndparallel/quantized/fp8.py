@@ -44,9 +44,7 @@ CODE_DTYPE = torch.float8_e4m3fn
 CODE_MAX = float(torch.finfo(CODE_DTYPE).max)  # 448
 
 
-def quantize_tokens(
-    x: torch.Tensor, col_scale: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_tokens(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 codes, float32 scales (tokens, 1)) of a 2-D input, one scale per row: ``max |row| / 448``; with
     ``col_scale``, of ``x * col_scale`` (one float32 factor per column, multiplied in float32)."""
     full = x.float() if col_scale is None else x.float() * col_scale.float()
