@@ -12,6 +12,9 @@ milliseconds (CUDA events) of:
 - fp8-quantize: the activation quantization alone, compiled (``quantized.fp8.quantize_tokens``) and as the
   operator runs it on CUDA (``kernels.fp8_quantize``, one Triton kernel; same bits as the eager code: recorded);
 - dequant-bf16: W's codes to bf16 (a backward that multiplies in bf16 pays it, compiled);
+- fp8-input-grad / bf16-input-grad-dequant: the FP8 base's input gradient as its operator computes it (the
+  output gradient times the row scales quantized per token, the codes transposed, an FP8 product) against
+  dequantizing the codes and a bf16 product; transpose-torch / transpose-triton: the codes' transpose alone;
 and the relative error of each FP8 product against the bf16 one.
 """
 
@@ -24,17 +27,9 @@ from pathlib import Path
 import torch
 from dequant_speed_diag import SHAPES, TOKENS, timed  # siblings: the script's folder is on sys.path
 
-from ndparallel.kernels import fp8_quantize
+from ndparallel.kernels import fp8_quantize, transpose
 from ndparallel.quantized import fp8
 from ndparallel.quantized.fused import compiled
-
-E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
-    scale = amax / E4M3_MAX
-    return (x.float() / scale).to(torch.float8_e4m3fn), scale
 
 
 def rows_for(label: str, shape: tuple[int, int]) -> dict:
@@ -42,9 +37,9 @@ def rows_for(label: str, shape: tuple[int, int]) -> dict:
     weight = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 0.02
     x = torch.randn(TOKENS, in_features, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(TOKENS, out_features, device="cuda", dtype=torch.bfloat16)
-    codes, w_scale = quantize_rows(weight)
+    codes, w_scale = fp8.quantize_tokens(weight)  # the weight's rows: the base's format
     w_scale_row = w_scale.reshape(1, -1)
-    quantize = compiled(quantize_rows)
+    quantize = compiled(fp8.quantize_tokens)
 
     def fp8_forward():
         xq, xs = quantize(x)
@@ -66,6 +61,10 @@ def rows_for(label: str, shape: tuple[int, int]) -> dict:
             xq, codes.t(), scale_a=xs, scale_b=w_scale_row, out_dtype=torch.bfloat16
         ),
         "dequant-bf16": lambda: dequant(codes, w_scale),
+        "fp8-input-grad": lambda: fp8.fp8_input_grad(g, codes.view(torch.uint8), w_scale.flatten(), False),
+        "bf16-input-grad-dequant": lambda: g @ dequant(codes, w_scale),
+        "transpose-torch": lambda: codes.view(torch.uint8).t().contiguous(),
+        "transpose-triton": lambda: transpose.transposed(codes.view(torch.uint8)),
     }.items():
         ms = timed(fn)
         row[f"{name}_ms"] = round(ms, 4)

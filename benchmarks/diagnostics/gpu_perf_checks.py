@@ -13,7 +13,9 @@
    same data order and seed. Bound: the mean loss of steps 181-200 within 1.5% (relative) of bf16's,
    and every 20-step window mean after step 20 within 3%. Loss curves go to fp8_loss.jsonl.
 
-3. the NF4 Triton dequantization gives torchao's bits on the 8B's linear shapes (``check_nf4_kernel``).
+3. the NF4 Triton dequantization gives torchao's bits on the 8B's linear shapes (``check_nf4_kernel``); the FP8
+   base's Triton kernels give the eager code's bits: row quantization, with and without column factors, and the
+   byte transpose (``check_fp8_base_kernels``).
 
 Writes checks.txt (and fp8_loss.jsonl) under --out; exit status 1 if a bound is missed.
 """
@@ -224,6 +226,36 @@ def check_nf4_kernel(log) -> bool:
     return ok
 
 
+def check_fp8_base_kernels(log) -> bool:
+    """``kernels/fp8_quantize.py`` gives ``quantized.fp8.quantize_tokens``' bits (codes and scales) on the 8B's
+    input widths, bf16 and fp32, with and without column factors; ``kernels/transpose.py`` gives
+    ``.t().contiguous()``. The first version of the quantization did not (2026-12-07, H100: last-bit scales)."""
+    from ndparallel.kernels import fp8_quantize, transpose
+    from ndparallel.quantized import fp8
+
+    ok = True
+    torch.manual_seed(0)
+    for cols in (4096, 14336, 1000):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn((4096, cols), device="cuda", dtype=dtype) * 3
+            x[7] = 0  # a row of zeros: the smallest scale
+            factors = torch.rand(cols, device="cuda") + 0.5
+            for col_scale in (None, factors):
+                eager, kernel = fp8.quantize_tokens(x, col_scale), fp8_quantize.quantize_rows(x, col_scale)
+                same = torch.equal(eager[1], kernel[1]) and torch.equal(
+                    eager[0].view(torch.uint8), kernel[0].view(torch.uint8)
+                )
+                what = "with column factors" if col_scale is not None else "plain"
+                log(f"fp8 row quantization (4096, {cols}) {dtype} {what}: {'same bits' if same else 'DIFFERS'}")
+                ok = ok and same
+    for shape in ((14336, 4096), (4096, 14336), (1000, 333)):
+        codes = torch.randint(0, 256, shape, device="cuda", dtype=torch.uint8)
+        same = torch.equal(transpose.transposed(codes), codes.t().contiguous())
+        log(f"byte transpose {shape}: {'same' if same else 'DIFFERS'}")
+        ok = ok and same
+    return ok
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -251,6 +283,7 @@ def main() -> int:
     ok = check_exactness(topo, log, args.smoke)
     if not args.smoke:  # Triton needs the GPU
         ok = check_nf4_kernel(log) and ok
+        ok = check_fp8_base_kernels(log) and ok
     if not args.skip_fp8:
         ok = check_fp8_tracks_bf16(topo, out, log, args.smoke) and ok
     (out / "checks.txt").write_text("\n".join(lines) + "\n")

@@ -82,7 +82,7 @@ def test_fp8_linear_is_the_fp8_product_forward_and_backward(dtype):
     w_value = w_codes * w_scale
     torch.testing.assert_close(fp8.dequantized(layer, torch.float32), w_value, rtol=0, atol=0)
     x = torch.randn(3, 5, 64, dtype=dtype, requires_grad=True)
-    x_scale = x.detach().float().abs().amax(dim=-1, keepdim=True) / 448
+    x_scale = x.detach().float().abs().amax(dim=-1, keepdim=True) * (1 / 448)
     x_value = (x.detach().float() / x_scale).to(torch.float8_e4m3fn).float() * x_scale
     y = layer(x)
     y_ref = (x_value @ w_value.t()).to(dtype) + layer.bias  # the product rounded to the compute dtype, then the bias
@@ -92,7 +92,7 @@ def test_fp8_linear_is_the_fp8_product_forward_and_backward(dtype):
     grad = torch.randn_like(y)
     y.backward(grad)
     g = grad.float() * w_scale.t()
-    g_scale = g.abs().amax(dim=-1, keepdim=True) / 448
+    g_scale = g.abs().amax(dim=-1, keepdim=True) * (1 / 448)
     g_value = (g / g_scale).to(torch.float8_e4m3fn).float() * g_scale
     x_grad_ref = (g_value @ w_codes).to(dtype)
     torch.testing.assert_close(x.grad, x_grad_ref, rtol=1e-6 if dtype == torch.float32 else 2**-8, atol=1e-6)

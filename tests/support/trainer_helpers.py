@@ -206,7 +206,7 @@ def round_trip_int8(model) -> int:
 
 def _e4m3_rows(t: torch.Tensor) -> torch.Tensor:
     """Each row of ``t`` (fp32) at its e4m3 value with the row's absmax scale (max |row| / 448)."""
-    scale = (t.abs().amax(dim=-1, keepdim=True) / 448.0).clamp(min=torch.finfo(torch.float32).tiny)
+    scale = (t.abs().amax(dim=-1, keepdim=True) * (1 / 448.0)).clamp(min=torch.finfo(torch.float32).tiny)
     return (t / scale).to(torch.float8_e4m3fn).to(t.dtype) * scale
 
 

@@ -3,10 +3,13 @@
 An FP8 base (``quantized/fp8.py``) quantizes the input of every frozen linear in every forward pass: for an 8B,
 seven inputs a layer (4,096 or 14,336 values per token). torch.compile's kernel for it ran at ~1 TB/s on an H100
 (2026-12-07: 2.8 ms of a 4-layer step of 55 ms; ``benchmarks/diagnostics/lora_layer_profile_diag.py``). One
-program holds one row: it reads the row once, takes its absolute maximum, divides (IEEE, as torch divides) and
-rounds to nearest e4m3 (the hardware's saturating conversion; the values are clamped to +-448 first, as the
-eager code clamps), so the codes and scales are the same bits as ``quantized.fp8.quantize_tokens`` (checked on
-the GPU by ``benchmarks/diagnostics/gpu_perf_checks.py``).
+program holds one row: it reads the row once, takes its absolute maximum, multiplies it by 1/448 (the scale,
+as the eager code computes it), divides (IEEE, as torch divides two tensors) and rounds to nearest even e4m3
+(Triton's default from float32 is toward zero; the values are clamped to +-448 first, as the eager code clamps),
+so the codes and scales are meant to be the same bits as ``quantized.fp8.quantize_tokens``. On an H100
+(2026-12-07) the first version (division by 448, rounding toward zero) was NOT: scales differed in the last bit
+where torch's CUDA division by a number multiplies by the reciprocal, and that moved ties. This version is
+checked under ``TRITON_INTERPRET`` on a CPU; on the GPU by ``benchmarks/diagnostics/gpu_perf_checks.py``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,17 @@ def _kernel():
 
     @triton.jit
     def fp8_quantize_rows_kernel(
-        x_ptr, col_scale_ptr, codes_ptr, scale_ptr, n_cols, x_stride, BLOCK: tl.constexpr, COL_SCALE: tl.constexpr
+        x_ptr,
+        col_scale_ptr,
+        codes_ptr,
+        scale_ptr,
+        n_cols,
+        x_stride,
+        BLOCK: tl.constexpr,
+        COL_SCALE: tl.constexpr,
+        CODE_MAX: tl.constexpr,
+        INV_CODE_MAX: tl.constexpr,
+        TINY: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
@@ -36,9 +49,9 @@ def _kernel():
         if COL_SCALE:  # each column times its factor first (float32 product, as the eager code multiplies)
             x = x * tl.load(col_scale_ptr + offs, mask=mask, other=0.0)
         amax = tl.max(tl.abs(x), axis=0)
-        scale = tl.maximum(tl.math.div_rn(amax, CODE_MAX), TINY)
+        scale = tl.maximum(amax * INV_CODE_MAX, TINY)
         q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -CODE_MAX), CODE_MAX)
-        tl.store(codes_ptr + row * n_cols + offs, q.to(tl.float8e4nv), mask=mask)
+        tl.store(codes_ptr + row * n_cols + offs, q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
         tl.store(scale_ptr + row, scale)
 
     return fp8_quantize_rows_kernel
@@ -75,6 +88,9 @@ def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tup
             x.stride(0),
             BLOCK=block,
             COL_SCALE=col_scale is not None,
+            CODE_MAX=CODE_MAX,
+            INV_CODE_MAX=1 / CODE_MAX,
+            TINY=TINY,
             num_warps=8 if block >= 4096 else 4,
         )
     return codes, scale

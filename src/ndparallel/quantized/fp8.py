@@ -36,12 +36,15 @@ from torch.distributed.tensor import DTensor
 
 from ndparallel import _compat
 from ndparallel.errors import ConfigError
-from ndparallel.kernels import fp8_quantize
+from ndparallel.kernels import fp8_quantize, transpose
 from ndparallel.quantized import int8
 from ndparallel.quantized.fused import compiled_if
 
 CODE_DTYPE = torch.float8_e4m3fn
 CODE_MAX = float(torch.finfo(CODE_DTYPE).max)  # 448
+INV_CODE_MAX = 1 / CODE_MAX
+"""Scales are ``amax * (1 / 448)``: a product, as torch's CUDA division by a number computes it (by the
+reciprocal), written so on every device, and so in the Triton kernel."""
 
 
 def quantize_tokens(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +52,7 @@ def quantize_tokens(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> t
     ``col_scale``, of ``x * col_scale`` (one float32 factor per column, multiplied in float32)."""
     full = x.float() if col_scale is None else x.float() * col_scale.float()
     amax = full.abs().amax(dim=-1, keepdim=True)
-    scale = (amax / CODE_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    scale = (amax * INV_CODE_MAX).clamp(min=torch.finfo(torch.float32).tiny)
     return (full / scale).clamp(-CODE_MAX, CODE_MAX).to(CODE_DTYPE), scale
 
 
@@ -103,7 +106,7 @@ def fp8_input_grad(grad: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     gradient (``codes``: the e4m3 bytes, (out, in))."""
     flat = grad.reshape(-1, grad.shape[-1])
     g_codes, g_scale = quantize_tokens_for(flat, fused, col_scale=scale)
-    transposed = codes.t().contiguous().view(CODE_DTYPE)  # (in, out); its .t() is column-major (out, in)
+    transposed = transpose.transposed(codes).view(CODE_DTYPE)  # (in, out); its .t() is column-major (out, in)
     ones = torch.ones((1, codes.shape[1]), dtype=torch.float32, device=grad.device)
     y = _compat.scaled_mm(g_codes, transposed.t(), g_scale, ones, grad.dtype)
     return y.reshape(*grad.shape[:-1], codes.shape[1])
