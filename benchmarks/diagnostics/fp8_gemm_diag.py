@@ -7,7 +7,7 @@ Why: a LoRA step with full checkpointing multiplies by every frozen weight three
 input gradient); on the H100 (session 13) its bf16 GEMMs were most of an 8B step. Per linear shape, median
 milliseconds (CUDA events) of:
 - bf16: x @ W^T, and the input gradient g @ W;
-- fp8-forward: x quantized per row (one compiled kernel) and ``torch._scaled_mm`` with W's e4m3 codes and
+- fp8-forward: x quantized per row (one compiled kernel) and ``_compat.scaled_mm`` with W's e4m3 codes and
   per-row scales (the forward and the recompute);
 - fp8-quantize: the activation quantization alone, compiled (``quantized.fp8.quantize_tokens``) and as the
   operator runs it on CUDA (``kernels.fp8_quantize``, one Triton kernel; same bits as the eager code: recorded);
@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from dequant_speed_diag import SHAPES, TOKENS, timed  # siblings: the script's folder is on sys.path
 
+from ndparallel import _compat
 from ndparallel.kernels import fp8_quantize, transpose
 from ndparallel.quantized import fp8
 from ndparallel.quantized.fused import compiled
@@ -43,7 +44,7 @@ def rows_for(label: str, shape: tuple[int, int]) -> dict:
 
     def fp8_forward():
         xq, xs = quantize(x)
-        return torch._scaled_mm(xq, codes.t(), scale_a=xs, scale_b=w_scale_row, out_dtype=torch.bfloat16)
+        return _compat.scaled_mm(xq, codes.t(), xs, w_scale_row, torch.bfloat16)
 
     dequant = compiled(lambda c, s: (c.float() * s).to(torch.bfloat16))
     xq, xs = quantize(x)
@@ -57,9 +58,7 @@ def rows_for(label: str, shape: tuple[int, int]) -> dict:
         "fp8-forward": fp8_forward,
         "fp8-quantize": lambda: quantize(x),
         "fp8-quantize-triton": lambda: fp8_quantize.quantize_rows(x),
-        "fp8-gemm-only": lambda: torch._scaled_mm(
-            xq, codes.t(), scale_a=xs, scale_b=w_scale_row, out_dtype=torch.bfloat16
-        ),
+        "fp8-gemm-only": lambda: _compat.scaled_mm(xq, codes.t(), xs, w_scale_row, torch.bfloat16),
         "dequant-bf16": lambda: dequant(codes, w_scale),
         "fp8-input-grad": lambda: fp8.fp8_input_grad(g, codes.view(torch.uint8), w_scale.flatten(), False),
         "bf16-input-grad-dequant": lambda: g @ dequant(codes, w_scale),
