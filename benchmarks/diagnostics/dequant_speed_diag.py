@@ -50,6 +50,14 @@ def timed(fn, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
+def emit(row: dict, path: Path | None) -> None:
+    """Print one result row as JSON, and append it to ``path`` (the diagnostics' ``--json``) if given."""
+    print(json.dumps(row), flush=True)
+    if path:
+        with path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 def kernels(fn) -> int:
     """Device kernels one call of ``fn`` launches."""
     fn()

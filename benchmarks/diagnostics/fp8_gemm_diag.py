@@ -21,11 +21,10 @@ and the relative error of each FP8 product against the bf16 one.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
-from dequant_speed_diag import SHAPES, TOKENS, timed  # siblings: the script's folder is on sys.path
+from dequant_speed_diag import SHAPES, TOKENS, emit, timed  # siblings: the script's folder is on sys.path
 
 from ndparallel import _compat
 from ndparallel.kernels import fp8_quantize, transpose
@@ -83,11 +82,7 @@ def main() -> int:
     args = p.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     for label, shape in SHAPES.items():
-        row = rows_for(label, shape)
-        print(json.dumps(row), flush=True)
-        if args.json:
-            with args.json.open("a", encoding="utf-8") as f:
-                f.write(json.dumps(row) + "\n")
+        emit(rows_for(label, shape), args.json)
     return 0
 
 

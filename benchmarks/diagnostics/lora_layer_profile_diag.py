@@ -14,13 +14,12 @@ can be set side by side.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import Counter
 from pathlib import Path
 
 import torch
-from dequant_speed_diag import timed  # siblings: the script's folder is on sys.path
+from dequant_speed_diag import emit, timed  # siblings: the script's folder is on sys.path
 from quantized_checkpoint_memory_diag import lora_stack
 from torch.profiler import ProfilerActivity, profile
 
@@ -76,10 +75,7 @@ def main() -> int:
                 row = measure(base, fused, args)
             except Exception as exc:  # one row's failure is a result too
                 row = {"base": base, "fused_lora_mlp": fused, "error": f"{type(exc).__name__}: {exc}"[:400]}
-            print(json.dumps(row), flush=True)
-            if args.json:
-                with args.json.open("a", encoding="utf-8") as f:
-                    f.write(json.dumps(row) + "\n")
+            emit(row, args.json)
     return 0
 
 

@@ -88,13 +88,6 @@ def _(x, codes, scale, bias, fused) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], codes.shape[0]))
 
 
-def _fp8_linear_context(ctx, inputs, output) -> None:
-    x, codes, scale, bias, fused = inputs
-    ctx.save_for_backward(codes, scale)
-    ctx.has_bias = bias is not None
-    ctx.fused = fused  # as the forward was called (int8.py says why)
-
-
 # The input gradient in FP8 too: grad_x = grad @ (scale * codes) = (grad * scale) @ codes, so the output gradient
 # times the weight's row scales is quantized per token (e4m3, as the forward's input) and multiplied by the codes
 # themselves. The product wants the reduced dimension (the weight's rows) contiguous in both operands, so the
@@ -117,15 +110,9 @@ def _(grad, codes, scale, fused) -> torch.Tensor:
     return grad.new_empty((*grad.shape[:-1], codes.shape[1]))
 
 
-def _fp8_linear_backward(ctx, grad):
-    codes, scale = ctx.saved_tensors
-    grad_x = fp8_input_grad(grad, codes, scale, ctx.fused) if ctx.needs_input_grad[0] else None
-    grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
-    return grad_x, None, None, grad_bias, None
-
-
-# The operator's own gradient formula, for the reason int8.py gives (recomputed inside a compiled checkpoint).
-fp8_linear.register_autograd(_fp8_linear_backward, setup_context=_fp8_linear_context)
+# The operator's own gradient formula, for the reason int8.py gives (recomputed inside a compiled checkpoint);
+# int8's context and backward, with the FP8 input gradient.
+fp8_linear.register_autograd(int8.codes_backward(fp8_input_grad), setup_context=int8.codes_context)
 
 
 class Fp8Linear(int8.Int8Linear):

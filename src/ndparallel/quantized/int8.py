@@ -95,7 +95,8 @@ def _(x, codes, scale, bias, fused) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], codes.shape[0]))
 
 
-def _int8_linear_context(ctx, inputs, output) -> None:
+def codes_context(ctx, inputs, output) -> None:
+    """The ``setup_context`` of a frozen linear operator on codes and row scales (int8's, ``fp8.fp8_linear``)."""
     x, codes, scale, bias, fused = inputs
     ctx.save_for_backward(codes, scale)
     ctx.has_bias = bias is not None
@@ -105,18 +106,24 @@ def _int8_linear_context(ctx, inputs, output) -> None:
     ctx.fused = fused
 
 
-def _int8_linear_backward(ctx, grad):
-    codes, scale = ctx.saved_tensors
-    grad_x = int8_input_grad(grad, codes, scale, ctx.fused) if ctx.needs_input_grad[0] else None
-    grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
-    return grad_x, None, None, grad_bias, None
+def codes_backward(input_grad):
+    """The backward of such an operator: ``input_grad(grad, codes, scale, fused)`` for the input (int8's
+    dequantizing product, or ``fp8.fp8_input_grad``), the bias's sum if it trains, nothing for the base."""
+
+    def backward(ctx, grad):
+        codes, scale = ctx.saved_tensors
+        grad_x = input_grad(grad, codes, scale, ctx.fused) if ctx.needs_input_grad[0] else None
+        grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return grad_x, None, None, grad_bias, None
+
+    return backward
 
 
 # The gradient formula of the operator itself (not an autograd.Function around it): inside an activation
 # checkpoint that torch.compile traces whole, the nodes of an autograd.Function's forward were not recomputed on
 # torch 2.11 (its outputs were saved instead: 1,432 MiB against 256 for 4 layers of the 8B at 4,096 tokens,
 # ``benchmarks/diagnostics/quantized_checkpoint_memory_diag.py``), while an operator is recomputed as any other.
-int8_linear.register_autograd(_int8_linear_backward, setup_context=_int8_linear_context)
+int8_linear.register_autograd(codes_backward(int8_input_grad), setup_context=codes_context)
 
 
 class _FrozenInt8Linear(torch.autograd.Function):
