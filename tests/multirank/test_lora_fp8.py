@@ -102,6 +102,17 @@ def test_fp8_linear_is_the_fp8_product_forward_and_backward(dtype):
     assert float((y.detach().float() - exact).norm() / exact.norm()) < 0.06
 
 
+def test_linears_whose_dimensions_are_not_multiples_of_16_stay_unquantized_and_are_listed():
+    """A mixture-of-experts router with 8 outputs cannot be an FP8 product: it stays in the compute dtype."""
+    layers = torch.nn.ModuleDict({"router": torch.nn.Linear(64, 8), "proj": torch.nn.Linear(64, 32)})
+    report = linears.quantize_linears(layers, "fp8", shards=1, dtype=torch.float32, prefix="layers.0")
+    assert isinstance(layers["proj"], fp8.Fp8Linear) and type(layers["router"]) is torch.nn.Linear
+    assert report.quantized == ["layers.0.proj"] and report.kept == {
+        "layers.0.router": "dimensions not multiples of 16"
+    }
+    assert "1 of 2 linear weights" in report.line() and "dimensions not multiples of 16" in report.line()
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [

@@ -131,6 +131,16 @@ class Fp8Linear(int8.Int8Linear):
         return fp8_linear(x, self.weight, self.weight_scale, self.bias, torch.compiler.is_compiling())
 
 
+ALIGN = 16
+"""FP8 products need both dimensions of the weight to be multiples of 16 (the tensor cores' alignment)."""
+
+
+def eligible(weight: torch.Tensor) -> bool:
+    """Both dimensions multiples of 16 (a mixture-of-experts router with 8 outputs is not): the rest stay in the
+    compute dtype, on every device, so that which weights are FP8 does not depend on where the run is."""
+    return all(size % ALIGN == 0 for size in weight.shape)
+
+
 def is_fp8_codes(tensor: torch.Tensor) -> bool:
     """e4m3 codes as stored (their bytes; no other parameter is uint8: NF4's are inside its own tensor type)."""
     return tensor.dtype == torch.uint8

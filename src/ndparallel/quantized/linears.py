@@ -48,6 +48,12 @@ class QuantReport:
         return text
 
 
+_KEPT_BECAUSE = {
+    "nf4": f"not whole scale groups of {nf4.GROUP} values",
+    "fp8": f"dimensions not multiples of {fp8.ALIGN}",
+}
+
+
 def is_quantized(tensor: torch.Tensor) -> bool:
     """A frozen quantized base weight (NF4 tensor, int8 or e4m3 codes): kept out of flat buffers and checkpoints."""
     return is_nf4(tensor) or int8.is_int8_codes(tensor) or fp8.is_fp8_codes(tensor)
@@ -66,10 +72,11 @@ def quantize_linears(layers: nn.Module, fmt: str, *, shards: int, dtype: torch.d
     for name, module in _base_linears(layers, prefix):
         if fmt == "int8":
             int8.to_int8(module, scale_dtype=dtype)
-        elif fmt == "fp8":
+        elif fmt == "fp8" and fp8.eligible(module.weight):
             fp8.to_fp8(module, scale_dtype=dtype)
-        elif nf4.eligible(module.weight):  # else unquantized on every layout (and listed)
+        elif fmt == "nf4" and nf4.eligible(module.weight):
             nf4.to_nf4(module, name, shards=shards, dtype=dtype)
+        # else unquantized on every layout, and listed with the reason (``describe``)
     return describe(layers, fmt, prefix=prefix)
 
 
@@ -84,6 +91,6 @@ def describe(layers: nn.Module, fmt: str | None = None, *, prefix: str = "") -> 
             report.quantized.append(name)
             report.quantized_values += module.weight.numel()
         else:
-            report.kept[name] = f"not whole scale groups of {nf4.GROUP} values"
+            report.kept[name] = _KEPT_BECAUSE[fmt]
             report.kept_values += module.weight.numel()
     return report
