@@ -33,6 +33,9 @@ class RowKind:
     loss_bound: float
     """|loss - ours' loss| allowed at the last step (same initial weights, adapters, data and optimizer)."""
     why: str
+    also_against: str | None = None
+    """Another kind whose rows ours are also set against, for information (an FP8 base against the bf16 base
+    it replaces: what FP8 costs in loss and gains in speed and memory)."""
 
 
 KINDS = (
@@ -64,9 +67,10 @@ KINDS = (
         ("ours-lora-fp8",),
         ("unsloth-lora-fp8",),
         0.10,
-        "LoRA on an FP8 base: e4m3 weights with one scale per row, FP8 forward products on per-token scaled "
-        "inputs (ours: load_in_fp8; Unsloth: load_in_fp8=True, torchao's rowwise recipe); compare the loss with "
-        "the bf16 kind's to see what FP8 costs",
+        "LoRA on an FP8 base: e4m3 weights with one scale per row, FP8 products on per-token scaled inputs and "
+        "output gradients (ours: load_in_fp8; Unsloth: load_in_fp8=True, its rowwise FP8 forward); also set "
+        "against the bf16 kind: what FP8 costs in loss",
+        also_against="bf16",
     ),
     RowKind(
         "full",

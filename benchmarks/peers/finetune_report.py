@@ -130,3 +130,9 @@ def print_summary(args, records: list[dict]) -> None:
                 print(f"      loss: {_loss_check(record, kind, rows)}")
                 if record["row"] in OURS_ROWS:
                     print(f"      speed: {_against_peer(record, kind, rows)}")
+                    if kind.also_against:
+                        other = next(k for k in KINDS if k.name == kind.also_against)
+                        print(
+                            f"      against the {other.name} kind: loss {_loss_check(record, other, rows)}; speed "
+                            f"{_against_peer(record, other, rows)}"
+                        )

@@ -127,7 +127,7 @@ def test_bench_finetune_rows_train_the_same_problem(tmp_path):
     # Same weights, token rows in the same order, adapters' start and optimizer for every row: on a CPU in fp32
     # ours and its peer give the same loss at every step (LoRA on the base against HF + peft; QLoRA against
     # torchao's NF4 + peft). A row whose package or device is missing is recorded as skipped.
-    rows = ["ours-lora", "hf-peft", "ours-qlora", "torchao-nf4-peft", "peft-bnb8"]
+    rows = ["ours-lora", "hf-peft", "ours-qlora", "torchao-nf4-peft", "peft-bnb8", "ours-lora-fp8"]
     jsonl = tmp_path / "rows.jsonl"
     out = _run(
         ["benchmarks/peers/bench_finetune.py", "--shape", "tiny", "--seq", "128", "--steps", "3", "--warmup", "1"]
@@ -146,3 +146,6 @@ def test_bench_finetune_rows_train_the_same_problem(tmp_path):
     # The NF4 base is another model: the comparison can tell models apart.
     assert abs(records["ours-qlora"]["losses"][0] - records["ours-lora"]["losses"][0]) > 1e-5
     assert "vs ours-lora [ac none]: max |dloss|" in out and "vs ours-qlora [ac none]: max |dloss|" in out, out
+    # The FP8 base trains and is also set against the bf16 base it replaces (no Unsloth on a CPU).
+    assert records["ours-lora-fp8"]["status"] == "ok" and len(records["ours-lora-fp8"]["losses"]) == 3
+    assert "against the bf16 kind: loss vs ours-lora [ac none]: max |dloss|" in out, out
