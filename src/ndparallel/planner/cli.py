@@ -163,7 +163,7 @@ def _step_arguments(work) -> None:
         dest="quantized_base",
         action="store_const",
         const="fp8",
-        help="LoRA on an FP8 base with FP8 forward products (tp 1 only), as the trainer's load_in_fp8",
+        help="LoRA on an FP8 base with FP8 products (tp 1 only), as the trainer's load_in_fp8",
     )
 
 

@@ -43,7 +43,10 @@ dequantize  a quantized base's linears (``Workload.quantized_base``) dequantized
             both run one Triton kernel (``kernels/nf4_dequantize.py``); fitted to an H100 (2026-12-07, same
             machine, 8B, full checkpointing + offload, compiled): the NF4 step at 0.958 of the bf16 step's
             tokens/s (10,516 vs 10,977), predicted 0.957. (torchao's eager dequantization was 52, the
-            compiled one 16, H200.)
+            compiled one 16, H200.) An FP8 base dequantizes nothing: its products are FP8 (``linear``) and
+            this part holds its byte traffic: the codes transposed for each backward, every forward input and
+            output gradient quantized. Not fitted: the one 8B row measured (H100, session 14, before two
+            kernel fixes) ran 12% slower than a bf16 base, where this predicts faster.
 fsdp_copies FSDP2 copies into and out of its collective buffers, even on one rank: per all-gather
             (6/f + 4) bytes per gathered parameter (fp32 shard cast into the bf16 input, output copied out),
             per reduction (6 + 8/f) per trainable one (bf16 gradient into the fp32 input, the output
@@ -122,11 +125,11 @@ def linear_s(mb: MicroBatch, rates: Rates) -> float:
     m, t, n, w = mb.model, mb.layout.tp, mb.tokens, mb.workload
     base = "fp32" if w.precision == "fp32" else "bf16"
     layer = "fp8" if w.fp8 else base
-    layer_forward = "fp8" if w.quantized_base == "fp8" else layer  # an FP8 base: forward products only
+    frozen = "fp8" if w.quantized_base == "fp8" else layer  # an FP8 base: forward and input-gradient products
     forward = backward = mlp_forward = 0.0
     for index, (k, out) in enumerate(_linear_shapes(m, t)):
-        this = rates.gemm_s(n, out, k, layer_forward)
-        backward += rates.gemm_s(n, k, out, layer)  # input gradient
+        this = rates.gemm_s(n, out, k, frozen)
+        backward += rates.gemm_s(n, k, out, frozen)  # input gradient
         if w.lora_rank:
             r = w.lora_rank
             this += rates.gemm_s(n, r, k, base) + rates.gemm_s(n, out, r, base)
@@ -237,11 +240,13 @@ def dequantize_s(mb: MicroBatch, rates: Rates) -> float:
     full = mb.activation_checkpointing == "full"
     values = mb.model.layers * mb.model.layer_linear_weights() / mb.layout.tp
     if w.quantized_base == "fp8":
-        # the input gradient's dequantization (codes read, compute dtype written), and each forward pass
-        # quantizing every linear's input (read, codes written; q/k/v and gate/up each quantize their own)
-        inputs = mb.tokens * sum(k for k, _ in _linear_shapes(mb.model, mb.layout.tp))
-        quantize = mb.model.layers * (2 if full else 1) * inputs * (w.compute_bytes + 1)
-        return rates.stream_s(values * (1 + w.compute_bytes) + quantize)
+        # the backward's transpose of the codes (a byte read and written per value) and its output gradients
+        # quantized; each forward pass quantizing every linear's input (q/k/v and gate/up each their own); a
+        # quantization reads the compute dtype and writes a byte code
+        shapes = _linear_shapes(mb.model, mb.layout.tp)
+        inputs, outputs = (mb.tokens * sum(dims) for dims in zip(*shapes))
+        quantize = mb.model.layers * ((2 if full else 1) * inputs + outputs) * (w.compute_bytes + 1)
+        return rates.stream_s(2 * values + quantize)
     passes = 3 if full else 2
     return rates.stream_s(passes * values * DEQUANTIZE_BYTES_PER_VALUE[w.quantized_base, w.compile])
 
