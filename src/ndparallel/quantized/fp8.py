@@ -146,11 +146,6 @@ def is_fp8_codes(tensor: torch.Tensor) -> bool:
     return tensor.dtype == torch.uint8
 
 
-def dequantized(module: Fp8Linear, dtype: torch.dtype) -> torch.Tensor:
-    """The weight's value ``codes * scale`` in ``dtype`` (tests, merging)."""
-    return int8.dequantize(module.weight.view(CODE_DTYPE), module.weight_scale, dtype)
-
-
 def to_fp8(module: torch.nn.Linear, *, scale_dtype: torch.dtype) -> None:
     """Turn ``module`` into an ``Fp8Linear`` in place (``int8.to_int8`` with e4m3 codes)."""
     int8.to_int8(module, scale_dtype=scale_dtype, kind=Fp8Linear)

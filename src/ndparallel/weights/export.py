@@ -28,6 +28,7 @@ from ndparallel.checkpoint.guard import read_index
 from ndparallel.checkpoint.loading import load_tensors, open_checkpoint
 from ndparallel.checkpoint.training import checkpoints_dir
 from ndparallel.errors import CheckpointError, ConfigError
+from ndparallel.quantized.linears import FORMATS
 from ndparallel.safe_io import bounded_yaml, owned_files
 from ndparallel.weights.materialize import restore_buffers
 
@@ -126,7 +127,7 @@ def _refuse_quantized_base(path: Path) -> None:
         raise CheckpointError(f"{str(config)!r} is not readable YAML ({type(exc).__name__})") from None
     if not isinstance(settings, dict):
         raise CheckpointError(f"{str(config)!r} holds a {type(settings).__name__}, not the settings ndparallel writes")
-    for setting in ("load_in_4bit", "load_in_8bit", "load_in_fp8"):
+    for setting in FORMATS.values():
         if settings.get(setting):
             raise CheckpointError(
                 f"{str(path)!r} is a {setting} checkpoint: it holds the adapters, not the base weights; "
