@@ -7,7 +7,9 @@ on the same weights, token rows, adapters and optimizer (issue 35).
     python benchmarks/peers/bench_finetune.py --shape 8b --seq 4096 --ac none --json $W/finetune.jsonl \\
         --logs $OUT --rows ours-lora,unsloth-lora,hf-peft-liger-compile,ours-qlora,unsloth-qlora; cp $W/*.jsonl $OUT
     python benchmarks/peers/bench_finetune.py --shape 8b --seq 4096 --ac none --json $W/finetune.jsonl \\
-        --logs $OUT --rows peft-bnb4,torchao-nf4-peft,ours-lora8,peft-bnb8,ours-full-adam8; cp $W/*.jsonl $OUT
+        --logs $OUT --rows peft-bnb4,torchao-nf4-peft,ours-lora8,peft-bnb8; cp $W/*.jsonl $OUT
+    python benchmarks/peers/bench_finetune.py --shape 8b --seq 4096 --ac full --json $W/finetune.jsonl \
+        --logs $OUT --rows ours-full-adam8,unsloth-full-adam8,hf-full-adam8; cp $W/*.jsonl $OUT
     python benchmarks/peers/bench_finetune.py --shape qwen3-8b --seq 8192 --ac full --json $W/finetune.jsonl
     # CPU (the test): the rows that run without a GPU, fp32, eager
     python benchmarks/peers/bench_finetune.py --shape tiny --seq 128 --steps 3 --warmup 1 --device cpu \\
@@ -22,8 +24,9 @@ prints ``skipped: <why>`` and the script goes on):
   ours-lora-fp8            the same on an FP8 base, FP8 products (load_in_fp8)     (kind fp8)
   ours-full-adam8          full fine-tune, 8-bit AdamW (optimizer: adamw_8bit)     (kind full)
   ours-full-adam8-offload  the same with cpu_offload (minutes a step at 8B: the optimizer runs on the CPU)
-  unsloth-lora, unsloth-qlora, unsloth-lora-fp8, hf-peft-liger-compile, peft-bnb4, peft-bnb8, torchao-nf4-peft: the
-  peers, built as ``finetune_peers.py`` says; hf-peft (HF + peft, no Liger, no compile) is an extra row.
+  unsloth-lora, unsloth-qlora, unsloth-lora-fp8, hf-peft-liger-compile, peft-bnb4, peft-bnb8, torchao-nf4-peft,
+  unsloth-full-adam8, hf-full-adam8: the peers, built as ``finetune_peers.py`` says (the full fine-tunes with
+  bitsandbytes' 8-bit AdamW on bf16 weights); hf-peft (HF + peft, no Liger, no compile) is an extra row.
 
   ours: ``--ac`` (none / selective / full) and ``--compile`` (each block) apply; the worker of ``ndparallel
   train`` runs the config written to the row's run directory (``runs/<row>-seq<N>/config.yaml``: rerun it

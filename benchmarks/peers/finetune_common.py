@@ -75,9 +75,10 @@ KINDS = (
     RowKind(
         "full",
         ("ours-full-adam8", "ours-full-adam8-offload"),
-        (),
+        ("unsloth-full-adam8", "hf-full-adam8"),
         0.05,
-        "full fine-tune with 8-bit AdamW, without and with cpu_offload; no peer row",
+        "full fine-tune with 8-bit AdamW (ours: torchao's, fp32 master weights; the peers: bitsandbytes', on "
+        "the bf16 weights they load, as transformers' Trainer with optim adamw_bnb_8bit runs them)",
     ),
 )
 
@@ -98,6 +99,8 @@ PEER_ROWS = (
     "peft-bnb4",
     "peft-bnb8",
     "torchao-nf4-peft",
+    "unsloth-full-adam8",
+    "hf-full-adam8",
 )
 ALL_ROWS = (*OURS_ROWS, *PEER_ROWS)
 DEFAULT_ROWS = tuple(name for name in ALL_ROWS if name != "hf-peft")

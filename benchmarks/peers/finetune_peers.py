@@ -23,6 +23,11 @@ model ready to train (``finetune_rows.train_peer`` runs the loop) and a dict say
   use); ``F.linear`` on it dispatches to torchao's ``linear_nf4`` (dequantize, bf16 GEMM, input gradient
   only), as torchtune's ``FrozenNF4Linear`` calls it. Then peft + gradient checkpointing + Liger + per-layer
   compile (torchtune compiles its NF4 layers).
+- ``hf-full-adam8``: a full fine-tune as transformers' Trainer runs one with ``bf16: true`` and ``optim:
+  adamw_bnb_8bit`` on a bf16 checkpoint: every weight trains in the bf16 it was loaded in (no fp32 master
+  copy), bitsandbytes' ``AdamW8bit``, Liger's kernels, gradient checkpointing, each decoder layer compiled.
+- ``unsloth-full-adam8``: ``FastLanguageModel.from_pretrained(dir, full_finetuning=True, load_in_16bit=True,
+  use_gradient_checkpointing="unsloth")`` and bitsandbytes' ``AdamW8bit`` (its documented full fine-tune).
 
 On a CPU (the tests) Liger (Triton) and compile do not apply and are left out; what was applied is recorded.
 """
@@ -44,8 +49,11 @@ NEEDS = {  # row -> packages it imports (a missing one: the row prints "skipped"
     "peft-bnb4": ("peft", "bitsandbytes", "liger_kernel"),
     "peft-bnb8": ("peft", "bitsandbytes", "liger_kernel"),
     "torchao-nf4-peft": ("peft", "torchao", "liger_kernel"),
+    "hf-full-adam8": ("bitsandbytes", "liger_kernel"),
+    "unsloth-full-adam8": ("unsloth", "bitsandbytes"),
 }
-CUDA_ONLY = {"unsloth-lora", "unsloth-qlora", "unsloth-lora-fp8", "peft-bnb4", "peft-bnb8"}
+FULL_ROWS = {"hf-full-adam8", "unsloth-full-adam8"}  # every weight trains, with bitsandbytes' 8-bit AdamW
+CUDA_ONLY = {"unsloth-lora", "unsloth-qlora", "unsloth-lora-fp8", "peft-bnb4", "peft-bnb8", *FULL_ROWS}
 CUDA_ONLY_PACKAGES = {"liger_kernel"}  # Triton kernels: not applied on a CPU
 
 
@@ -64,8 +72,12 @@ def why_skipped(row: str, device: torch.device) -> str | None:
 def build_peer(row: str, spec: dict, device: torch.device) -> tuple[torch.nn.Module, dict[str, Any]]:
     """The model of peer ``row``, adapters attached and seeded, in training mode; and what was applied."""
     cuda = device.type == "cuda"
+    if row == "unsloth-full-adam8":
+        return _unsloth(spec, device, base="bf16", full=True)
     if row.startswith("unsloth-"):
         return _unsloth(spec, device, base={"unsloth-qlora": "bnb4", "unsloth-lora-fp8": "fp8"}.get(row, "bf16"))
+    if row == "hf-full-adam8":
+        return _hf(spec, device, base="bf16", liger=cuda, compile_=cuda and spec["peer_compile"], adapters=False)
     if row == "hf-peft-liger-compile":
         return _hf(spec, device, base="bf16", liger=cuda, compile_=cuda and spec["peer_compile"])
     if row == "hf-peft":
@@ -77,12 +89,22 @@ def build_peer(row: str, spec: dict, device: torch.device) -> tuple[torch.nn.Mod
     raise ValueError(f"no peer row {row!r}")
 
 
+def make_optimizer(row: str, params: list, *, lr: float, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW (betas and eps torch's defaults, no weight decay): bitsandbytes' 8-bit one for the full fine-tunes
+    (``FULL_ROWS``), else torch's (fused on a GPU)."""
+    if row in FULL_ROWS:
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=device.type == "cuda")
+
+
 def compute_dtype(device: torch.device) -> torch.dtype:
     """bf16 on a GPU; fp32 on a CPU, where the test compares losses to 1e-4."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def _hf(spec: dict, device: torch.device, *, base: str, liger: bool, compile_: bool):
+def _hf(spec: dict, device: torch.device, *, base: str, liger: bool, compile_: bool, adapters: bool = True):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_dir = spec["model_dir"]
@@ -99,16 +121,18 @@ def _hf(spec: dict, device: torch.device, *, base: str, liger: bool, compile_: b
         **extra,
     )
     applied = {"base": base, "liger": liger, "compile": compile_, "gradient_checkpointing": spec["peer_ac"]}
+    applied["adapters"] = adapters
     if base == "torchao-nf4":
         applied["nf4_weights"] = _torchao_nf4(model, device)
     if spec["peer_ac"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = _with_peft(model, spec)
+    if adapters:
+        model = _with_peft(model, spec)
     if compile_:
         # the same compile as ours: checkpointed layers stay compiled under transformers 5.25
         from ndparallel import _compat
 
-        for layer in model.get_base_model().model.layers:
+        for layer in (model.get_base_model() if adapters else model).model.layers:
             _compat.compile_module(layer)
     model.train()
     return model, applied
@@ -179,31 +203,35 @@ def _torchao_nf4(model, device: torch.device) -> int:
     return count
 
 
-def _unsloth(spec: dict, device: torch.device, *, base: str):
+def _unsloth(spec: dict, device: torch.device, *, base: str, full: bool = False):
     from unsloth import FastLanguageModel  # first: Unsloth patches transformers and peft when imported
 
+    checkpointing = "unsloth" if spec["peer_ac"] else False
     model, _ = FastLanguageModel.from_pretrained(
         model_name=spec["model_dir"],
         max_seq_length=spec["seq"],
         dtype=torch.bfloat16,
         load_in_4bit=base == "bnb4",
-        load_in_16bit=base == "bf16",  # its 16-bit LoRA
+        load_in_16bit=base == "bf16",  # its 16-bit LoRA / full fine-tune
         load_in_fp8=base == "fp8",  # its FP8 LoRA: torchao's rowwise FP8 weights, quantized on the fly
-        full_finetuning=False,
+        full_finetuning=full,
         fix_tokenizer=False,  # the byte tokenizer needs no fixing; the rows come tokenized
         use_exact_model_name=True,  # a local directory, no hub name mapping
+        use_gradient_checkpointing=checkpointing,  # what a full fine-tune uses; LoRA's is get_peft_model's
     )
-    checkpointing = "unsloth" if spec["peer_ac"] else False
-    model = FastLanguageModel.get_peft_model(
-        model,
-        r=spec["lora_rank"],
-        target_modules=list(LORA_TARGETS),
-        lora_alpha=spec["lora_alpha"],
-        lora_dropout=0.0,
-        bias="none",
-        use_gradient_checkpointing=checkpointing,
-        random_state=spec["seed"],
-    )
-    seed_adapters_like_ours(model, spec["seed"])
+    applied = {"base": base, "gradient_checkpointing": checkpointing, "full_finetuning": full}
+    if not full:
+        model = FastLanguageModel.get_peft_model(
+            model,
+            r=spec["lora_rank"],
+            target_modules=list(LORA_TARGETS),
+            lora_alpha=spec["lora_alpha"],
+            lora_dropout=0.0,
+            bias="none",
+            use_gradient_checkpointing=checkpointing,
+            random_state=spec["seed"],
+        )
+        seed_adapters_like_ours(model, spec["seed"])
     FastLanguageModel.for_training(model)
-    return model, {"base": base, "gradient_checkpointing": checkpointing}
+    applied["weights_dtype"] = str(next(p for p in model.parameters() if p.requires_grad).dtype)
+    return model, applied

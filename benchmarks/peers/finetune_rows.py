@@ -153,13 +153,16 @@ class _OursWatcher(threading.Thread):
 
 def run_peer(spec: dict) -> dict:
     device = torch.device("cuda", 0) if spec["device"] == "cuda" else torch.device("cpu")
-    from finetune_peers import build_peer, why_skipped
+    from finetune_peers import build_peer, make_optimizer, why_skipped
 
     why = why_skipped(spec["row"], device)
     if why is not None:
         return {"status": "skipped", "why": why}
     model, applied = build_peer(spec["row"], spec, device)
-    steps, first_step_at = train_peer(model, load_batches(spec["rows_file"], spec["steps"]), device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(spec["row"], params, lr=LEARNING_RATE, device=device)
+    applied["optimizer"] = f"{type(optimizer).__module__}.{type(optimizer).__name__}"
+    steps, first_step_at = train_peer(model, params, optimizer, load_batches(spec["rows_file"], spec["steps"]), device)
     return {"status": "ok", "steps": steps, "first_step_at": first_step_at, "applied": applied, **device_facts(device)}
 
 
@@ -170,12 +173,10 @@ def load_batches(path: str, steps: int) -> list[tuple[torch.Tensor, torch.Tensor
     return [(torch.from_numpy(ids[i]), torch.from_numpy(labels[i])) for i in range(len(ids))]
 
 
-def train_peer(model, batches, device: torch.device) -> tuple[list[dict], float]:
-    """AdamW (lr 2e-4, betas and eps torch's defaults, no weight decay, fused on a GPU), clipping to 1.0;
-    the model's own loss (``labels``: its shift, its -100). Each step ends reading the loss (one sync, as ours
-    logs every step). Returns the steps and when the first one ended."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=0.0, fused=device.type == "cuda")
+def train_peer(model, params: list, optimizer, batches, device: torch.device) -> tuple[list[dict], float]:
+    """``optimizer`` (``finetune_peers.make_optimizer``) on ``params``, clipping to 1.0; the model's own loss
+    (``labels``: its shift, its -100). Each step ends reading the loss (one sync, as ours logs every step).
+    Returns the steps and when the first one ended."""
     cuda = device.type == "cuda"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     steps, first_step_at = [], None
