@@ -45,8 +45,11 @@ dequantize  a quantized base's linears (``Workload.quantized_base``) dequantized
             tokens/s (10,516 vs 10,977), predicted 0.957. (torchao's eager dequantization was 52, the
             compiled one 16, H200.) An FP8 base dequantizes nothing: its products are FP8 (``linear``) and
             this part holds its byte traffic: the codes transposed for each backward, every forward input and
-            output gradient quantized. Not fitted: the one 8B row measured (H100, session 14, before two
-            kernel fixes) ran 12% slower than a bf16 base, where this predicts faster.
+            output gradient quantized. Not fitted; checked against one pair of 8B rows (H100, same machine,
+            2026-12-07 session 15, full checkpointing + offload, compiled): the FP8 step at 1.067 of the
+            bf16 step's tokens/s (11,973 vs 11,224), predicted 1.098 (10,686 vs 9,729: absolute H100
+            predictions run ~11% low for both). Its peak memory is over-predicted as the bf16 base's is
+            (12.1 vs 10.7 GiB; 18.6 vs 17.2).
 fsdp_copies FSDP2 copies into and out of its collective buffers, even on one rank: per all-gather
             (6/f + 4) bytes per gathered parameter (fp32 shard cast into the bf16 input, output copied out),
             per reduction (6 + 8/f) per trainable one (bf16 gradient into the fp32 input, the output

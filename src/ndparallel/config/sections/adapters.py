@@ -28,9 +28,9 @@ class AdapterSettings(BaseModel):
     """LoRA on FP8 base weights (Unsloth's name): the decoder blocks' linear weights frozen as float8 e4m3
     codes with one absmax scale per output row, and their products on FP8 tensor cores (the input quantized
     per token in the forward, the output gradient in the backward); needs adapter: lora, a GPU of compute
-    capability 8.9+ (or a CPU) and tensor_parallel_size: 1. Half the weight memory of a bf16 base (an 8B on an
-    H100: 10.7 against 17.2 GiB peak); not yet faster there; the loss moves by the rounding (check it on your
-    data)."""
+    capability 8.9+ (or a CPU) and tensor_parallel_size: 1. Half the weight memory of a bf16 base; an 8B LoRA
+    on an H100 (4,096-token rows, full checkpointing): 10.7 against 17.2 GiB peak and 1.07x the bf16 base's
+    tokens/s; the loss moves by the rounding (+0.4% after 50 steps there: check it on your data)."""
     lora_r: int = Field(8, ge=1, le=MAX_LORA_R)
     lora_alpha: float = Field(16, gt=0)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
