@@ -40,7 +40,7 @@ def build(base: str, fused: bool, layers: int, seq: int, compiled: bool):
 
 def measure(base: str, fused: bool, args) -> dict:
     step = build(base, fused, args.layers, args.seq, args.compile)
-    ms = timed(step, repeats=args.steps)  # after three steps: the compiles
+    ms = timed(step, repeats=args.steps, back_to_back=1)  # after three steps: the compiles
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
