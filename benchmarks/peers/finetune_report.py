@@ -90,6 +90,18 @@ def _against_peer(record: dict, kind: RowKind, rows: dict[str, dict]) -> str:
     )
 
 
+def _against_ours(record: dict, kind: RowKind, rows: dict[str, dict]) -> str:
+    """``record``'s tokens/s and peak memory over the ours row of ``kind`` (an FP8 base over the bf16 base it
+    replaces: what FP8 gains)."""
+    reference = next((r for r in _kind_rows(kind, rows) if r["row"] in kind.ours and _ran(r)), None)
+    if reference is None:
+        return f"no ours row of the {kind.name} kind"
+    ratio = record["tokens_per_s"] / reference["tokens_per_s"]
+    ours_peak, other_peak = _peak(record), _peak(reference)
+    memory = f", peak {ours_peak / other_peak:.2f}x" if ours_peak and other_peak else ""
+    return f"{ratio:.2f}x {variant(reference)}{memory}"
+
+
 def _loss_check(record: dict, kind: RowKind, rows: dict[str, dict]) -> str:
     # The kind's ours row (the first of its modes); without one, its first row that ran.
     reference = next((r for r in _kind_rows(kind, rows) if _ran(r)), None)
@@ -134,5 +146,5 @@ def print_summary(args, records: list[dict]) -> None:
                         other = next(k for k in KINDS if k.name == kind.also_against)
                         print(
                             f"      against the {other.name} kind: loss {_loss_check(record, other, rows)}; speed "
-                            f"{_against_peer(record, other, rows)}"
+                            f"{_against_ours(record, other, rows)}; {_against_peer(record, other, rows)}"
                         )

@@ -150,3 +150,5 @@ def test_bench_finetune_rows_train_the_same_problem(tmp_path):
     # The FP8 base trains and is also set against the bf16 base it replaces (no Unsloth on a CPU).
     assert records["ours-lora-fp8"]["status"] == "ok" and len(records["ours-lora-fp8"]["losses"]) == 3
     assert "against the bf16 kind: loss vs ours-lora [ac none]: max |dloss|" in out, out
+    fp8, bf16 = records["ours-lora-fp8"], records["ours-lora"]
+    assert f"; speed {fp8['tokens_per_s'] / bf16['tokens_per_s']:.2f}x ours-lora [ac none], peak " in out, out
