@@ -26,7 +26,9 @@ STARTED = time.perf_counter()
 VERBOSE_ENV = "NDPARALLEL_VERBOSE"
 """Set by ``--verbose`` for the worker processes the launcher starts."""
 
-_QUIET_LOGGERS = ("torchao", "torch.utils._pytree", "torch.distributed.elastic")
+# torch.utils: its modules log with their own names and no level of their own, so they take this one (the
+# pytree registry's deprecation notes when torchao is imported); torch's import resets only "torch" itself.
+_QUIET_LOGGERS = ("torchao", "torch.utils", "torch.distributed.elastic")
 
 
 def quiet_third_party() -> None:
