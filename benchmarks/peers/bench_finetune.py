@@ -22,8 +22,9 @@ prints ``skipped: <why>`` and the script goes on):
   ours-qlora               the same on an NF4 base (load_in_4bit)                  (kind nf4)
   ours-lora8               the same on an int8 base (load_in_8bit)                 (kind int8)
   ours-lora-fp8            the same on an FP8 base, FP8 products (load_in_fp8)     (kind fp8)
-  ours-full-adam8          full fine-tune, 8-bit AdamW (optimizer: adamw_8bit)     (kind full)
-  ours-full-adam8-offload  the same with cpu_offload (minutes a step at 8B: the optimizer runs on the CPU)
+  ours-full-adam8          full fine-tune, 8-bit AdamW on bf16 weights (bf16: full) (kind full)
+  ours-full-adam8-masters  the same on fp32 master weights (bf16: true): 4 bytes a parameter more
+  ours-full-adam8-offload  ours-full-adam8 with cpu_offload (minutes a step at 8B: the optimizer runs on the CPU)
   unsloth-lora, unsloth-qlora, unsloth-lora-fp8, hf-peft-liger-compile, peft-bnb4, peft-bnb8, torchao-nf4-peft,
   unsloth-full-adam8, hf-full-adam8: the peers, built as ``finetune_peers.py`` says (the full fine-tunes with
   bitsandbytes' 8-bit AdamW on bf16 weights); hf-peft (HF + peft, no Liger, no compile) is an extra row.

@@ -74,11 +74,12 @@ KINDS = (
     ),
     RowKind(
         "full",
-        ("ours-full-adam8", "ours-full-adam8-offload"),
+        ("ours-full-adam8", "ours-full-adam8-masters", "ours-full-adam8-offload"),
         ("unsloth-full-adam8", "hf-full-adam8"),
         0.05,
-        "full fine-tune with 8-bit AdamW (ours: torchao's, fp32 master weights; the peers: bitsandbytes', on "
-        "the bf16 weights they load, as transformers' Trainer with optim adamw_bnb_8bit runs them)",
+        "full fine-tune with 8-bit AdamW (ours: torchao's on bf16 weights, bf16: full, stochastic rounding; "
+        "-masters: on fp32 master weights; the peers: bitsandbytes', on the bf16 weights they load, as "
+        "transformers' Trainer with optim adamw_bnb_8bit runs them)",
     ),
 )
 
@@ -87,8 +88,9 @@ OURS_ROWS = {  # name -> ``--set`` settings of the trainer on top of the common 
     "ours-qlora": {"adapter": "qlora", "load_in_4bit": True},
     "ours-lora8": {"adapter": "lora", "load_in_8bit": True},
     "ours-lora-fp8": {"adapter": "lora", "load_in_fp8": True},
-    "ours-full-adam8": {"adapter": None, "optimizer": "adamw_8bit"},
-    "ours-full-adam8-offload": {"adapter": None, "optimizer": "adamw_8bit", "cpu_offload": True},
+    "ours-full-adam8": {"adapter": None, "optimizer": "adamw_8bit", "bf16": "full"},
+    "ours-full-adam8-masters": {"adapter": None, "optimizer": "adamw_8bit"},
+    "ours-full-adam8-offload": {"adapter": None, "optimizer": "adamw_8bit", "bf16": "full", "cpu_offload": True},
 }
 PEER_ROWS = (
     "unsloth-lora",

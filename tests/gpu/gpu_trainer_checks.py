@@ -1,6 +1,6 @@
 """Trainer checks on one GPU through ``ndparallel train`` (run by hand; not part of the CPU suite).
 
-    PYTHONPATH=src python3 tests/gpu/gpu_trainer_checks.py --out $OUT            # both checks, ~3 minutes
+    PYTHONPATH=src python3 tests/gpu/gpu_trainer_checks.py --out $OUT            # every check, ~6 minutes
     PYTHONPATH=src python3 tests/gpu/gpu_trainer_checks.py --out $OUT --only offload
 
 offload: the same 1B-shaped run (5 steps, seq 2048) with and without ``cpu_offload: true``. Passes when the
@@ -9,6 +9,10 @@ relative difference <= 2e-2) and its peak GPU memory is lower.
 oom: an 8B-shaped run that cannot fit one GPU (seq 16384, no activation checkpointing) with
 ``cuda_memory_snapshot: true``. Passes when it exits with status 2 and one line naming the step, the
 layout and the planner's suggestion, and the memory snapshot file exists.
+bf16_full: the same 1B-shaped run (30 steps, seq 2048, optimizer adamw_8bit) with bf16: true (fp32 masters) and
+bf16: full (bf16 weights, stochastic rounding), then bf16: full resumed from its step-15 checkpoint. Passes when
+the mean loss of the last 5 steps is within 2% of the fp32-master run's, the peak memory is lower, and the resumed
+steps' losses are the uninterrupted run's to 1e-3 (relative; bitwise noted).
 Results: $OUT/trainer_checks.json; one PASS/FAIL line per check.
 """
 
@@ -96,17 +100,56 @@ def check_oom(out: Path) -> dict:
     }
 
 
+def check_bf16_full(out: Path) -> dict:
+    shape = {"model_shape": "1b", "sequence_len": 2048, "max_steps": 30, "optimizer": "adamw_8bit", "save_steps": 15}
+    runs = {
+        name: train({**shape, "bf16": bf16}, out, name) for name, bf16 in (("masters", True), ("bf16_full", "full"))
+    }
+    checkpoint = out / "bf16_full" / "run" / "checkpoints" / "step-15"
+    runs["resumed"] = train(
+        {**shape, "bf16": "full", "resume_from_checkpoint": str(checkpoint)}, out, "bf16_full_resumed"
+    )
+    (masters, full, resumed) = (runs[k][2] for k in ("masters", "bf16_full", "resumed"))
+    ok = all(code == 0 for code, _, _ in runs.values()) and len(masters) == len(full) == 30 and len(resumed) == 15
+
+    def tail(records):
+        return sum(r["loss"] for r in records[-5:]) / 5
+
+    result = {
+        "exit_codes": {k: v[0] for k, v in runs.items()},
+        "stderr_tail": {k: v[1][-500:] for k, v in runs.items()},
+    }
+    if ok:
+        resumed_diff = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(resumed, full[15:]))
+        result.update(
+            last5_loss={"masters": tail(masters), "bf16_full": tail(full)},
+            last5_rel_diff=abs(tail(full) - tail(masters)) / tail(masters),
+            peak_gib={"masters": masters[-1]["peak_memory_gib"], "bf16_full": full[-1]["peak_memory_gib"]},
+            tokens_per_s={"masters": masters[-1].get("tokens_per_s"), "bf16_full": full[-1].get("tokens_per_s")},
+            resumed_rel_diff=resumed_diff,
+            resumed_bitwise=[r["loss"] for r in resumed] == [r["loss"] for r in full[15:]],
+            losses={"masters": [r["loss"] for r in masters], "bf16_full": [r["loss"] for r in full]},
+        )
+        ok = (
+            result["last5_rel_diff"] <= 2e-2
+            and result["peak_gib"]["bf16_full"] < result["peak_gib"]["masters"]
+            and resumed_diff <= 1e-3
+        )
+    result["pass"] = bool(ok)
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--only", choices=["offload", "oom"])
+    parser.add_argument("--only", choices=["offload", "oom", "bf16_full"])
     parser.add_argument("--tiny", action="store_true", help="offload check only, tiny shape on CPU")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    checks = {"offload": lambda o: check_offload(o, args.tiny), "oom": check_oom}
+    checks = {"offload": lambda o: check_offload(o, args.tiny), "oom": check_oom, "bf16_full": check_bf16_full}
     if args.tiny:
-        checks.pop("oom")
+        checks = {"offload": checks["offload"]}
     results = {name: fn(out) for name, fn in checks.items() if args.only in (None, name)}
     (out / "trainer_checks.json").write_text(json.dumps(results, indent=1))
     for name, r in results.items():

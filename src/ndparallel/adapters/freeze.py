@@ -137,16 +137,26 @@ def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> int:
     read in the compute dtype, so they are kept in it: the same numbers as casting an fp32 copy for every
     forward, at half its memory (an 8B LoRA base: 16 GB instead of 32 GB of fp32 plus 16 GB of casts). Trainable
     weights keep their fp32 masters. A tensor two modules share stays shared. Returns the values converted."""
+    return _store_in(model, dtype, trainable=False)
+
+
+def store_weights_in(model: nn.Module, dtype: torch.dtype) -> int:
+    """Every floating-point weight, trainable ones included, kept in ``dtype`` (``bf16: full``: no float32
+    masters; ``ParallelOptions.master_dtype``). Returns the values converted."""
+    return _store_in(model, dtype, trainable=True)
+
+
+def _store_in(model: nn.Module, dtype: torch.dtype, *, trainable: bool) -> int:
     converted: dict[int, nn.Parameter] = {}
     values = 0
     for module in model.modules():
         for name, param in list(module._parameters.items()):
-            if param is None or param.requires_grad or is_quantized(param) or not param.is_floating_point():
+            if param is None or is_quantized(param) or not param.is_floating_point() or param.dtype == dtype:
                 continue
-            if param.dtype == dtype:
+            if param.requires_grad and not trainable:
                 continue
             if id(param) not in converted:
-                converted[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=False)
+                converted[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
                 values += param.numel()
             module._parameters[name] = converted[id(param)]
     return values

@@ -100,8 +100,6 @@ def read_axolotl(raw: dict[str, Any], own_keys: set[str], dataset_keys: set[str]
             translators[key](reading, value)
         elif key != "plugins":
             reading.skip(key, LEFT_EMPTY)
-    if reading.settings.get("bf16") == "full":
-        reading.errors.append("bf16: full (pure bf16 weights, no fp32 master copy) is not supported: use bf16: true")
     if isinstance(reading.settings.get("datasets"), list):
         reading.settings["datasets"] = [
             _dataset_entry(reading, i, entry, dataset_keys) for i, entry in enumerate(reading.settings["datasets"])

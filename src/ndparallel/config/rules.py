@@ -45,6 +45,7 @@ def _adapter_problems(cfg: Any) -> Iterator[str]:
         qat=cfg.qat_spec,
         unfrozen=cfg.unfrozen_parameters is not None,
         tp=cfg.tensor_parallel_size,
+        bf16_weights=cfg.bf16 == "full",
     )
     chosen = [setting for setting in FORMATS.values() if getattr(cfg, setting)]
     if len(chosen) > 1:
@@ -93,6 +94,12 @@ def _schedule_problems(cfg: Any) -> Iterator[str]:
 
 
 def _memory_problems(cfg: Any) -> Iterator[str]:
+    if cfg.bf16 == "full" and not cfg.eight_bit_optimizer:
+        yield (
+            f"bf16: full (bf16 weights, no fp32 copy) needs an update that rounds to bf16 stochastically, which "
+            f"optimizer: adamw_8bit does; optimizer: {cfg.optimizer} would round most small updates away: set "
+            f"optimizer: adamw_8bit, or bf16: true"
+        )
     if cfg.fused_lora_mlp and cfg.adapter is None:
         yield "fused_lora_mlp runs LoRA-adapted MLPs as one operator: add adapter: lora, or remove fused_lora_mlp"
     elif cfg.fused_lora_mlp and cfg.lora_dropout:

@@ -5,6 +5,11 @@ A DTensor parameter gets DTensor states holding the codes of its local shard, so
 they are; where a shard starts at a multiple of 256 elements (row-sharded matrices whose row length is a multiple
 of 256) the blocks are the full tensor's, and the update is the one a single GPU would make. Tensors under 4096
 values keep fp32 states. The update is a ``torch.compile``d kernel, so this is refused on CPU.
+
+bf16 weights (``bf16: full``, no float32 masters): the update is computed in float32 and rounded to bf16
+stochastically (torchao's ``bf16_stochastic_round``: up or down with the probabilities that make the rounding
+exact on average). Rounded to nearest, an update smaller than half a bf16 step of its weight (lr 2e-5 moves a
+weight by ~2e-5 of itself where a bf16 step is 2^-8 of it) would be lost every time.
 """
 
 from __future__ import annotations
@@ -39,4 +44,6 @@ def build_adamw_8bit(
             f"optimizer: {setting} needs torchao (8-bit AdamW for sharded parameters): pip install "
             f"'torchao>=0.17', or use optimizer: adamw_torch_fused"
         ) from None
-    return AdamW8bit(decay_groups(model, weight_decay), lr=lr, betas=betas, eps=eps)
+    groups = decay_groups(model, weight_decay)
+    bf16_weights = any(p.dtype == torch.bfloat16 for group in groups for p in group["params"])
+    return AdamW8bit(groups, lr=lr, betas=betas, eps=eps, bf16_stochastic_round=bf16_weights)

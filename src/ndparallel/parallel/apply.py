@@ -11,7 +11,8 @@ function per stage below, after the rules of ``rules.py`` have said the options 
    parallelism. Everything after it sees the split model. Mixture-of-experts blocks are not split by tp
    (each tp rank runs them on its own tokens); expert parallelism then splits the experts over ``ep``.
    LoRA adapters (optional) come right after, placed to match the split of the weight each adapts; then
-   ``load_in_4bit``'s NF4 weights (``quantized/nf4.py``), which FSDP shards as they are.
+   ``load_in_4bit``'s NF4 weights (``quantized/nf4.py``), which FSDP shards as they are. Frozen weights are
+   stored in the compute dtype; with ``master_dtype`` (``bf16: full``) the trainable ones too.
 2. Context-parallel attention: switch the model's attention to ndparallel's CP implementation (through
    transformers' attention registry). It changes no weights. A family whose attention ndparallel's cannot
    reproduce (Gemma 2's soft-capping, Falcon's direct SDPA call) keeps its own, and cp must be 1.
@@ -32,7 +33,7 @@ import warnings
 import torch
 from torch import nn
 
-from ndparallel.adapters.freeze import apply_trainable, select_trainable, store_frozen_in
+from ndparallel.adapters.freeze import apply_trainable, select_trainable, store_frozen_in, store_weights_in
 from ndparallel.adapters.lora import LoraSpec, attach_lora
 from ndparallel.adapters.lora_mlp import apply_lora_mlp
 from ndparallel.adapters.qat import apply_qat
@@ -67,6 +68,7 @@ def parallelize(
     """
     options = options or ParallelOptions()
     fp8 = Fp8Spec() if options.fp8 is True else options.fp8 or None
+    master_dtype = as_dtype(options.master_dtype, setting="master_dtype")
     check_options(
         lora=lora is not None,
         quantized_base=options.quantized_base,
@@ -74,6 +76,7 @@ def parallelize(
         qat=options.qat,
         unfrozen=options.unfrozen_parameters is not None,
         tp=topology.layout.tp,
+        bf16_weights=master_dtype == torch.bfloat16,
     )
     if options.qat is not None:  # swaps modules: before anything holds on to them
         apply_qat(model, options.qat)
@@ -87,6 +90,8 @@ def parallelize(
     )
     parts = _swap_linears(parts, topology, options, fp8, param_dtype=dtypes[0])
     ignored = _split(parts, topology, options, lora=lora, trainable=trainable, param_dtype=dtypes[0])
+    if master_dtype is not None:  # after TP and EP re-created the parameters, before FSDP shards them
+        store_weights_in(model, master_dtype)
     _switch_attention(model, parts, topology)
     _recompute_and_compile(parts, options, lora)
     _shard(model, parts, topology, options, dtypes=dtypes, ignored=ignored)

@@ -41,6 +41,13 @@ class ParallelOptions:
     """Dtype parameters are gathered and computed in (mixed precision); trainable weights keep float32
     masters, frozen ones (LoRA's base, unfrozen_parameters' rest) are stored in this dtype. None computes in
     the parameters' own dtype."""
+    master_dtype: str | torch.dtype | None = None
+    """Dtype the trainable weights are stored and updated in. None: as the model holds them (float32 masters,
+    computed in ``param_dtype`` copies). 'bfloat16' (the config's ``bf16: full``): the weights themselves are
+    bf16, with no float32 copy, and so are their gradients (reduced in ``reduce_dtype``): 4 bytes a parameter
+    less than float32 masters with bf16 gradients. The optimizer must round its update stochastically (a bf16
+    weight rounds most small updates away to nearest): torchao's AdamW8bit does (``optim/adamw_8bit.py``).
+    Full fine-tunes only (``rules.py``)."""
     reduce_dtype: str | torch.dtype | None = "float32"
     """Dtype gradients are reduced in across data-parallel ranks."""
     activation_checkpointing: str = "none"

@@ -26,21 +26,38 @@ from ndparallel.quantized.linears import FORMATS
 
 
 def check_options(
-    *, lora: bool, quantized_base: str | None, fp8: bool, qat: QatSpec | None, unfrozen: bool, tp: int
+    *,
+    lora: bool,
+    quantized_base: str | None,
+    fp8: bool,
+    qat: QatSpec | None,
+    unfrozen: bool,
+    tp: int,
+    bf16_weights: bool = False,
 ) -> None:
     """Raise ``ConfigError`` with the first of ``option_problems``."""
     for problem in option_problems(
-        lora=lora, quantized_base=quantized_base, fp8=fp8, qat=qat, unfrozen=unfrozen, tp=tp
+        lora=lora, quantized_base=quantized_base, fp8=fp8, qat=qat, unfrozen=unfrozen, tp=tp, bf16_weights=bf16_weights
     ):
         raise ConfigError(problem)
 
 
 def option_problems(
-    *, lora: bool, quantized_base: str | None, fp8: bool, qat: QatSpec | None, unfrozen: bool, tp: int
+    *,
+    lora: bool,
+    quantized_base: str | None,
+    fp8: bool,
+    qat: QatSpec | None,
+    unfrozen: bool,
+    tp: int,
+    bf16_weights: bool = False,
 ) -> Iterator[str]:
     """Why these strategies cannot be combined (nothing when they can). ``lora``: adapters are attached;
     ``quantized_base``: 'nf4', 'int8' or None; ``unfrozen``: ``unfrozen_parameters`` selects the trained
-    weights; ``tp``: the tensor-parallel size."""
+    weights; ``tp``: the tensor-parallel size; ``bf16_weights``: trainable weights stored in bf16, no float32
+    masters (``bf16: full``)."""
+    if bf16_weights:
+        yield from _bf16_weights_problems(lora=lora, fp8=fp8, qat=qat is not None)
     if quantized_base is not None:
         yield from _quantized_problems(quantized_base, lora=lora, tp=tp, fp8=fp8)
     if qat is not None:
@@ -56,6 +73,18 @@ def option_problems(
             "fp8: true with adapter: lora is not supported (LoRA's adapters are far below FP8's useful size); "
             "for FP8 products on the frozen base set load_in_fp8: true and fp8: false"
         )
+
+
+def _bf16_weights_problems(*, lora: bool, fp8: bool, qat: bool) -> Iterator[str]:
+    """``bf16: full`` removes the float32 copy of a full fine-tune's weights; where that copy is small (adapters)
+    or another recipe owns the weights' precision (FP8 training, QAT), it is refused rather than left untested."""
+    if lora:
+        yield (
+            "bf16: full with adapter: lora is not supported: adapters' float32 copies are a few MB, and the base "
+            "is stored in bf16 already; use bf16: true"
+        )
+    if fp8 or qat:
+        yield f"bf16: full with {'fp8: true' if fp8 else 'qat'} is not supported; use bf16: true"
 
 
 def _quantized_problems(fmt: str, *, lora: bool, tp: int, fp8: bool) -> Iterator[str]:

@@ -41,6 +41,7 @@ def parallel_options(cfg: TrainConfig, device: torch.device, *, offloaded: int =
     bf16 = cfg.bf16 if cfg.bf16 != "auto" else device.type == "cuda"
     return ParallelOptions(
         param_dtype="bfloat16" if bf16 else None,
+        master_dtype="bfloat16" if cfg.bf16 == "full" else None,
         reduce_dtype="float32",
         activation_checkpointing=cfg.ac_mode,
         compile=cfg.torch_compile,

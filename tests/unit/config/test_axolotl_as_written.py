@@ -59,7 +59,7 @@ def test_one_bad_value_is_one_line(tmp_path, capsys):
     code, _, err = run_validate(tmp_path, "", capsys, "--set", "bf16=maybe")
     assert code == 2
     problems = [line for line in err.splitlines() if line.startswith("  - ")]
-    assert problems == ["  - bf16: must be true or false, or 'auto' (got 'maybe')"]
+    assert problems == ["  - bf16: must be true or false, or 'auto' or 'full' (got 'maybe')"]
 
 
 def test_warmup_longer_than_the_run_is_said(tmp_path, capsys):

@@ -47,7 +47,8 @@ def test_placeholders_and_kernel_choices_are_reported_in_one_line():
         ({"plugins": ["axolotl.integrations.diffusion.DiffusionPlugin"]}, "plugins: 'axolotl.integrations.diffusion"),
         ({"model_type": "AutoModelForSequenceClassification"}, "only *ForCausalLM classes can be trained"),
         ({"shuffle_merged_datasets": False}, "shuffle_merged_datasets: False — this changes which data"),
-        ({"bf16": "full"}, "bf16: full (pure bf16 weights, no fp32 master copy) is not supported"),
+        ({"bf16": "full"}, "bf16: full (bf16 weights, no fp32 copy) needs an update that rounds"),
+        ({"bf16": "full", "optimizer": "adamw_8bit", "adapter": "lora", "lora_target_linear": True}, "bf16: full with"),
         ({"save_strategy": "best"}, "save_strategy: best (keep the checkpoint with the best eval metric)"),
         ({"warmup_steps": 10, "warmup_ratio": 0.1}, "warmup_steps and warmup_ratio are both set: keep one"),
         (
@@ -62,6 +63,11 @@ def test_settings_that_change_the_result_are_refused_in_one_line(extra, message)
     errors = read_config({**BASE, **extra}).errors
     assert any(message in line for line in errors), errors
     assert all("\n" not in line for line in errors)
+
+
+def test_bf16_full_is_axolotls_pure_bf16_full_fine_tune():
+    config = read_config({**BASE, "bf16": "full", "optimizer": "adamw_bnb_8bit"}).config
+    assert config.bf16 == "full" and config.eight_bit_optimizer
 
 
 def test_wandb_settings_are_kept_and_used():

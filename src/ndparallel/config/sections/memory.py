@@ -36,8 +36,12 @@ class QatSettings(BaseModel):
 class MemorySettings(BaseModel):
     """What a step computes in, keeps and recomputes."""
 
-    bf16: bool | Literal["auto"] = "auto"
-    """bf16 compute with fp32 master weights and fp32 gradient reduction. auto: on for CUDA, off on CPU."""
+    bf16: bool | Literal["auto", "full"] = "auto"
+    """bf16 compute with fp32 master weights and fp32 gradient reduction. auto: on for CUDA, off on CPU.
+    full (Axolotl's name): the weights themselves are bf16, with no fp32 copy, and so are their gradients
+    (still reduced in fp32): a full fine-tune holds 6 bytes a parameter with 8-bit AdamW instead of 10. Needs
+    optimizer: adamw_8bit, whose update rounds to bf16 stochastically (to nearest, most small updates would
+    be lost); full fine-tunes only (not with adapter, fp8 or qat)."""
     fp16: bool = False
     """Not supported (bf16 is); kept so Axolotl configs give a clear message."""
     gradient_checkpointing: bool = False

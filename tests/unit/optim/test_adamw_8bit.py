@@ -1,0 +1,54 @@
+"""8-bit AdamW's settings as built for a model (torchao's AdamW8bit; its update is compiled for the GPU, run
+eagerly here): bf16 weights (``bf16: full``) are updated with stochastic rounding, so updates far below a bf16
+step still move the weights by the right amount on average."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ndparallel.errors import ConfigError
+from ndparallel.optim.adamw_8bit import build_adamw_8bit
+
+pytest.importorskip("torchao")
+
+LR = 1e-4  # a bf16 step at |w| in [1, 2) is 2^-7: rounded to nearest, every update of this size is lost
+
+
+def _model(dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Linear(256, 64, bias=False)  # 16,384 values: over torchao's 4,096, so its states are 8-bit
+    with torch.no_grad():
+        model.weight.uniform_(1.0, 1.9)
+    return model.to(dtype)
+
+
+def _mean_step_along_minus_grad(dtype: torch.dtype) -> tuple[torch.optim.Optimizer, float]:
+    model = _model(dtype)
+    optimizer = build_adamw_8bit(model, lr=LR, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, device_type="cuda")
+    before = model.weight.detach().float().clone()
+    model.weight.grad = torch.randn(model.weight.shape).sign().to(dtype)
+    with torch.compiler.set_stance("force_eager"):
+        optimizer.step()
+    moved = (before - model.weight.detach().float()) * model.weight.grad.float()  # AdamW's first step: lr * sign
+    return optimizer, float(moved.mean())
+
+
+def test_bf16_weights_round_stochastically_and_keep_small_updates():
+    optimizer, mean = _mean_step_along_minus_grad(torch.bfloat16)
+    assert optimizer.bf16_stochastic_round
+    # unbiased: the mean move is lr (16k draws of steps of 2^-7 or 2^-8 at probability ~lr/step: ~5% noise)
+    assert mean == pytest.approx(LR, rel=0.15)
+
+
+def test_float32_weights_round_to_nearest():
+    optimizer, mean = _mean_step_along_minus_grad(torch.float32)
+    assert not optimizer.bf16_stochastic_round
+    assert mean == pytest.approx(LR, rel=1e-3)
+
+
+def test_refused_off_cuda_in_one_line():
+    with pytest.raises(ConfigError, match="optimizer: adamw_8bit .* needs a CUDA GPU"):
+        model = _model(torch.float32)
+        build_adamw_8bit(model, lr=LR, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, device_type="cpu")
