@@ -9,6 +9,7 @@ stochastic rounding) is checked on the GPU (``tests/gpu/gpu_eight_bit_adamw.py``
 
 from __future__ import annotations
 
+import pytest
 import torch
 from support.scenarios import make_batches, make_model, reference_mask
 from torch.distributed.tensor import DTensor
@@ -48,6 +49,7 @@ def _ours(shard: int) -> dict:
     flat = single_rank_state(model)
     if flat is not None:
         flat.finish_backward()
+    norm = float(ndp.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], None))
     grads, grad_dtypes = {}, set()
     for name, param in model.named_parameters():
         grad = param.grad
@@ -57,6 +59,8 @@ def _ours(shard: int) -> dict:
     return {
         "loss": float(ndp.reduce_loss(loss.detach(), topo)),
         "grads": grads if topo.rank == 0 else None,
+        "norm": norm,
+        "norm_float64": float(torch.cat([g.double().flatten() for g in grads.values()]).norm()),
         "dtypes": dtypes,
         "grad_dtypes": grad_dtypes,
         "flat": None if flat is None else (flat.master_flat.dtype, flat.compute_flat is None),
@@ -76,6 +80,9 @@ def test_bf16_weights_one_rank_and_fsdp_match_plain_bf16(parity_record):
     for result in (one, *two):
         assert result["dtypes"] == {torch.bfloat16} and result["grad_dtypes"] == {torch.bfloat16}
     assert two[0]["loss"] == two[1]["loss"]
+    # the clipping norm of bf16 gradients is summed in float32 (torch's rounds each tensor's norm to bf16: ~1e-3)
+    for result in (one, two[0]):
+        assert result["norm"] == pytest.approx(result["norm_float64"], rel=1e-5)
     worst = {}
     for name, expected in ref["grads"].items():
         for label, got in (("one rank", one), ("fsdp 2", two[0])):

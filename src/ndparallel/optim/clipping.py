@@ -70,7 +70,10 @@ def total_norm_over_meshes(grads: list[torch.Tensor], norm_type: float) -> torch
         by_mesh[_mesh_key(g)].append(g)
     partials = []
     for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type)
+        if all(g.dtype == torch.float32 for g in group):
+            norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type)
+        else:  # bf16 gradients (bf16: full): torch's would round each tensor's norm, and their norm, to bf16
+            norm = torch.linalg.vector_norm(torch.stack(_compat.float32_norms(group, norm_type)), norm_type)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         partials.append(norm.float())
