@@ -137,6 +137,12 @@ def _step_arguments(work) -> None:
         default="bf16",
         help="bf16: bf16 compute, fp32 master weights/gradients/AdamW (default); fp32",
     )
+    work.add_argument(
+        "--bf16-weights", action="store_true", help="bf16 weights and gradients, no fp32 masters (bf16: full)"
+    )
+    work.add_argument(
+        "--optimizer-8bit", action="store_true", help="8-bit AdamW states (optimizer: adamw_8bit, torchao's)"
+    )
     work.add_argument("--compile", action="store_true", help="torch.compile each layer and the loss")
     work.add_argument("--fp8", action="store_true", help="float8 matmuls in the decoder layers (tensorwise)")
     work.add_argument("--doc-len", type=int, help="packed rows of documents this long (attention per document)")
@@ -216,6 +222,8 @@ def run_plan(args: argparse.Namespace) -> int:
             gradient_sync=args.gradient_sync,
             compile=args.compile,
             fp8=args.fp8,
+            bf16_weights=args.bf16_weights,
+            eight_bit_optimizer=args.optimizer_8bit,
             doc_len=args.doc_len,
             **long_row_settings(args),
         )

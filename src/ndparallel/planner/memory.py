@@ -8,10 +8,12 @@ P_split/(t*f) + P_rep/f of every parameter (dp_replicate copies the shards, divi
 P_split/t + P_rep is a tp rank's unsharded share, e bytes per compute element, n = b*seq/cp tokens.
 
 Always present (from the first optimizer step on):
-    master_params     4 * P_local           fp32 master weights. Under LoRA the frozen base is stored in the
+    master_params     4 * P_local           fp32 master weights (2 * P_local: bf16 weights, ``bf16: full``).
+                                            Under LoRA the frozen base is stored in the
                       compute dtype (``freeze.store_frozen_in``), e * P_local, + 4 * adapters; a quantized
                       base's linears at QUANTIZED_BYTES_PER_VALUE instead of e
-    optimizer         8 * T_local           AdamW exp_avg and exp_avg_sq, fp32, of the trainable T (fused
+    optimizer         8 * T_local           AdamW exp_avg and exp_avg_sq, fp32, of the trainable T (8-bit AdamW:
+                                            EIGHT_BIT_STATE_BYTES * T_local) (fused
                       AdamW updates in place: no temporaries)
     workspace         64 MiB                cuBLAS/cuBLASLt workspaces, allocated through PyTorch's caching
                       allocator on the first matmul and kept (GPU_WORKSPACE_BYTES, measured)
@@ -204,7 +206,9 @@ class _Weights:
     master: float
     optimizer: float
     grads_all: float
-    """4 * T_local: every fp32 gradient shard."""
+    """4 * T_local: every fp32 gradient shard (2 * T_local in bf16 with ``bf16_weights``)."""
+    grad_bytes: int
+    """Bytes of a sharded gradient value: 4, or 2 with ``bf16_weights``."""
     trainable_local: float
     trainable_tp: float
     unit_trainable: float
@@ -236,7 +240,7 @@ def _weights(model: ModelShape, layout: Layout, workload: Workload) -> _Weights:
         master, trainable_local, trainable_tp = frozen + 4 * adapters, adapters, lora_params(model, rank) / t
         unit_trainable, embed_trainable = adapter_layer_tp, 0.0
     else:
-        master, trainable_local = 4 * p_local, p_local
+        master, trainable_local = workload.master_bytes * p_local, p_local
         trainable_tp = model.split_params() / t + model.replicated_params()
         unit_trainable = layer_tp
         # the unit the embedding is in: the root (with the final norm) when tied, its own unit otherwise
@@ -246,6 +250,8 @@ def _weights(model: ModelShape, layout: Layout, workload: Workload) -> _Weights:
     vocab_w = e * (vocab_tp + h)
     if single and rank:  # the one-rank path computes with the stored frozen base: only adapters are cast
         w_forward = w_layer = e * lora_params(model, rank) / t
+    elif single and workload.bf16_weights:  # bf16 weights are computed with as they are: no copies
+        w_forward = w_layer = 0.0
     elif single:  # untied: lm_head's unit was freed after its backward
         w_forward = e * all_tp
         w_layer = w_forward - (0.0 if model.tied else vocab_w)
@@ -254,8 +260,9 @@ def _weights(model: ModelShape, layout: Layout, workload: Workload) -> _Weights:
         w_layer = 2 * layer_w + (vocab_w if model.tied else 0.0)
     return _Weights(
         master=master,
-        optimizer=8 * trainable_local,
-        grads_all=4 * trainable_local,
+        optimizer=workload.optimizer_state_bytes * trainable_local,
+        grads_all=workload.master_bytes * trainable_local,
+        grad_bytes=workload.master_bytes,
         trainable_local=trainable_local,
         trainable_tp=trainable_tp,
         unit_trainable=unit_trainable,
@@ -328,6 +335,8 @@ def _layer_backward(
     )
     if step.accumulating:
         grad = 0.0  # added into the gradients the earlier micro-batches made
+    elif step.flat and workload.bf16_weights:
+        grad = 0.0  # the whole bf16 gradient buffer exists from the head's backward on (_flat_path_rows)
     elif step.flat:
         grad = e * w.unit_trainable  # bf16, until the end of backward
     else:
@@ -405,7 +414,7 @@ def _moment_rows(
         "head backward": (w.w_forward, earlier, acc, kept, head),
         "layer backward": (
             w.w_layer,
-            earlier + 4 * w.head_trainable / f,
+            earlier + w.grad_bytes * w.head_trainable / f,
             acc,
             kept_in_layers,
             max(layer, logits + held_head_grad + layer_reduce),
@@ -437,7 +446,7 @@ def _end_of_backward(model: ModelShape, w: _Weights, logits: float, earlier: flo
         end = logits + max(e * w.vocab_tp * copies, reduce_bytes(w.embed_trainable, f))
     else:
         end = logits + reduce_bytes(w.unit_trainable, f)  # the first layer's adapters are the last reduced
-    grads = w.grads_all if earlier else w.grads_all - 4 * w.embed_trainable / f
+    grads = w.grads_all if earlier else w.grads_all - w.grad_bytes * w.embed_trainable / f
     return (0.0, grads, 0.0, 0.0, end)
 
 
@@ -497,11 +506,23 @@ def _flat_path_rows(
     trainer keeps them until ``loss.backward()`` returns). H200, a Llama-2-7B layer shape with 8 and 16
     layers, full checkpointing, ``master_grads``: 36.08 / 66.24 GiB measured; FSDP's moments gave 31.80 /
     54.17, these 36.08 / 66.24 (``benchmarks/results/planner_validation.md``)."""
+    loss, head, layer = rows["loss"], rows["head backward"], rows["layer backward"]
+    if workload.bf16_weights:
+        # no compute copies; each bf16 gradient moves into one flat bf16 buffer, made whole at the first one
+        # (lm_head's, at the end of the head's backward) and kept to the optimizer step
+        grads = e * trainable
+        before = grads if accumulating else 0.0
+        return {
+            "loss": (0.0, before, 0.0, loss[3], loss[4]),
+            "head backward": (0.0, before, 0.0, head[3], head_transient),
+            "layer backward": (0.0, grads, 0.0, layer[3], layer_transient),
+            "end of backward": (0.0, grads, 0.0, 0.0, logits),
+            "optimizer step": (0.0, grads, 0.0, 0.0, 0.0),
+        }
     bf16, fp32 = e * trainable, 4 * trainable
     earlier = fp32 if accumulating else 0.0
     grads_end = fp32 if accumulating else bf16 + (fp32 if workload.master_grads else 0.0)
     grads_step = fp32 if accumulating or workload.master_grads else bf16
-    loss, head, layer = rows["loss"], rows["head backward"], rows["layer backward"]
     return {
         "loss": (copies, earlier, 0.0, loss[3], loss[4]),
         "head backward": (copies, earlier, 0.0, head[3], head_transient),

@@ -176,6 +176,8 @@ def best_layout(
     tiled_mlp_num_shards: int | None = None,
     activation_offload: bool = False,
     activation_offload_layers: int | None = None,
+    bf16_weights: bool = False,
+    eight_bit_optimizer: bool = False,
 ) -> LayoutChoice:
     """The layout to train on ``world_size`` GPUs (for ``dp_shard_size: auto``), and a one-line reason.
 
@@ -205,6 +207,8 @@ def best_layout(
         tiled_mlp_num_shards=tiled_mlp_num_shards,
         activation_offload=activation_offload,
         activation_offload_layers=activation_offload_layers,
+        bf16_weights=bf16_weights,
+        eight_bit_optimizer=eight_bit_optimizer,
     )
     rows = plan(model, cluster, workload, constraints=constraints)
     if rows[0].fits:

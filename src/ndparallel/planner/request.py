@@ -25,6 +25,8 @@ def layout_request(cfg: Any, *, host_memory_gib: float | None = None) -> dict[st
         "seq_len": cfg.sequence_len,
         "micro_batch_size": cfg.micro_batch_size,
         "precision": "fp32" if cfg.bf16 is False else "bf16",
+        "bf16_weights": cfg.bf16 == "full",
+        "eight_bit_optimizer": cfg.eight_bit_optimizer,
         "activation_checkpointing": cfg.ac_mode,
         "compile": cfg.torch_compile,
         "gradient_sync": cfg.gradient_sync,

@@ -11,6 +11,8 @@ from ndparallel.parallel.activation_checkpoint import MODES as AC_MODES
 
 PRECISIONS = ("bf16", "fp32")
 QUANTIZED_FORMATS = ("nf4", "int8", "fp8")
+EIGHT_BIT_STATE_BYTES = 2 + 2 * 4 / 256
+"""torchao's AdamW8bit per trained value: two 1-byte moments, each with an fp32 scale per block of 256."""
 # Gradient sync under accumulation, named as the trainer's ``gradient_sync`` setting. 'every_micro_batch' (the
 # default): FSDP reduce-scatters every micro-batch and keeps only its fp32 shard; replicas (dp_replicate)
 # all-reduce once, on the last micro-batch. 'last_micro_batch': nothing is reduced until the last micro-batch;
@@ -27,7 +29,8 @@ class Workload:
     """One training step's shape and numerics.
 
     ``precision='bf16'`` is ndparallel's default mixed precision: bf16 compute and gathered weights, fp32
-    master weights, fp32 gradients (reduced in fp32) and fp32 AdamW states. ``'fp32'`` computes in fp32.
+    master weights, fp32 gradients (reduced in fp32) and fp32 AdamW states (``bf16_weights``: bf16 weights and
+    gradients; ``eight_bit_optimizer``: 8-bit states). ``'fp32'`` computes in fp32.
     """
 
     seq_len: int
@@ -78,6 +81,12 @@ class Workload:
     """The inputs full checkpointing keeps, of the first layers, wait in pinned host memory (``parallel/offload.py``;
     the trainer's ``activation_offloading``): True, False, or 'auto' (tried where nothing fits). Full checkpointing
     only."""
+    bf16_weights: bool = False
+    """The trained weights stored in bf16 with no fp32 copy (``bf16: full``, ``ParallelOptions.master_dtype``):
+    2 bytes a parameter, bf16 gradients (still reduced through fp32 temporaries), no compute copies."""
+    eight_bit_optimizer: bool = False
+    """AdamW's two moments as 8-bit codes with an fp32 scale per 256 values (torchao's AdamW8bit,
+    ``optimizer: adamw_8bit``): EIGHT_BIT_STATE_BYTES a trained parameter instead of 8."""
     activation_offload_layers: int | None = None
     """How many first layers offload (``activation_offload_layers``); None: as many as the host memory of
     ``Cluster.host_memory_gib`` holds, all but the last (``offload.offload_layer_count``'s rule)."""
@@ -115,6 +124,10 @@ class Workload:
                     "a quantized base (load_in_4bit / load_in_8bit / load_in_fp8) trains LoRA adapters only: give "
                     "--lora-rank"
                 )
+        if self.bf16_weights and (self.precision != "bf16" or self.lora_rank):
+            raise ConfigError(
+                "bf16 weights (bf16: full) are for bf16 full fine-tunes: drop --lora-rank, or bf16_weights"
+            )
         if self.fp8 and self.precision != "bf16":
             raise ConfigError("fp8 matmuls need precision='bf16' (mixed precision); drop --fp8 or use bf16")
         self._check_features()
@@ -131,6 +144,15 @@ class Workload:
                 "activation offload moves the layer inputs that full activation checkpointing keeps: plan "
                 "activation_checkpointing full (or auto)"
             )
+
+    @property
+    def master_bytes(self) -> int:
+        """Bytes a trained weight is stored in, and its sharded gradient."""
+        return 2 if self.bf16_weights else 4
+
+    @property
+    def optimizer_state_bytes(self) -> float:
+        return EIGHT_BIT_STATE_BYTES if self.eight_bit_optimizer else 8.0
 
     @property
     def rows(self) -> int:

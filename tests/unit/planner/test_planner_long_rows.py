@@ -245,6 +245,8 @@ def test_a_training_config_becomes_one_planner_request():
         "seq_len": 65536,
         "micro_batch_size": 2,
         "precision": "bf16",
+        "bf16_weights": False,
+        "eight_bit_optimizer": False,
         "activation_checkpointing": "full",
         "compile": True,
         "gradient_sync": "last_micro_batch",

@@ -36,6 +36,28 @@ def test_llama_8b_parameter_and_state_totals():
     assert one.allocated == 16 * p + GPU_WORKSPACE_BYTES  # nothing else is alive at the optimizer step
 
 
+@pytest.mark.parametrize("single_rank_fsdp", [False, True])
+def test_bf16_weights_and_8bit_adamw_hold_six_bytes_a_parameter(single_rank_fsdp):
+    """bf16: full with optimizer: adamw_8bit: bf16 weights, bf16 gradients, two 1-byte moments with an fp32 scale
+    per 256 values; no compute copies (the flat path computes with the weights themselves)."""
+    p = L8B.params
+    work = Workload(
+        seq_len=SEQ, global_batch_rows=1, bf16_weights=True, eight_bit_optimizer=True, single_rank_fsdp=single_rank_fsdp
+    )
+    one = _step(L8B, Layout(), work)
+    assert one.master_params == 2 * p and one.grads == 2 * p
+    assert one.optimizer == pytest.approx((2 + 8 / 256) * p)
+    assert one.working_params == 0.0
+    assert one.allocated == pytest.approx((6 + 8 / 256) * p + GPU_WORKSPACE_BYTES)
+    masters = _step(L8B, Layout(), Workload(seq_len=SEQ, global_batch_rows=1, eight_bit_optimizer=True))
+    assert masters.master_params == 4 * p
+
+
+def test_bf16_weights_are_for_bf16_full_fine_tunes():
+    with pytest.raises(ConfigError, match="bf16 weights"):
+        Workload(seq_len=SEQ, global_batch_rows=1, bf16_weights=True, lora_rank=16)
+
+
 def test_the_flat_path_keeps_its_compute_copies_and_bf16_gradients_at_the_optimizer_step():
     # parallel/single_rank.py: the bf16 copies live for the whole run; the trainer's one micro-batch hands
     # AdamW the bf16 gradients, build_optimizer's default (master_grads) upcasts them into fp32 ones first.
