@@ -496,3 +496,23 @@ def dcp_index_globals() -> dict[tuple[str, str], object]:
         if isinstance(value, torch.dtype):
             table[("torch", str(value).removeprefix("torch."))] = value
     return table
+
+
+# ---------------------------------------------------------------------------------------------
+# torchao's 8-bit AdamW (a private hook of its optimizer base class)
+
+
+def adamw_8bit_class() -> type:
+    """torchao's ``AdamW8bit`` with its 8-bit states typed float32 whatever the weights' dtype (their values are
+    8-bit codes either way). torchao 0.18 types them as the weight (``_subclass_zeros``); for bf16 weights sharded
+    by FSDP2 (DTensors) the update's ``exp_avg.float().lerp(grad_f32)`` then fails DTensor's sharding
+    propagation ("expected dtype torch.bfloat16 for `end`"), which float32-typed states pass."""
+    from torchao.optim import AdamW8bit
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    class AdamW8bitFloat32States(AdamW8bit):
+        @staticmethod
+        def _subclass_zeros(p: torch.Tensor, signed: bool, block_size: int):
+            return OptimState8bit.zeros(p.shape, signed, block_size, p.device, dtype=torch.float32)
+
+    return AdamW8bitFloat32States

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ndparallel import _compat
 from ndparallel.errors import ConfigError
 from ndparallel.optim.build import decay_groups
 
@@ -38,7 +39,7 @@ def build_adamw_8bit(
             f"update for the GPU; use optimizer: adamw_torch on {device_type}"
         )
     try:
-        from torchao.optim import AdamW8bit
+        adamw_8bit = _compat.adamw_8bit_class()
     except ImportError:
         raise ConfigError(
             f"optimizer: {setting} needs torchao (8-bit AdamW for sharded parameters): pip install "
@@ -46,4 +47,4 @@ def build_adamw_8bit(
         ) from None
     groups = decay_groups(model, weight_decay)
     bf16_weights = any(p.dtype == torch.bfloat16 for group in groups for p in group["params"])
-    return AdamW8bit(groups, lr=lr, betas=betas, eps=eps, bf16_stochastic_round=bf16_weights)
+    return adamw_8bit(groups, lr=lr, betas=betas, eps=eps, bf16_stochastic_round=bf16_weights)

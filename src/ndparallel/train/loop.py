@@ -276,7 +276,7 @@ def save_line(step: int, name: str, cfg, stall: float, waited: float) -> str:
 
 def _log(run: TrainingRun, metrics: MetricsLogger, window: LogWindow, evaluating: bool) -> None:
     cfg, topo, state = run.cfg, run.topo, run.state
-    record = window.close(state.step, lr=run.scheduler.get_last_lr()[0])
+    record = window.close(state.step, lr=float(run.scheduler.get_last_lr()[0]))  # a tensor under torchao's AdamW8bit
     tokens, seconds, flops = (record.pop(key) for key in ("window_tokens", "window_s", "window_flops"))
     run.clock.window(record, tokens=tokens, seconds=seconds, flops=flops)
     state.tokens += tokens

@@ -176,5 +176,9 @@ def _resume(cfg: TrainConfig, checkpointer, resume_dir: Path, model, optimizer, 
     # The schedule resumes at the saved step, with this config's learning rate (it may have changed).
     scheduler.base_lrs = [cfg.learning_rate for _ in scheduler.base_lrs]
     for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
-        group["lr"] = base * factor(scheduler.last_epoch)
+        lr = base * factor(scheduler.last_epoch)
+        if isinstance(group["lr"], torch.Tensor):  # torchao's AdamW8bit keeps it as a tensor, refuses a float
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
     return state, time.perf_counter() - load_start
