@@ -140,6 +140,7 @@ def check_model(layout: Layout, model_config: Any, *, seq_len: int | None = None
 
 def model_problems(layout: Layout, model_config: Any, *, seq_len: int | None = None) -> Iterator[str]:
     """Why ``model_config``'s shapes cannot be split over ``layout`` (nothing when they can)."""
+    yield from _head_problems(model_config)
     yield from moe_problems(model_config, tp=layout.tp, cp=layout.cp, ep=layout.ep)
     yield from _tp_split_problems(layout.tp, model_config)
     heads = getattr(model_config, "num_attention_heads", None)
@@ -156,6 +157,18 @@ def model_problems(layout: Layout, model_config: Any, *, seq_len: int | None = N
         yield (
             f"sequence_len={seq_len} is shorter than 2 x cp_size x tp_size = {layout.seq_multiple} tokens, "
             f"so some ranks would hold no tokens; use a longer sequence or smaller cp/tp"
+        )
+
+
+def _head_problems(model_config: Any) -> Iterator[str]:
+    """Grouped-query attention shares each key/value head among a whole number of query heads; transformers does
+    not check it, and a run would divide by zero inside attention (a crash of the process, not an error)."""
+    heads = getattr(model_config, "num_attention_heads", None)
+    kv_heads = getattr(model_config, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads > 0 and heads % kv_heads:
+        yield (
+            f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads} (each key/value head "
+            f"serves a whole number of query heads); fix the model's config (model_config_overrides)"
         )
 
 

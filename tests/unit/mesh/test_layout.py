@@ -85,6 +85,13 @@ def test_model_problems_are_all_reported(layout, problems):
         assert expected in text
 
 
+def test_more_key_value_heads_than_query_heads_is_one_line_not_a_crash():
+    # transformers builds it; its attention would then divide by zero (SIGFPE on CPU) at the first step
+    config = LlamaConfig(num_attention_heads=4, num_key_value_heads=8, hidden_size=256, intermediate_size=64)
+    (problem,) = model_problems(Layout(), config)
+    assert "num_attention_heads=4 is not a multiple of num_key_value_heads=8" in problem
+
+
 def test_sequence_too_short_for_cp_and_tp():
     (problem,) = model_problems(
         Layout(cp=4, tp=2),
