@@ -25,20 +25,9 @@ from ndparallel.models.moe import is_moe_config, moe_problems
 from ndparallel.quantized.linears import FORMATS
 
 
-def check_options(
-    *,
-    lora: bool,
-    quantized_base: str | None,
-    fp8: bool,
-    qat: QatSpec | None,
-    unfrozen: bool,
-    tp: int,
-    bf16_weights: bool = False,
-) -> None:
-    """Raise ``ConfigError`` with the first of ``option_problems``."""
-    for problem in option_problems(
-        lora=lora, quantized_base=quantized_base, fp8=fp8, qat=qat, unfrozen=unfrozen, tp=tp, bf16_weights=bf16_weights
-    ):
+def check_options(**options: Any) -> None:
+    """Raise ``ConfigError`` with the first of ``option_problems(**options)``."""
+    for problem in option_problems(**options):
         raise ConfigError(problem)
 
 

@@ -107,6 +107,24 @@ def _machine_arguments(hw) -> None:
     hw.add_argument("--host-memory-gib", type=float, help="host memory per node, GiB (for activation offload)")
 
 
+def _numerics_arguments(work) -> None:
+    """Precision, where the weights and AdamW's states are kept, compile and FP8."""
+    work.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="bf16",
+        help="bf16: bf16 compute, fp32 master weights/gradients/AdamW (default); fp32",
+    )
+    work.add_argument(
+        "--bf16-weights", action="store_true", help="bf16 weights and gradients, no fp32 masters (bf16: full)"
+    )
+    work.add_argument(
+        "--optimizer-8bit", action="store_true", help="8-bit AdamW states (optimizer: adamw_8bit, torchao's)"
+    )
+    work.add_argument("--compile", action="store_true", help="torch.compile each layer and the loss")
+    work.add_argument("--fp8", action="store_true", help="float8 matmuls in the decoder layers (tensorwise)")
+
+
 def _step_arguments(work) -> None:
     """What one optimizer step trains: rows, batch, precision, checkpointing, adapters, the long-row features."""
     work.add_argument("--seq-len", type=int, required=True, help="tokens per row")
@@ -131,20 +149,7 @@ def _step_arguments(work) -> None:
         help="with accumulation, the trainer's gradient_sync: every_micro_batch (reduce-scatter each; "
         "the default), last_micro_batch (full fp32 gradients kept until the last), auto (both)",
     )
-    work.add_argument(
-        "--precision",
-        choices=PRECISIONS,
-        default="bf16",
-        help="bf16: bf16 compute, fp32 master weights/gradients/AdamW (default); fp32",
-    )
-    work.add_argument(
-        "--bf16-weights", action="store_true", help="bf16 weights and gradients, no fp32 masters (bf16: full)"
-    )
-    work.add_argument(
-        "--optimizer-8bit", action="store_true", help="8-bit AdamW states (optimizer: adamw_8bit, torchao's)"
-    )
-    work.add_argument("--compile", action="store_true", help="torch.compile each layer and the loss")
-    work.add_argument("--fp8", action="store_true", help="float8 matmuls in the decoder layers (tensorwise)")
+    _numerics_arguments(work)
     work.add_argument("--doc-len", type=int, help="packed rows of documents this long (attention per document)")
     work.add_argument("--activation-checkpointing", choices=("auto", "none", "full", "selective"), default="auto")
     work.add_argument("--lora-rank", type=int, default=None, help="plan LoRA fine-tuning of rank r (frozen base)")

@@ -162,53 +162,31 @@ def best_layout(
     gpu: GpuSpec | str | None = None,
     micro_batch_size: int = 1,
     global_batch_rows: int | None = None,
-    precision: str = "bf16",
-    activation_checkpointing: str = "auto",
-    lora_rank: int | None = None,
-    quantized_base: str | None = None,
-    compile: bool = False,
-    gradient_sync: str = "every_micro_batch",
     cp_methods: tuple[str, ...] = CP_METHODS,
     cp_comm_strategy: str | None = None,
     constraints: dict[str, int] | None = None,
-    fused_loss: bool = True,
-    tiled_mlp: bool = False,
-    tiled_mlp_num_shards: int | None = None,
-    activation_offload: bool = False,
-    activation_offload_layers: int | None = None,
-    bf16_weights: bool = False,
-    eight_bit_optimizer: bool = False,
+    **workload_fields: Any,
 ) -> LayoutChoice:
     """The layout to train on ``world_size`` GPUs (for ``dp_shard_size: auto``), and a one-line reason.
 
     ``model``: a ModelShape, preset name, config path or transformers config. ``gpu``: a preset name or spec;
     None: this machine's CUDA device (``local_gpu``), else the default preset; ``device_memory_gib`` overrides
     its memory, ``host_memory_gib`` a node's host memory. ``cp_comm_strategy``: the run's one CP method (replaces
-    ``cp_methods``). The rest are ``Workload``'s fields, as the run has them (``request.layout_request``).
+    ``cp_methods``). ``workload_fields``: the rest of ``Workload``'s fields (precision, activation_checkpointing,
+    lora_rank, compile, ...), as the run has them (``request.layout_request``); long-row features default off.
     Always a valid layout: the leanest when nothing fits, or the one that fits with the long-row features the
     run leaves off, naming them. ``gpus_per_node``: min(world_size, 8) by default; the global batch:
     ``micro_batch_size`` rows per GPU. Unpacks as ``layout, reason``."""
     if cp_comm_strategy is not None and cp_comm_strategy not in CP_METHODS:
         raise ConfigError(f"cp_comm_strategy={cp_comm_strategy!r} must be one of {', '.join(CP_METHODS)}")
     cluster = _cluster(world_size, gpus_per_node, gpu, device_memory_gib, host_memory_gib)
+    defaults = {"gradient_sync": "every_micro_batch", "tiled_mlp": False, "activation_offload": False}
     workload = Workload(
         seq_len=seq_len,
         global_batch_rows=global_batch_rows or micro_batch_size * world_size,
         micro_batch_sizes=(micro_batch_size,),
-        precision=precision,
-        activation_checkpointing=activation_checkpointing,
-        lora_rank=lora_rank,
-        quantized_base=quantized_base,
         cp_methods=(cp_comm_strategy,) if cp_comm_strategy else cp_methods,
-        compile=compile,
-        gradient_sync=gradient_sync,
-        fused_loss=fused_loss,
-        tiled_mlp=tiled_mlp,
-        tiled_mlp_num_shards=tiled_mlp_num_shards,
-        activation_offload=activation_offload,
-        activation_offload_layers=activation_offload_layers,
-        bf16_weights=bf16_weights,
-        eight_bit_optimizer=eight_bit_optimizer,
+        **{**defaults, **workload_fields},
     )
     rows = plan(model, cluster, workload, constraints=constraints)
     if rows[0].fits:
