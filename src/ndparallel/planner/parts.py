@@ -57,7 +57,8 @@ fsdp_copies FSDP2 copies into and out of its collective buffers, even on one ran
             forward. With gradient_sync 'last_micro_batch' each micro-batch but the last adds its bf16
             gradient into the unsharded fp32 one instead of reducing it: 10 bytes per trainable parameter.
 optimizer   fused AdamW (28 bytes per local trainable parameter: read p, g, m, v, write p, m, v) and the
-            gradient clipping (12: a norm read, a scale read and write), once per step.
+            gradient clipping (12: a norm read, a scale read and write), once per step; 8-bit AdamW
+            (``eight_bit_bytes``): 16 bytes with bf16 weights, 34 with fp32 masters (their refresh included).
 one rank    the flat path (no FSDP, ``parallel/single_rank.py``) has no collective buffers: under
             ``fsdp_copies`` it moves the upcast of the bf16 gradients into the fp32 buffer (6 bytes per
             trainable parameter; 10 for each later micro-batch, added in fp32), and its optimizer is
@@ -88,6 +89,10 @@ LOSS_BYTES_PER_LOGIT = {False: 78, True: 6}  # eager, compiled (bf16 logits)
 ADAMW_BYTES, CLIP_BYTES = 28, 12
 FLAT_ADAMW_BYTES, FLAT_NORM_BYTES, UPCAST_BYTES, ACCUMULATE_BYTES = 30, 4, 6, 10  # the one-rank path
 IN_PLACE_ADAMW_BYTES, IN_PLACE_NORM_BYTES = 28, 2  # ... when AdamW reads the bf16 gradients (master_grads False)
+EIGHT_BIT_STATE_TRAFFIC, REFRESH_BYTES, MOVE_BYTES = 4, 6, 4
+"""8-bit AdamW (torchao's, one kernel per tensor): its two 1-byte moments read and written; with fp32 masters the
+one-rank path re-casts each changed master into its bf16 copy at the next forward; with bf16 weights each bf16
+gradient is moved into the flat gradient buffer (read and write, 2 bytes each)."""
 
 
 @dataclass(frozen=True)
@@ -298,7 +303,8 @@ def _trainable_local(model: ModelShape, layout: Layout, workload: Workload) -> f
 def grads_read_in_place(layout: Layout, workload: Workload, micro_batches: int) -> bool:
     """The one-rank step whose AdamW reads autograd's bf16 gradients (no fp32 gradient is made)."""
     bf16 = workload.precision == "bf16"  # in fp32 the gradients are the masters' own: nothing to read in place
-    return flat_path(layout, workload) and bf16 and not workload.master_grads and micro_batches == 1
+    flat_adamw = not workload.eight_bit_optimizer  # only FlatAdamW reads them where autograd left them
+    return flat_path(layout, workload) and bf16 and flat_adamw and not workload.master_grads and micro_batches == 1
 
 
 def flat_upcast_s(model: ModelShape, layout: Layout, workload: Workload, rates: Rates, *, micro_batches: int) -> float:
@@ -306,11 +312,24 @@ def flat_upcast_s(model: ModelShape, layout: Layout, workload: Workload, rates: 
     if grads_read_in_place(layout, workload, micro_batches):
         return 0.0
     trainable = _trainable_local(model, layout, workload)
+    if workload.bf16_weights:  # moved into the bf16 buffer, later micro-batches added there
+        return rates.stream_s(trainable * (MOVE_BYTES + 6 * (micro_batches - 1)))
     return rates.stream_s(trainable * (UPCAST_BYTES + ACCUMULATE_BYTES * (micro_batches - 1)))
 
 
+def eight_bit_bytes(workload: Workload) -> float:
+    """Bytes per trained parameter of an 8-bit AdamW step: the update reads the gradient and the weight and writes
+    the weight (each ``master_bytes``), the moments' traffic; the clipping norm reads the gradients and its scale
+    reads and writes them; with fp32 masters, the bf16 copies' refresh."""
+    w = workload.master_bytes  # the gradients are in the weights' dtype here (fp32 after the upcast)
+    refresh = 0 if workload.bf16_weights else REFRESH_BYTES
+    return 3 * w + EIGHT_BIT_STATE_TRAFFIC + 3 * w + refresh
+
+
 def optimizer_s(model: ModelShape, layout: Layout, workload: Workload, rates: Rates, *, micro_batches: int) -> float:
-    if grads_read_in_place(layout, workload, micro_batches):
+    if workload.eight_bit_optimizer:
+        per_param = eight_bit_bytes(workload)
+    elif grads_read_in_place(layout, workload, micro_batches):
         per_param = IN_PLACE_ADAMW_BYTES + IN_PLACE_NORM_BYTES
     elif flat_path(layout, workload):
         per_param = FLAT_ADAMW_BYTES + FLAT_NORM_BYTES

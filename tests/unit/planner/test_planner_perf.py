@@ -211,3 +211,28 @@ def test_one_rank_runs_the_flat_path_without_fsdp_copies():
         for m in (True, False)
     ]
     assert fp32[0] == fp32[1]
+
+
+def test_the_optimizer_phase_of_8bit_adamw_by_where_the_weights_live():
+    """torchao's 8-bit AdamW (one kernel a tensor, ``parts.eight_bit_bytes``): bf16 weights read and write 16 bytes
+    a parameter (gradient 2, weight 2+2, moments 4, the clipping norm 2 and its scale 2+2); fp32 masters 34 (the
+    same at 4 bytes, + the bf16 copy's re-cast, 6); FlatAdamW reading bf16 gradients in place 30."""
+    from ndparallel.planner.parts import eight_bit_bytes, optimizer_s
+    from ndparallel.planner.shapes import PRESETS
+
+    def work(**kw):
+        return Workload(seq_len=4096, global_batch_rows=1, **kw)
+
+    assert eight_bit_bytes(work(eight_bit_optimizer=True, bf16_weights=True)) == 16
+    assert eight_bit_bytes(work(eight_bit_optimizer=True)) == 34
+    model, one = PRESETS["llama-8b"], Layout()
+    times = {
+        name: optimizer_s(model, one, work(**kw), H100, micro_batches=1)
+        for name, kw in (
+            ("bf16 weights", {"eight_bit_optimizer": True, "bf16_weights": True}),
+            ("masters", {"eight_bit_optimizer": True}),
+            ("flat adamw", {}),
+        )
+    }
+    assert times["bf16 weights"] == pytest.approx(times["flat adamw"] * 16 / 30)
+    assert times["masters"] == pytest.approx(times["flat adamw"] * 34 / 30)
