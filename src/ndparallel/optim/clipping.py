@@ -14,6 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ndparallel import _compat
+from ndparallel.kernels import grad_norm as triton_norm
 
 
 @torch.no_grad()
@@ -63,6 +64,14 @@ def _mesh_key(grad: torch.Tensor):
     return grad.device_mesh if isinstance(grad, DTensor) else None
 
 
+def float32_total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The norm of low-precision gradients (bf16) accumulated in float32, as of their exact float32 upcast (one
+    Triton kernel for one rank's CUDA tensors); a DTensor's is a partial norm, as torch's is."""
+    if triton_norm.supported(grads, norm_type):
+        return triton_norm.total_norm(grads, norm_type)
+    return torch.linalg.vector_norm(torch.stack(_compat.float32_norms(grads, norm_type)), norm_type)
+
+
 def total_norm_over_meshes(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor | None:
     """Each mesh's norm reduced on its own, then combined; None without gradients."""
     by_mesh: dict = defaultdict(list)
@@ -73,7 +82,7 @@ def total_norm_over_meshes(grads: list[torch.Tensor], norm_type: float) -> torch
         if all(g.dtype == torch.float32 for g in group):
             norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type)
         else:  # bf16 gradients (bf16: full): torch's would round each tensor's norm, and their norm, to bf16
-            norm = torch.linalg.vector_norm(torch.stack(_compat.float32_norms(group, norm_type)), norm_type)
+            norm = float32_total_norm(group, norm_type)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         partials.append(norm.float())

@@ -38,11 +38,9 @@ import math
 
 import torch
 
-from ndparallel import _compat
 from ndparallel.errors import ConfigError
-from ndparallel.kernels import grad_norm as triton_norm
 from ndparallel.kernels.adamw import adamw_from_low_precision_grad_
-from ndparallel.optim.clipping import clip_coefficient, scale_grads_, total_norm_over_meshes
+from ndparallel.optim.clipping import clip_coefficient, float32_total_norm, scale_grads_, total_norm_over_meshes
 from ndparallel.parallel.single_rank import SingleRankParams
 
 CHUNK = 2**30
@@ -143,7 +141,7 @@ class FlatAdamW(torch.optim.AdamW):
         waiting = self.waiting_grads_of(parameters)
         if waiting is not None:  # master_grads=False: the bf16 gradients the update will read
             grads, deferred = waiting, True
-            total = _bf16_total_norm(grads, norm_type)
+            total = float32_total_norm(grads, norm_type)
         else:
             with_grad = [p for p in parameters if p.grad is not None]
             grads = [p.grad for p in with_grad]
@@ -382,11 +380,3 @@ def _hyper(group: dict, step: float, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         host = host.pin_memory()  # a fresh pinned tensor per step: the async copy never reads a reused one
     return host.to(device, non_blocking=True)
-
-
-def _bf16_total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """The norm of one rank's bf16 gradients, accumulated in float32 (as of their exact float32 upcast)."""
-    if triton_norm.supported(grads, norm_type):
-        return triton_norm.total_norm(grads, norm_type)
-    norms = torch.stack(_compat.float32_norms(grads, norm_type))
-    return norms.max() if norm_type == float("inf") else torch.linalg.vector_norm(norms, norm_type)
