@@ -516,3 +516,14 @@ def adamw_8bit_class() -> type:
             return OptimState8bit.zeros(p.shape, signed, block_size, p.device, dtype=torch.float32)
 
     return AdamW8bitFloat32States
+
+
+def eight_bit_state(codes: torch.Tensor, scales: torch.Tensor | None, signed: bool, block_size: int) -> torch.Tensor:
+    """torchao's 8-bit optimizer state from its codes and block scales (zero scales when ``scales`` is None), with
+    torchao's code map for signed (exp_avg) or unsigned (exp_avg_sq) states: its private constructor."""
+    from torchao.optim.subclass_8bit import OptimState8bit, get_qmap_signed, get_qmap_unsigned
+
+    qmap = torch.tensor(get_qmap_signed() if signed else get_qmap_unsigned(), dtype=torch.float32, device=codes.device)
+    if scales is None:
+        scales = torch.zeros(codes.numel() // block_size, dtype=torch.float32, device=codes.device)
+    return OptimState8bit(codes, scales, qmap, signed, dtype=torch.float32)

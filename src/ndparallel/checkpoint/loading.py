@@ -116,7 +116,9 @@ def _targets(states: dict[str, Any], skeletons: dict, tensor_index: Metadata, pa
     """Tensors to fill: those the objects hold now (in their current sharding), plus saved ones they lack."""
     current: dict[str, torch.Tensor] = {}
     for name, obj in states.items():
-        current.update(codec.split_state(name, obj.state_dict())[1])
+        # an object whose saved form depends on the layout (8-bit optimizer states) reads in the form it was saved
+        template = obj.load_templates(skeletons[name]) if hasattr(obj, "load_templates") else obj.state_dict()
+        current.update(codec.split_state(name, template)[1])
     wanted = [k for name in states for k in codec.tensor_keys(skeletons[name])]
     wanted_set = set(wanted)
     extra = [k for k in current if k not in wanted_set]

@@ -28,9 +28,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 from ndparallel import _compat
+from ndparallel.checkpoint import codec, eight_bit
 from ndparallel.errors import CheckpointError
 from ndparallel.quantized.linears import is_quantized
 
@@ -73,82 +73,64 @@ class ModelState:
 class OptimizerState:
     """An optimizer's state keyed by the names of ``model``'s parameters (not by position).
 
-    Quantized states (torchao's ``AdamW8bit``: 8-bit codes with one float32 scale per block of 256 consecutive
-    values, a tensor subclass that checkpoint staging cannot copy) are saved as two plain tensors each: the codes,
-    shaped and split like the parameter, and the scales shaped ``(*shape[:-1], shape[-1] // 256)`` and split the
-    same way, so a block is a run of 256 values of one row on every layout (where each rank's rows are whole
-    blocks: torchao's own condition for the full tensor's blocks) and the pair reshards as any tensor and comes
-    back as the same codes and scales. A state whose rows are not whole blocks is saved as its float32 values and
-    quantized again on load (close, not bitwise: a block's scale is recomputed from its dequantized values)."""
+    torchao's 8-bit states (``AdamW8bit``: a tensor subclass that checkpoint staging cannot copy, quantized on
+    some layouts and not on others) are saved and read back in the forms ``checkpoint/eight_bit.py`` describes:
+    bitwise where the layout allows it, and loadable on any other."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
+        self.block = optimizer.block_size if eight_bit.is_eight_bit(optimizer) else None
 
     def state_dict(self) -> dict[str, Any]:
         state = get_optimizer_state_dict(self.model, self.optimizer, options=_SHARDED)
-        # new dicts: the entries may be the optimizer's own
-        state["state"] = {name: _saved_entry(entry) for name, entry in state["state"].items()}
+        if self.block is not None:  # new dicts: the entries may be the optimizer's own
+            state["state"] = {name: self._saved_entry(entry) for name, entry in state["state"].items()}
+        return state
+
+    def _saved_entry(self, entry: dict[str, Any]) -> dict[str, Any]:
+        saved = {}
+        for key, value in entry.items():
+            tensor = isinstance(value, torch.Tensor) and value.dim() > 0
+            saved.update(eight_bit.saved_parts(key, value, self.block) if tensor else {key: value})
+        return saved
+
+    def load_templates(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """What to read into: the live state, with each 8-bit state in the form the checkpoint holds
+        (``saved``: the checkpoint's skeleton of this state, its keys)."""
+        saved_state = saved.get("state") if isinstance(saved, dict) else None
+        saved_state = saved_state if isinstance(saved_state, dict) else {}
+        holds_parts = any(isinstance(e, dict) and eight_bit.holds_parts(e) for e in saved_state.values())
+        if holds_parts and self.block is None:
+            raise CheckpointError(
+                "the checkpoint holds 8-bit optimizer states (torchao's AdamW8bit); resume with optimizer: adamw_8bit"
+            )
+        if self.block is not None and not codec.tensor_keys(saved.get("param_groups")):  # torchao's lr is a tensor
+            raise CheckpointError(
+                "the checkpoint holds the states of another optimizer, not torchao's 8-bit AdamW; resume with the "
+                "optimizer it was saved with"
+            )
+        state = get_optimizer_state_dict(self.model, self.optimizer, options=_SHARDED)
+        if self.block is None:
+            return state
+        templates = {}
+        for name, entry in state["state"].items():
+            keys = set(saved_state.get(name, {})) if isinstance(saved_state.get(name), dict) else set()
+            templates[name] = {}
+            for key, value in entry.items():
+                tensor = isinstance(value, torch.Tensor) and value.dim() > 0
+                templates[name].update(eight_bit.templates(key, value, keys, self.block) if tensor else {key: value})
+        state["state"] = templates
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        live = get_optimizer_state_dict(self.model, self.optimizer, options=_SHARDED)["state"]
-        for name, entry in state["state"].items():
-            for key in [k for k in entry if k.endswith(_CODES)] + [k for k in entry if k.endswith(_VALUES)]:
-                base = key.rsplit("::", 1)[0]
-                current = live.get(name, {}).get(base)
-                if current is None or not _is_quantized_state(current):
-                    raise CheckpointError(
-                        f"the checkpoint holds 8-bit optimizer states ({name}); resume with optimizer: adamw_8bit"
-                    )
-                if key.endswith(_CODES):
-                    local = _local(current)
-                    local.codes.copy_(_local(entry.pop(key)))
-                    local.scale.copy_(_local(entry.pop(base + _SCALES)).reshape(-1))
-                else:
-                    current.copy_(entry.pop(key))  # the subclass's copy quantizes
-                entry[base] = current
+        if self.block is not None:
+            live = get_optimizer_state_dict(self.model, self.optimizer, options=_SHARDED)["state"]
+            for name, entry in state["state"].items():
+                for key, value in live.get(name, {}).items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0:
+                        eight_bit.restore(key, value, entry, self.block)
+                        entry[key] = value
         set_optimizer_state_dict(self.model, self.optimizer, state, options=_SHARDED)
-
-
-_CODES, _SCALES, _VALUES = "::codes8", "::scales8", "::values8"
-"""Suffixes of a quantized state's saved parts (``OptimizerState``)."""
-
-
-def _saved_entry(entry: dict[str, Any]) -> dict[str, Any]:
-    saved = {}
-    for key, value in entry.items():
-        saved.update(_quantized_parts(key, value) if _is_quantized_state(value) else {key: value})
-    return saved
-
-
-def _is_quantized_state(value: Any) -> bool:
-    """A tensor subclass with codes and scales (torchao's 8-bit optimizer states), itself or a DTensor's shard."""
-    local = _local(value)
-    return isinstance(local, torch.Tensor) and type(local) is not torch.Tensor and hasattr(local, "codes")
-
-
-def _local(value: torch.Tensor) -> torch.Tensor:
-    return value.to_local() if isinstance(value, DTensor) else value
-
-
-def _quantized_parts(key: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``{key::codes8, key::scales8}`` (blocks within rows on this rank), else ``{key::values8}``."""
-    local = _local(value)
-    block = local.block_size
-    rows_of_blocks = value.dim() >= 1 and value.shape[-1] % block == 0 and local.codes.shape[-1] % block == 0
-    if rows_of_blocks:
-        scales = local.scale.view(*local.codes.shape[:-1], local.codes.shape[-1] // block)
-        scale_shape = torch.Size((*value.shape[:-1], value.shape[-1] // block))
-        return {key + _CODES: _like(value, local.codes, value.shape), key + _SCALES: _like(value, scales, scale_shape)}
-    return {key + _VALUES: _like(value, local.dequantize(), value.shape)}
-
-
-def _like(value: torch.Tensor, local: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """``local`` as a DTensor split as ``value`` is (global ``shape``), or as it is when ``value`` is plain."""
-    if not isinstance(value, DTensor):
-        return local
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=shape, stride=stride)
 
 
 class _DictState:
