@@ -103,6 +103,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--fused-lora-mlp", action="store_true", help="ours' LoRA rows: fused_lora_mlp (adapters/lora_mlp.py)"
     )
+    p.add_argument(
+        "--embedding-offload",
+        action="store_true",
+        help="ours' adapter rows: the frozen input embedding in host memory (embedding_offload)",
+    )
     p.add_argument("--peer-ac", choices=("recipe", "none"), default="recipe", help="peers' checkpointing")
     p.add_argument("--peer-compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--lora-rank", type=int, default=16)
@@ -216,6 +221,8 @@ def measure(args, row: str, outcome: dict, *, seq: int, launched: float) -> dict
         record.update(ac=args.ac, offload=args.offload, compile=args.compile)
         if args.fused_lora_mlp and OURS_ROWS[row].get("adapter"):
             record.update(fused_lora_mlp=True)
+        if args.embedding_offload and OURS_ROWS[row].get("adapter"):
+            record.update(embedding_offload=True)
     else:
         record.update(peer_ac=args.peer_ac, peer_compile=args.peer_compile)
     record.update(call=args.call, when=datetime.datetime.now().isoformat(timespec="seconds"), versions=versions())

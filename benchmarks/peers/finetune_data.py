@@ -64,7 +64,7 @@ def ours_config(args, row: str, *, seq: int, model_dir: Path, data: Data, output
     settings = dict(OURS_ROWS[row])
     if settings.get("adapter"):
         config.update(lora_r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0, lora_target_linear=True)
-        config.update(fused_lora_mlp=args.fused_lora_mlp)
+        config.update(fused_lora_mlp=args.fused_lora_mlp, embedding_offload=args.embedding_offload)
     else:
         settings.pop("adapter")
     config.update(settings)

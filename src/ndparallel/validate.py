@@ -13,7 +13,7 @@ from ndparallel.config.schema import TrainConfig
 from ndparallel.data.files import resolve_data_path
 from ndparallel.errors import NdParallelError
 from ndparallel.mesh.layout import Layout
-from ndparallel.parallel.rules import model_problems
+from ndparallel.parallel.rules import embedding_offload_problems, model_problems
 from ndparallel.quantized.nf4 import nf4_available
 from ndparallel.safe_io import hub
 from ndparallel.train.model import offload_layers, run_model_config
@@ -94,6 +94,9 @@ def _model_checks(cfg: TrainConfig, model_config, tokenizer, plan: RunPlan | Non
         notes.append(_attempt(problems, lambda: fit_vocab(model_config, len(tokenizer[0]), tokenizer[1], tp=tp)[1]))
     if plan is not None:
         problems += list(model_problems(plan.layout, model_config, seq_len=cfg.sequence_len))
+        if cfg.embedding_offload:
+            tied = bool(getattr(model_config, "tie_word_embeddings", False))
+            problems += list(embedding_offload_problems(adapters=True, world_size=plan.world_size, tied=tied))
         notes.append(_attempt(problems, lambda: _offload_note(cfg, model_config, plan)))
     for wanted, check in ((cfg.unfrozen_parameters, _check_unfrozen), (cfg.qat is not None, _check_qat)):
         if wanted:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from ndparallel.parallel.rules import option_problems
+from ndparallel.parallel.rules import embedding_offload_problems, option_problems
 from ndparallel.quantized.linears import FORMATS
 
 
@@ -109,6 +109,12 @@ def _memory_problems(cfg: Any) -> Iterator[str]:
         )
     elif cfg.fused_lora_mlp and cfg.tensor_parallel_size > 1:
         yield "fused_lora_mlp computes each MLP from whole weights: not with tensor_parallel_size > 1; remove one"
+    if cfg.embedding_offload:
+        yield from embedding_offload_problems(
+            adapters=cfg.adapter is not None,
+            embedding_trained=any("embed" in name for name in cfg.lora_modules_to_save or []),
+            cpu_offload=cfg.cpu_offload,
+        )
     if cfg.activation_offloading == "disk":
         yield "activation_offloading: disk is not implemented: use true (pinned host memory)"
     if cfg.activation_offloading and cfg.ac_mode != "full":

@@ -37,6 +37,7 @@ from ndparallel.adapters.freeze import apply_trainable, select_trainable, store_
 from ndparallel.adapters.lora import LoraSpec, attach_lora
 from ndparallel.adapters.lora_mlp import apply_lora_mlp
 from ndparallel.adapters.qat import apply_qat
+from ndparallel.errors import ConfigError
 from ndparallel.loss.head import install_loss_head
 from ndparallel.mesh.topology import Topology
 from ndparallel.models.decoder import DecoderParts, decoder_parts
@@ -47,8 +48,9 @@ from ndparallel.parallel.context import apply_context_parallel
 from ndparallel.parallel.expert import apply_expert_parallel, apply_moe_tensor_parallel, moe_fsdp_units
 from ndparallel.parallel.float8 import Fp8Spec, check_fp8_supported, convert_to_fp8
 from ndparallel.parallel.fsdp import apply_fsdp, wrap_units
+from ndparallel.parallel.host_embedding import offload_embedding
 from ndparallel.parallel.options import ParallelOptions, as_dtype
-from ndparallel.parallel.rules import check_model, check_options
+from ndparallel.parallel.rules import check_model, check_options, embedding_offload_problems
 from ndparallel.parallel.single_rank import apply_single_rank, eligible
 from ndparallel.parallel.tensor import apply_tensor_parallel
 from ndparallel.parallel.tiled_mlp import apply_tiled_mlp
@@ -94,8 +96,26 @@ def parallelize(
         store_weights_in(model, master_dtype)
     _switch_attention(model, parts, topology)
     _recompute_and_compile(parts, options, lora)
+    if options.embedding_offload:  # the frozen table, in its stored dtype, before anything moves the model
+        ignored = (ignored or set()) | {_offload_embedding(model, topology, options, lora=lora is not None)}
     _shard(model, parts, topology, options, dtypes=dtypes, ignored=ignored)
     return model
+
+
+def _offload_embedding(model: nn.Module, topology: Topology, options: ParallelOptions, *, lora: bool) -> nn.Parameter:
+    """The input embedding into host memory (``host_embedding.py``), after its rules with the real model."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    table = embedding.weight
+    for problem in embedding_offload_problems(
+        adapters=lora or options.quantized_base is not None,
+        embedding_trained=table.requires_grad,
+        cpu_offload=options.cpu_offload,
+        world_size=topology.world_size,
+        tied=head is not None and head.weight is table,
+        plain_lookup=type(embedding) is nn.Embedding and embedding.max_norm is None,
+    ):
+        raise ConfigError(problem)
+    return offload_embedding(model, topology.device).weight
 
 
 def _swap_linears(

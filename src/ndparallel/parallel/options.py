@@ -63,6 +63,10 @@ class ParallelOptions:
     """Run each dense MLP over sequence tiles, one tile's intermediates at a time (``parallel/tiled_mlp.py``)."""
     tiled_mlp_num_shards: int | None = None
     """Tiles per MLP call; None: from the row length (one tile's intermediates <= one hidden-state tensor)."""
+    embedding_offload: bool = False
+    """Keep the frozen input embedding in pinned host memory and send each step only its tokens' rows
+    (``parallel/host_embedding.py``): the table's memory (1 GiB for an 8B) leaves the GPU, the numbers stay the
+    same. One process, adapters, an embedding not tied to lm_head (``rules.py``)."""
     activation_offload_layers: int = 0
     """With full activation checkpointing: the inputs of this many first decoder layers wait for their
     backward in pinned host memory (``parallel/offload.py``); at most all layers but the last."""

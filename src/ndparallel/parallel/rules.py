@@ -4,6 +4,7 @@
 - ``option_problems`` / ``check_options``: which strategies combine (quantized base weights need adapters and
   refuse fp8, NF4 refuses tensor parallelism, QAT trains the full weights alone, ``unfrozen_parameters`` and
   fp8 refuse LoRA);
+- ``embedding_offload_problems``: where a frozen input embedding may wait in host memory;
 - ``model_problems`` / ``check_model``: whether a model's shapes split over a layout (tp divides the heads
   and the MLP width, alltoall's head split, the family's and the mixture-of-experts refusals, a sequence
   long enough for every rank).
@@ -118,6 +119,46 @@ def _qat_problems(spec: QatSpec, *, lora: bool, quantized: bool, fp8: bool, tp: 
         check_spec(spec)
     except ConfigError as exc:
         yield str(exc)
+
+
+def embedding_offload_problems(
+    *,
+    adapters: bool,
+    embedding_trained: bool = False,
+    cpu_offload: bool = False,
+    world_size: int | None = None,
+    tied: bool | None = None,
+    plain_lookup: bool = True,
+) -> Iterator[str]:
+    """Why the input embedding cannot wait in host memory (``parallel/host_embedding.py``): it must be frozen, on
+    one process, and not lm_head's weight too. Unknown facts (None) are checked where they are known."""
+    if not adapters:
+        yield (
+            "embedding_offload keeps a frozen input embedding in host memory: it needs adapter: lora or qlora (a full "
+            "fine-tune trains the embedding); remove embedding_offload"
+        )
+    elif embedding_trained:
+        yield (
+            "embedding_offload with the input embedding in lora_modules_to_save: a trained embedding stays on the "
+            "GPU; remove one of them"
+        )
+    if cpu_offload:
+        yield "embedding_offload with cpu_offload: every weight is in host memory already; remove embedding_offload"
+    if world_size is not None and world_size > 1:
+        yield (
+            f"embedding_offload is for one process (this run has {world_size}, over which FSDP shards the "
+            f"embedding already); remove embedding_offload"
+        )
+    if not plain_lookup:
+        yield (
+            "embedding_offload: this model's input embedding computes more than a table lookup (e.g. a scale); "
+            "remove embedding_offload"
+        )
+    if tied:
+        yield (
+            "embedding_offload: this model ties its input embedding to lm_head (tie_word_embeddings), whose weight "
+            "the loss reads on the GPU; remove embedding_offload"
+        )
 
 
 def check_model(layout: Layout, model_config: Any, *, seq_len: int | None = None) -> None:

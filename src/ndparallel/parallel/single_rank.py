@@ -48,6 +48,7 @@ from torch import nn
 
 from ndparallel import _compat
 from ndparallel.models.ties import shared_owners, tie_again
+from ndparallel.parallel.host_embedding import is_host_table
 from ndparallel.quantized.linears import is_quantized
 
 ALIGN = 64  # elements: 256 bytes of fp32, so every view is aligned for vectorized kernels and cuBLAS
@@ -363,9 +364,11 @@ def _master_dtype(model: nn.Module) -> torch.dtype | None:
 
 
 def used_as_they_are(param: torch.Tensor, master_dtype: torch.dtype | None) -> bool:
-    """Frozen tensors kept outside the flat buffers: quantized base weights (QLoRA, 8-bit) and frozen weights
-    already stored in another (the compute) dtype (``freeze.store_frozen_in``)."""
-    return is_quantized(param) or (not param.requires_grad and master_dtype is not None and param.dtype != master_dtype)
+    """Frozen tensors kept outside the flat buffers: quantized base weights (QLoRA, 8-bit), frozen weights
+    already stored in another (the compute) dtype (``freeze.store_frozen_in``) and a table in host memory."""
+    if is_quantized(param) or is_host_table(param):
+        return True
+    return not param.requires_grad and master_dtype is not None and param.dtype != master_dtype
 
 
 def eligible(model: nn.Module) -> bool:

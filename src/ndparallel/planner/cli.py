@@ -121,6 +121,9 @@ def _numerics_arguments(work) -> None:
     work.add_argument(
         "--optimizer-8bit", action="store_true", help="8-bit AdamW states (optimizer: adamw_8bit, torchao's)"
     )
+    work.add_argument(
+        "--embedding-offload", action="store_true", help="LoRA, one GPU: the frozen input embedding in host memory"
+    )
     work.add_argument("--compile", action="store_true", help="torch.compile each layer and the loss")
     work.add_argument("--fp8", action="store_true", help="float8 matmuls in the decoder layers (tensorwise)")
 
@@ -229,6 +232,7 @@ def run_plan(args: argparse.Namespace) -> int:
             fp8=args.fp8,
             bf16_weights=args.bf16_weights,
             eight_bit_optimizer=args.optimizer_8bit,
+            embedding_offload=args.embedding_offload,
             doc_len=args.doc_len,
             **long_row_settings(args),
         )

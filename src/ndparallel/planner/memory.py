@@ -236,6 +236,8 @@ def _weights(model: ModelShape, layout: Layout, workload: Workload) -> _Weights:
         # The frozen base is stored in the compute dtype (freeze.store_frozen_in): e bytes, not 4.
         # ... and a quantized base's linears in their codes
         frozen = e * p_local - model.layers * quantized_saving(model, workload) / (t * f)
+        if workload.embedding_offload and single and t == 1 and not model.tied:
+            frozen -= e * vocab_tp  # the input embedding's table waits in host memory
         adapters = lora_params(model, rank) / (t * f)
         master, trainable_local, trainable_tp = frozen + 4 * adapters, adapters, lora_params(model, rank) / t
         unit_trainable, embed_trainable = adapter_layer_tp, 0.0

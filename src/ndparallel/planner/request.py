@@ -38,5 +38,6 @@ def layout_request(cfg: Any, *, host_memory_gib: float | None = None) -> dict[st
         "tiled_mlp_num_shards": cfg.tiled_mlp_num_shards,
         "activation_offload": bool(cfg.activation_offloading),
         "activation_offload_layers": cfg.activation_offload_layers,
+        "embedding_offload": cfg.embedding_offload,
         "host_memory_gib": host_memory_gib if host_memory_gib is not None else offload.host_memory_available() / GIB,
     }

@@ -87,6 +87,10 @@ class Workload:
     eight_bit_optimizer: bool = False
     """AdamW's two moments as 8-bit codes with an fp32 scale per 256 values (torchao's AdamW8bit,
     ``optimizer: adamw_8bit``): EIGHT_BIT_STATE_BYTES a trained parameter instead of 8."""
+    embedding_offload: bool = False
+    """The frozen input embedding in pinned host memory (``parallel/host_embedding.py``, the trainer's
+    ``embedding_offload``): its table leaves the GPU. LoRA on one GPU, untied embeddings (elsewhere it is ignored:
+    the rules refuse the run)."""
     activation_offload_layers: int | None = None
     """How many first layers offload (``activation_offload_layers``); None: as many as the host memory of
     ``Cluster.host_memory_gib`` holds, all but the last (``offload.offload_layer_count``'s rule)."""

@@ -38,6 +38,9 @@ class Batch:
     single_segment: bool
     num_input_tokens: torch.Tensor
     """Real (non-padding) input tokens in this rank's part, for throughput (a host scalar tensor)."""
+    input_ids_host: torch.Tensor | None = None
+    """``input_ids`` in host memory (where the rows came from), for an input embedding kept there
+    (``parallel/host_embedding.embed_inputs``); None when the rows came from the device."""
 
     def model_inputs(self) -> dict[str, Any]:
         """Keyword arguments for the model's forward."""
@@ -106,10 +109,12 @@ def prepare_batch(
     # Decide on the host (the trainer's rows are on the CPU): no device sync in the step.
     segments_host = segments.cpu()
     single = single_segment(segments_host)
+    ids_host = input_ids if input_ids.device.type == "cpu" else None
     input_ids, targets, position_ids = (_to_device(t, topology.device) for t in (input_ids, targets, position_ids))
     needs_segments = layout.cp > 1 or not single
     shard = dict(cp=layout.cp, cp_rank=topology.cp_rank)
     return Batch(
+        input_ids_host=None if ids_host is None else cp_shard(ids_host, **shard),
         input_ids=cp_shard(input_ids, **shard),
         labels=cp_shard(targets, **shard),
         position_ids=cp_shard(position_ids, **shard),

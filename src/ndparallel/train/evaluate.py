@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from ndparallel.loss.cross_entropy import IGNORE_INDEX
 from ndparallel.mesh.topology import Topology
+from ndparallel.parallel.host_embedding import embed_inputs
 from ndparallel.step.batching import prepare_batch
 from ndparallel.step.token_loss import model_loss
 
@@ -32,7 +33,8 @@ def evaluate(model, rows, topo: Topology, micro_batch_size: int, pad_id: int) ->
                 data["labels"][r] = IGNORE_INDEX
         batch = prepare_batch(**data, topology=topo, local=True, pad_token_id=pad_id)
         one = torch.ones((), device=topo.device)
-        total += model_loss(model, batch.model_inputs(), batch.labels, num_tokens=one, topology=topo)[0].double()
+        inputs = embed_inputs(model, batch.model_inputs(), batch.input_ids_host)
+        total += model_loss(model, inputs, batch.labels, num_tokens=one, topology=topo)[0].double()
         count += batch.num_tokens.double()
     dist.all_reduce(total, group=topo.loss.get_group())
     dist.all_reduce(count, group=topo.loss.get_group())

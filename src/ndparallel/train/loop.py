@@ -31,6 +31,7 @@ from ndparallel.checkpoint import training as ckpt
 from ndparallel.config.schema import TrainConfig
 from ndparallel.mesh.topology import Topology
 from ndparallel.optim.clipping import clip_grad_norm_
+from ndparallel.parallel.host_embedding import embed_inputs
 from ndparallel.step.batching import prepare_batch
 from ndparallel.step.flops import AttentionFlops, flops_per_token
 from ndparallel.step.gradient_sync import set_gradient_sync
@@ -188,8 +189,9 @@ def forward_backward(
     tokens = torch.zeros((), device=topo.device)
     for i, batch in enumerate(micro_batches):
         set_gradient_sync(model, i == len(micro_batches) - 1, mode=gradient_sync)
+        inputs = embed_inputs(model, batch.model_inputs(), batch.input_ids_host)
         loss, outputs = model_loss(
-            model, batch.model_inputs(), batch.labels, num_tokens=num_targets, topology=topo, compiled=compiled_loss
+            model, inputs, batch.labels, num_tokens=num_targets, topology=topo, compiled=compiled_loss
         )
         loss = loss + router_aux_loss(
             outputs, batch, config=model.config, topology=topo, num_micro_batches=len(micro_batches)

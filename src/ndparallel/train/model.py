@@ -50,6 +50,7 @@ def parallel_options(cfg: TrainConfig, device: torch.device, *, offloaded: int =
         tiled_mlp=cfg.tiled_mlp,
         tiled_mlp_num_shards=cfg.tiled_mlp_num_shards,
         activation_offload_layers=offloaded,
+        embedding_offload=cfg.embedding_offload,
         fsdp_wrap=cfg.fsdp_wrap,
         reshard_after_forward=cfg.reshard_after_forward,
         cpu_offload=cfg.cpu_offload,

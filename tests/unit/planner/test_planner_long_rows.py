@@ -258,6 +258,7 @@ def test_a_training_config_becomes_one_planner_request():
         "tiled_mlp_num_shards": 8,
         "activation_offload": True,
         "activation_offload_layers": 4,
+        "embedding_offload": False,
         "host_memory_gib": 64,
     }
 

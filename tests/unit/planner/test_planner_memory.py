@@ -53,6 +53,24 @@ def test_bf16_weights_and_8bit_adamw_hold_six_bytes_a_parameter(single_rank_fsdp
     assert masters.master_params == 4 * p
 
 
+def test_an_offloaded_embedding_leaves_the_gpu_untied_on_one_rank_only():
+    """embedding_offload: the frozen table (vocabulary x hidden, bf16) is in host memory at every moment; a tied
+    model (the 1B) and a sharded layout keep theirs."""
+    table = 2 * L8B.vocab * L8B.hidden
+
+    def peaks(model, layout, **kw):
+        work = dict(seq_len=4096, global_batch_rows=layout.batch_size, lora_rank=16, activation_checkpointing="full")
+        moments = [memory_moments(model, layout, Workload(**work, embedding_offload=on, **kw)) for on in (False, True)]
+        return [{name: m.allocated for name, m in found.items()} for found in moments]
+
+    on_gpu, on_host = peaks(L8B, Layout())
+    assert all(on_gpu[name] - on_host[name] == pytest.approx(table) for name in on_gpu)
+    tied_gpu, tied_host = peaks(PRESETS["llama-1b"], Layout())
+    assert tied_gpu == tied_host
+    sharded_gpu, sharded_host = peaks(L8B, Layout(dp_shard=2))
+    assert sharded_gpu == sharded_host
+
+
 def test_bf16_weights_are_for_bf16_full_fine_tunes():
     with pytest.raises(ConfigError, match="bf16 weights"):
         Workload(seq_len=SEQ, global_batch_rows=1, bf16_weights=True, lora_rank=16)

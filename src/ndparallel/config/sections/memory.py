@@ -70,6 +70,10 @@ class MemorySettings(BaseModel):
     true (or Axolotl's legacy): as many layers as host memory holds, all but the last."""
     activation_offload_layers: int | None = Field(None, ge=0)
     """How many of the first decoder layers offload their inputs (default: as many as host memory holds)."""
+    embedding_offload: bool = False
+    """Keep the frozen input embedding in pinned host memory; each step sends only its tokens' rows to the GPU
+    (an 8B's 1 GiB table leaves the GPU; same numbers). With adapter: lora / qlora on one GPU, a model whose
+    embedding is not tied to lm_head (Llama 3 8B, Qwen3 8B, Mistral)."""
     fsdp_wrap: Literal["block", "model"] | int = "block"
     """FSDP unit: each layer, N layers, or the whole model."""
     reshard_after_forward: bool | int = True
