@@ -22,6 +22,12 @@ python3 -m pip install -q --no-index --no-deps .whl_unsloth/unsloth-2026.10.9-py
 export HF_HUB_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1 UNSLOTH_COMPILE_LOCATION=/tmp/unsloth_compiled_cache
 export PYTHONPATH="${SRC:-$PWD/src}${PYTHONPATH:+:$PYTHONPATH}" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 W=/tmp/ndp-bench-finetune
+# the card's clocks, power and throttle reasons every second (session 17's FP8 rows ran at uneven step times:
+# power capping is one suspect), beside the rows' logs
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+  --format=csv -l 1 >> "$OUT/gpu_clocks.csv" 2>/dev/null &
+CLOCKS=$!
+trap 'kill $CLOCKS 2>/dev/null' EXIT
 BENCH=(python3 benchmarks/peers/bench_finetune.py --shape "${SHAPE:-8b}" --seq "${SEQ:-4096}" --work $W
   --json $W/finetune.jsonl --logs "$OUT" --steps "${STEPS:-50}")
 "${BENCH[@]}" --ac "${AC:-none}" ${EXTRA:-} --rows "$ROWS" --budget-s "${BUDGET:-540}"
