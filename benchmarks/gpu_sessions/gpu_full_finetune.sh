@@ -14,6 +14,8 @@ OUT=${OUT:-$PWD/out}
 # ours with its layer inputs in host memory, as Unsloth's checkpointing keeps them (session 17 ran without: 1 GiB more)
 OUT=$OUT ROWS=${ROWS:-ours-full-adam8,unsloth-full-adam8,hf-full-adam8} AC=full EXTRA=${EXTRA:---offload} BUDGET=${BUDGET:-400} \
   bash benchmarks/gpu_sessions/gpu_finetune.sh  # installs the wheels (torchao) the check needs too
+# torchao's step against ours (one compiled update built once): the host time of 291 tensors' updates (~30 s)
+timeout 90 env PYTHONPATH="$PWD/src" python3 benchmarks/diagnostics/adamw_8bit_host_diag.py | tee "$OUT/adamw_8bit_host.txt"
 left=$(( 570 - SECONDS ))
 if (( left > 200 )); then
   timeout "$left" env PYTHONPATH="$PWD/src" python3 tests/gpu/gpu_trainer_checks.py --out "$OUT/checks" --only bf16_full

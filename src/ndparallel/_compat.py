@@ -7,6 +7,7 @@ Everything here exists because PyTorch has no public equivalent yet in the versi
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import warnings
 from typing import Iterator, Sequence
@@ -503,10 +504,17 @@ def dcp_index_globals() -> dict[tuple[str, str], object]:
 
 
 def adamw_8bit_class() -> type:
-    """torchao's ``AdamW8bit`` with its 8-bit states typed float32 whatever the weights' dtype (their values are
-    8-bit codes either way). torchao 0.18 types them as the weight (``_subclass_zeros``); for bf16 weights sharded
-    by FSDP2 (DTensors) the update's ``exp_avg.float().lerp(grad_f32)`` then fails DTensor's sharding
-    propagation ("expected dtype torch.bfloat16 for `end`"), which float32-typed states pass."""
+    """torchao's ``AdamW8bit`` with two changes, both through its private hooks:
+
+    - its 8-bit states typed float32 whatever the weights' dtype (their values are 8-bit codes either way). torchao
+      0.18 types them as the weight (``_subclass_zeros``); for bf16 weights sharded by FSDP2 (DTensors) the update's
+      ``exp_avg.float().lerp(grad_f32)`` then fails DTensor's sharding propagation ("expected dtype torch.bfloat16
+      for `end`"), which float32-typed states pass;
+    - its step calls one compiled update (torchao's ``single_param_adam``) built once, where torchao's ``step``
+      calls ``torch.compile(single_param_adam, ...)`` anew for every tensor of every step. That construction was 63%
+      of the host time of a step outside the kernels on this project's CPU (291 tensors, an 8B's count; 2026-12-08),
+      and the 8B's optimizer phase on an H100 took 214 of 621 ms of host time (RESULTS.md, issue 35 session 17).
+      Same compiled code, same numbers (``tests/unit/optim/test_adamw_8bit.py``)."""
     from torchao.optim import AdamW8bit
     from torchao.optim.subclass_8bit import OptimState8bit
 
@@ -515,7 +523,59 @@ def adamw_8bit_class() -> type:
         def _subclass_zeros(p: torch.Tensor, signed: bool, block_size: int):
             return OptimState8bit.zeros(p.shape, signed, block_size, p.device, dtype=torch.float32)
 
+        @torch.no_grad()
+        def step(self, closure=None):
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            update = _compiled_adam_update()
+            # one compiled graph per (shape, dtype, state type): more than dynamo's default limit of 8 for a model
+            with torch._dynamo.utils.disable_cache_limit():
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            self._update(update, group, p)
+            return loss
+
+        def _update(self, update, group: dict, p: torch.Tensor) -> None:
+            if p.grad.is_sparse:
+                raise RuntimeError("8-bit AdamW does not take sparse gradients")
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = self._new_buffer(p, True)
+                state["exp_avg_sq"] = self._new_buffer(p, False)
+                if group["amsgrad"]:
+                    state["max_exp_avg_sq"] = self._new_buffer(p, False)
+            state["step"] += 1
+            if not isinstance(group["lr"], torch.Tensor):
+                raise RuntimeError("8-bit AdamW keeps lr as a tensor: change it with param_groups[i]['lr'].fill_(lr)")
+            beta1, beta2 = group["betas"]
+            update(
+                p.detach(),  # as torchao does: FSDP2's DTensor parameters under compile
+                p.grad,
+                state["step"],
+                state["exp_avg"],
+                state["exp_avg_sq"],
+                state.get("max_exp_avg_sq"),
+                group["lr"],
+                beta1,
+                beta2,
+                group["weight_decay"],
+                group["eps"],
+                self.is_adamw,
+                self.bf16_stochastic_round and p.dtype is torch.bfloat16,
+            )
+
     return AdamW8bitFloat32States
+
+
+@functools.cache
+def _compiled_adam_update():
+    from torchao.optim.adam import single_param_adam
+
+    return torch.compile(single_param_adam, fullgraph=True, dynamic=False)
 
 
 def eight_bit_state(codes: torch.Tensor, scales: torch.Tensor | None, signed: bool, block_size: int) -> torch.Tensor:
