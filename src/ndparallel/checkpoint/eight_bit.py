@@ -37,8 +37,13 @@ SIGNED = {"exp_avg": True, "exp_avg_sq": False, "max_exp_avg_sq": False}  # torc
 
 
 def is_eight_bit(optimizer: torch.optim.Optimizer) -> bool:
-    """torchao's 8-bit optimizers (they quantize states in blocks of ``block_size`` values)."""
-    return isinstance(getattr(optimizer, "block_size", None), int) and hasattr(optimizer, "bf16_stochastic_round")
+    """torchao's 8-bit Adam and AdamW (states quantized in blocks of ``block_size`` values; not its 4-bit or FP8
+    optimizers, whose states are laid out otherwise)."""
+    try:
+        from torchao.optim import Adam8bit, AdamW8bit
+    except ImportError:  # torchao is optional: without it no optimizer is one of its
+        return False
+    return isinstance(optimizer, (Adam8bit, AdamW8bit))
 
 
 def is_quantized(value: Any) -> bool:
