@@ -523,52 +523,55 @@ def adamw_8bit_class() -> type:
         def _subclass_zeros(p: torch.Tensor, signed: bool, block_size: int):
             return OptimState8bit.zeros(p.shape, signed, block_size, p.device, dtype=torch.float32)
 
-        @torch.no_grad()
-        def step(self, closure=None):
-            loss = None
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
-            update = _compiled_adam_update()
-            # one compiled graph per (shape, dtype, state type): more than dynamo's default limit of 8 for a model
-            with torch._dynamo.utils.disable_cache_limit():
-                for group in self.param_groups:
-                    for p in group["params"]:
-                        if p.grad is not None:
-                            self._update(update, group, p)
-            return loss
-
-        def _update(self, update, group: dict, p: torch.Tensor) -> None:
-            if p.grad.is_sparse:
-                raise RuntimeError("8-bit AdamW does not take sparse gradients")
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = self._new_buffer(p, True)
-                state["exp_avg_sq"] = self._new_buffer(p, False)
-                if group["amsgrad"]:
-                    state["max_exp_avg_sq"] = self._new_buffer(p, False)
-            state["step"] += 1
-            if not isinstance(group["lr"], torch.Tensor):
-                raise RuntimeError("8-bit AdamW keeps lr as a tensor: change it with param_groups[i]['lr'].fill_(lr)")
-            beta1, beta2 = group["betas"]
-            update(
-                p.detach(),  # as torchao does: FSDP2's DTensor parameters under compile
-                p.grad,
-                state["step"],
-                state["exp_avg"],
-                state["exp_avg_sq"],
-                state.get("max_exp_avg_sq"),
-                group["lr"],
-                beta1,
-                beta2,
-                group["weight_decay"],
-                group["eps"],
-                self.is_adamw,
-                self.bf16_stochastic_round and p.dtype is torch.bfloat16,
-            )
+        step = _adamw_8bit_step
+        _update = _adamw_8bit_update
 
     return AdamW8bitFloat32States
+
+
+@torch.no_grad()
+def _adamw_8bit_step(self, closure=None):
+    """``AdamW8bitFloat32States.step``: torchao's step with one compiled update for every tensor."""
+    loss = None if closure is None else torch.enable_grad()(closure)()
+    update = _compiled_adam_update()
+    # one compiled graph per (shape, dtype, state type): more than dynamo's default limit of 8 for a model
+    with torch._dynamo.utils.disable_cache_limit():
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(update, group, p)
+    return loss
+
+
+def _adamw_8bit_update(self, update, group: dict, p: torch.Tensor) -> None:
+    if p.grad.is_sparse:
+        raise RuntimeError("8-bit AdamW does not take sparse gradients")
+    state = self.state[p]
+    if not state:
+        state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = self._new_buffer(p, True)
+        state["exp_avg_sq"] = self._new_buffer(p, False)
+        if group["amsgrad"]:
+            state["max_exp_avg_sq"] = self._new_buffer(p, False)
+    state["step"] += 1
+    if not isinstance(group["lr"], torch.Tensor):
+        raise RuntimeError("8-bit AdamW keeps lr as a tensor: change it with param_groups[i]['lr'].fill_(lr)")
+    beta1, beta2 = group["betas"]
+    update(
+        p.detach(),  # as torchao does: FSDP2's DTensor parameters under compile
+        p.grad,
+        state["step"],
+        state["exp_avg"],
+        state["exp_avg_sq"],
+        state.get("max_exp_avg_sq"),
+        group["lr"],
+        beta1,
+        beta2,
+        group["weight_decay"],
+        group["eps"],
+        self.is_adamw,
+        self.bf16_stochastic_round and p.dtype is torch.bfloat16,
+    )
 
 
 @functools.cache
