@@ -125,3 +125,27 @@ def test_other_8bit_states_come_back_quantized_again(tmp_path):
     assert result["types"] == {"OptimState8bit"}
     for key in ("exp_avg", "exp_avg_sq"):
         assert result[key][1] <= 2e-2, result
+
+
+def test_8bit_states_reshard_through_tensor_parallelism(uninterrupted):
+    """The dp_shard 2 checkpoint resumed on dp_shard 2 x tp 2 (four ranks: FSDP over TP-split weights, rowwise
+    splits whose rows are not whole 256-value blocks, so those states go as values), whose own checkpoint then
+    resumes on one rank: losses within bf16's and stochastic rounding's reach of the runs they continue."""
+    tmp, records = uninterrupted
+    step2 = tmp / "full" / "checkpoints" / "step-2"
+    tp = _config(
+        tmp, "tp", bf16="full", dp_shard_size=2, tensor_parallel_size=2, max_steps=6, resume_from_checkpoint=str(step2)
+    )
+    on_tp = run_ranks(4, _train, tp)[0]
+    assert [r[0] for r in on_tp] == [3, 4, 5, 6]
+    for (_, loss, _), (_, expected, _) in zip(on_tp, records[2:]):
+        assert loss == pytest.approx(expected, rel=5e-3)
+    step4 = tmp / "tp" / "checkpoints" / "step-4"
+    one = _config(
+        tmp, "one", bf16="full", dp_shard_size=1, gradient_accumulation_steps=2, max_steps=6,
+        resume_from_checkpoint=str(step4),
+    )  # fmt: skip
+    on_one = run_ranks(1, _train, one)[0]
+    assert [r[0] for r in on_one] == [5, 6]
+    for (_, loss, _), (_, expected, _) in zip(on_one, on_tp[2:]):
+        assert loss == pytest.approx(expected, rel=5e-3)

@@ -185,7 +185,7 @@ def restore(key: str, live: torch.Tensor, entry: dict[str, Any], block: int) -> 
         saved = entry.pop(key + VALUES) if key + VALUES in entry else entry.pop(key)
         whole = isinstance(live, DTensor) and not isinstance(saved, DTensor)
         values = _region(saved, live) if whole else local_of(saved)
-    target.copy_(values.to(target.device))  # a quantized state's copy quantizes
+    target.copy_(values.to(target.device).contiguous())  # a quantized state's copy quantizes (rows of blocks)
 
 
 def _dequantize(codes: torch.Tensor, scales: torch.Tensor, signed: bool, block: int) -> torch.Tensor:

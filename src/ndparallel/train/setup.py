@@ -173,8 +173,13 @@ def _resume(cfg: TrainConfig, checkpointer, resume_dir: Path, model, optimizer, 
     """(the saved TrainState, seconds the load took), everything loaded in place."""
     load_start = time.perf_counter()
     state = ckpt.load(checkpointer, resume_dir, model=model, optimizer=optimizer, scheduler=scheduler, order=order)
-    # The schedule resumes at the saved step, with this config's learning rate (it may have changed).
-    scheduler.base_lrs = [cfg.learning_rate for _ in scheduler.base_lrs]
+    # The schedule resumes at the saved step, with this config's learning rate (it may have changed). A base kept as
+    # a tensor (torchao's AdamW8bit keeps lr as one) stays a tensor: a float here would make this run's checkpoints
+    # hold another state than a fresh run's, which a later resume refuses.
+    scheduler.base_lrs = [
+        torch.full_like(base, cfg.learning_rate) if isinstance(base, torch.Tensor) else cfg.learning_rate
+        for base in scheduler.base_lrs
+    ]
     for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
         lr = base * factor(scheduler.last_epoch)
         if isinstance(group["lr"], torch.Tensor):  # torchao's AdamW8bit keeps it as a tensor, refuses a float
