@@ -158,3 +158,10 @@ def test_the_config_refuses_a_full_fine_tune(tmp_path):
 
     with pytest.raises(ConfigError, match="embedding_offload .* needs adapter: lora or qlora"):
         parse_config(tiny_config(tmp_path, embedding_offload=True))
+
+
+def test_qlora_with_the_embedding_in_host_memory_is_the_run_without_it(tmp_path):
+    qlora = dict(adapter="qlora", load_in_4bit=True, max_steps=3, save_steps=10)
+    on_device = run_train(1, _config(tmp_path, "qlora-device", **qlora))
+    on_host = run_train(1, _config(tmp_path, "qlora-host", embedding_offload=True, **qlora))
+    assert len(_losses(on_host)) == 3 and _losses(on_host) == _losses(on_device)
