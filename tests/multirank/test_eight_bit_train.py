@@ -163,3 +163,26 @@ def test_lora_with_8bit_adamw_resumes_on_another_layout(tmp_path):
     assert [r[0] for r in resumed] == [3, 4] and two[-1][1] < two[0][1]
     for (_, loss, _), (_, expected, _) in zip(resumed, two[2:]):
         assert loss == pytest.approx(expected, rel=1e-4)  # fp32 adapters: one rank reduces as two do, nearly
+
+
+def test_8bit_states_reshard_through_context_parallelism(uninterrupted):
+    """The dp_shard 2 checkpoint resumed on dp_shard 2 x cp 2 (FSDP over the dp_shard x cp ranks), whose checkpoint
+    resumes on one rank with two micro-batches."""
+    tmp, records = uninterrupted
+    step2 = tmp / "full" / "checkpoints" / "step-2"
+    cp = _config(
+        tmp, "cp", bf16="full", dp_shard_size=2, context_parallel_size=2, max_steps=6, resume_from_checkpoint=str(step2)
+    )
+    on_cp = run_ranks(4, _train, cp)[0]
+    assert [r[0] for r in on_cp] == [3, 4, 5, 6]
+    for (_, loss, _), (_, expected, _) in zip(on_cp, records[2:]):
+        assert loss == pytest.approx(expected, rel=5e-3)
+    step4 = tmp / "cp" / "checkpoints" / "step-4"
+    one = _config(
+        tmp, "cp-one", bf16="full", dp_shard_size=1, gradient_accumulation_steps=2, max_steps=6,
+        resume_from_checkpoint=str(step4),
+    )  # fmt: skip
+    on_one = run_ranks(1, _train, one)[0]
+    assert [r[0] for r in on_one] == [5, 6]
+    for (_, loss, _), (_, expected, _) in zip(on_one, on_cp[2:]):
+        assert loss == pytest.approx(expected, rel=5e-3)
