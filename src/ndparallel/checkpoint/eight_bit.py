@@ -23,6 +23,7 @@ whole and dequantized before this rank takes its part.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -85,7 +86,7 @@ def _form(value: torch.Tensor, block: int) -> str:
     if value.dim() == 0:
         return "plain"
     shapes = _shard_shapes(value)
-    quantized = [_numel(s) >= MIN_QUANTIZED and _numel(s) % block == 0 for s in shapes]
+    quantized = [math.prod(s) >= MIN_QUANTIZED and math.prod(s) % block == 0 for s in shapes]
     if not any(quantized):
         return "plain"
     if all(quantized) and _blocks_follow_shards(value, block):
@@ -121,13 +122,6 @@ def _blocks_follow_shards(value: torch.Tensor, block: int) -> bool:
 def _chunks(length: int, parts: int) -> list[int]:
     step = -(-length // parts)
     return [max(0, min(step, length - i * step)) for i in range(parts)]
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _scale_shape(shape: torch.Size, block: int) -> torch.Size:
