@@ -127,28 +127,31 @@ def test_other_8bit_states_come_back_quantized_again(tmp_path):
         assert result[key][1] <= 2e-2, result
 
 
-def test_8bit_states_reshard_through_tensor_parallelism(uninterrupted):
-    """The dp_shard 2 checkpoint resumed on dp_shard 2 x tp 2 (four ranks: FSDP over TP-split weights, rowwise
-    splits whose rows are not whole 256-value blocks, so those states go as values), whose own checkpoint then
-    resumes on one rank: losses within bf16's and stochastic rounding's reach of the runs they continue."""
-    tmp, records = uninterrupted
+def _reshard_through(tmp, records: list, name: str, **layout) -> None:
+    """The dp_shard 2 checkpoint at step 2 resumed on four ranks of ``layout`` for steps 3-6, whose step-4 checkpoint
+    then resumes on one rank with two micro-batches: losses within bf16's and stochastic rounding's reach of the
+    runs they continue."""
     step2 = tmp / "full" / "checkpoints" / "step-2"
-    tp = _config(
-        tmp, "tp", bf16="full", dp_shard_size=2, tensor_parallel_size=2, max_steps=6, resume_from_checkpoint=str(step2)
-    )
-    on_tp = run_ranks(4, _train, tp)[0]
-    assert [r[0] for r in on_tp] == [3, 4, 5, 6]
-    for (_, loss, _), (_, expected, _) in zip(on_tp, records[2:]):
+    wide = _config(tmp, name, bf16="full", dp_shard_size=2, max_steps=6, resume_from_checkpoint=str(step2), **layout)
+    on_wide = run_ranks(4, _train, wide)[0]
+    assert [r[0] for r in on_wide] == [3, 4, 5, 6]
+    for (_, loss, _), (_, expected, _) in zip(on_wide, records[2:]):
         assert loss == pytest.approx(expected, rel=5e-3)
-    step4 = tmp / "tp" / "checkpoints" / "step-4"
+    step4 = tmp / name / "checkpoints" / "step-4"
     one = _config(
-        tmp, "one", bf16="full", dp_shard_size=1, gradient_accumulation_steps=2, max_steps=6,
+        tmp, f"{name}-one", bf16="full", dp_shard_size=1, gradient_accumulation_steps=2, max_steps=6,
         resume_from_checkpoint=str(step4),
     )  # fmt: skip
     on_one = run_ranks(1, _train, one)[0]
     assert [r[0] for r in on_one] == [5, 6]
-    for (_, loss, _), (_, expected, _) in zip(on_one, on_tp[2:]):
+    for (_, loss, _), (_, expected, _) in zip(on_one, on_wide[2:]):
         assert loss == pytest.approx(expected, rel=5e-3)
+
+
+def test_8bit_states_reshard_through_tensor_parallelism(uninterrupted):
+    """dp_shard 2 x tp 2: FSDP over TP-split weights, rowwise splits whose rows are not whole 256-value blocks (so
+    those states go as values, and saved codes are read whole)."""
+    _reshard_through(*uninterrupted, "tp", tensor_parallel_size=2)
 
 
 def test_lora_with_8bit_adamw_resumes_on_another_layout(tmp_path):
@@ -166,23 +169,5 @@ def test_lora_with_8bit_adamw_resumes_on_another_layout(tmp_path):
 
 
 def test_8bit_states_reshard_through_context_parallelism(uninterrupted):
-    """The dp_shard 2 checkpoint resumed on dp_shard 2 x cp 2 (FSDP over the dp_shard x cp ranks), whose checkpoint
-    resumes on one rank with two micro-batches."""
-    tmp, records = uninterrupted
-    step2 = tmp / "full" / "checkpoints" / "step-2"
-    cp = _config(
-        tmp, "cp", bf16="full", dp_shard_size=2, context_parallel_size=2, max_steps=6, resume_from_checkpoint=str(step2)
-    )
-    on_cp = run_ranks(4, _train, cp)[0]
-    assert [r[0] for r in on_cp] == [3, 4, 5, 6]
-    for (_, loss, _), (_, expected, _) in zip(on_cp, records[2:]):
-        assert loss == pytest.approx(expected, rel=5e-3)
-    step4 = tmp / "cp" / "checkpoints" / "step-4"
-    one = _config(
-        tmp, "cp-one", bf16="full", dp_shard_size=1, gradient_accumulation_steps=2, max_steps=6,
-        resume_from_checkpoint=str(step4),
-    )  # fmt: skip
-    on_one = run_ranks(1, _train, one)[0]
-    assert [r[0] for r in on_one] == [5, 6]
-    for (_, loss, _), (_, expected, _) in zip(on_one, on_cp[2:]):
-        assert loss == pytest.approx(expected, rel=5e-3)
+    """dp_shard 2 x cp 2: FSDP over the dp_shard x cp ranks."""
+    _reshard_through(*uninterrupted, "cp", context_parallel_size=2)
